@@ -1,0 +1,36 @@
+# `make test` and `make demo` work on a fresh machine: they find Python >= 3.13 (the MongoDB
+# emulator needs it), create .venv and install the project with its dev extras.
+PYTHON ?= $(shell for p in python3.13 python3.14 "$$(pyenv root 2>/dev/null)/versions/3.13"*/bin/python3 /root/.pyenv/versions/3.13*/bin/python3; do \
+	command -v "$$p" >/dev/null 2>&1 && "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 13))' 2>/dev/null && { echo "$$p"; break; }; done)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: test demo bench lint typecheck check clean
+
+$(BIN)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: Python >= 3.13 not found (set PYTHON=...)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check mongo_outbox tests examples benchmarks
+	$(BIN)/ruff format --check mongo_outbox tests examples benchmarks
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+demo: $(BIN)/.installed
+	$(BIN)/python examples/order_service.py
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""mongo-outbox: reliable event publishing from MongoDB.
+
+Save an aggregate and its events atomically (``Outbox.save_with_events``), relay them to a broker
+at least once and in order per aggregate (``PollingRelay``), and consume them effectively once.
+"""
+
+from mongo_outbox.backoff import Backoff
+from mongo_outbox.errors import (
+    ConcurrencyError,
+    DuplicateEventError,
+    InboxError,
+    InvalidAggregateError,
+    InvalidEventError,
+    MessageIdentityError,
+    OutboxError,
+    PoisonMessage,
+    PublishError,
+)
+from mongo_outbox.events import Event, new_event_id
+from mongo_outbox.outbox import Outbox, Saved
+from mongo_outbox.relay import PollingRelay, RelayStats
+
+__all__ = [
+    "Backoff",
+    "ConcurrencyError",
+    "DuplicateEventError",
+    "Event",
+    "InboxError",
+    "InvalidAggregateError",
+    "InvalidEventError",
+    "MessageIdentityError",
+    "Outbox",
+    "OutboxError",
+    "PoisonMessage",
+    "PollingRelay",
+    "PublishError",
+    "RelayStats",
+    "Saved",
+    "new_event_id",
+]

@@ -1,0 +1,278 @@
+"""How a relay claims pending events and records what happened to them, for each outbox mode.
+
+A claim is a lease: entries (collection mode) or aggregate documents (embedded mode) get a claim
+token and an ``available_at``/due time in the future. A relay that dies simply lets its lease run
+out; the entries become claimable again and are published again, under the same event id.
+
+Round trips per batch are constant: collection mode claims with find + updateMany + find, embedded
+mode with find + updateMany + find per collection, and both settle with one bulkWrite.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol
+
+from pymongo import UpdateMany, UpdateOne
+
+from mongo_outbox.events import Event, utc_now
+from mongo_outbox.outbox import Outbox
+
+_EVENT_FIELDS = frozenset(Event.model_fields)
+
+
+@dataclass
+class Failure:
+    event: Event
+    error: str
+    retry_at: datetime
+
+
+class Store(Protocol):
+    attempts: dict[str, int]
+    """Earlier failed attempts of each claimed event, by event id."""
+
+    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
+        """Lease up to ``limit`` entries. Returns them grouped per aggregate in sequence order,
+        and whether more may be claimable right now."""
+
+    async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
+        """Mark ``published`` as published and push ``failed`` (and what queues behind them in
+        their aggregate) back to their retry time; release whatever else this relay claimed."""
+
+
+def store_for(outbox: Outbox) -> Store:
+    if outbox.mode == "embedded":
+        return EmbeddedStore(outbox)
+    return CollectionStore(outbox)
+
+
+def decode(entry: dict[str, Any], id_key: str) -> Event:
+    data = {k: v for k, v in entry.items() if k in _EVENT_FIELDS}
+    data["id"] = entry[id_key]
+    at = data.get("occurred_at")
+    if isinstance(at, datetime) and at.tzinfo is None:
+        data["occurred_at"] = at.replace(tzinfo=timezone.utc)
+    return Event.model_validate(data)
+
+
+class CollectionStore:
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.coll = outbox.collection
+        self.token = ""
+        self.attempts: dict[str, int] = {}
+
+    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
+        now = utc_now()
+        self.token = uuid.uuid4().hex
+        self.attempts = {}
+        due = {"status": "pending", "available_at": {"$lte": now}}
+        candidates = await self.coll.find(
+            due, projection={"aggregate_type": 1, "aggregate_id": 1}
+        ).sort("available_at", 1).limit(limit).to_list(None)
+        if not candidates:
+            return [], False
+        claimed = await self.coll.update_many(
+            {"_id": {"$in": [c["_id"] for c in candidates]}, **due},
+            {"$set": {"available_at": now + lease, "claim": self.token}},
+        )
+        more = len(candidates) == limit or claimed.modified_count < len(candidates)
+        if not claimed.modified_count:
+            return [], more
+        aggregates = {(c["aggregate_type"], c["aggregate_id"]) for c in candidates}
+        # Every pending entry of the claimed aggregates, to find entries that must go first.
+        pending = await self.coll.find(
+            {
+                "status": "pending",
+                "$or": [{"aggregate_type": t, "aggregate_id": i} for t, i in aggregates],
+            },
+            batch_size=10_000,
+        ).sort("sequence", 1).to_list(None)
+        by_aggregate: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+        for entry in pending:
+            by_aggregate[(entry["aggregate_type"], entry["aggregate_id"])].append(entry)
+        groups: list[list[Event]] = []
+        blocked: dict[datetime, list[Any]] = defaultdict(list)
+        for entries in by_aggregate.values():
+            group: list[Event] = []
+            blocker: dict[str, Any] | None = None
+            for entry in entries:
+                if entry.get("claim") != self.token:
+                    # An earlier entry held by another relay, or backing off: ours must wait.
+                    blocker = blocker or entry
+                elif blocker is None:
+                    group.append(decode(entry, "_id"))
+                    self.attempts[entry["_id"]] = entry.get("attempts", 0)
+                else:
+                    blocked[max(_aware(blocker["available_at"]), now)].append(entry["_id"])
+            if group:
+                groups.append(group)
+        if blocked:
+            await self.coll.bulk_write(
+                [
+                    UpdateMany(
+                        {"_id": {"$in": ids}, "claim": self.token},
+                        {"$set": {"available_at": at}, "$unset": {"claim": ""}},
+                    )
+                    for at, ids in blocked.items()
+                ],
+                ordered=False,
+            )
+        return groups, more
+
+    async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
+        now = utc_now()
+        ops: list[Any] = []
+        if published:
+            ops.append(
+                UpdateMany(
+                    {"_id": {"$in": [e.id for e in published]}},
+                    {
+                        "$set": {
+                            "status": "published",
+                            "published_at": now,
+                            "expire_at": now + self.outbox.retention,
+                        },
+                        "$unset": {"claim": "", "last_error": ""},
+                    },
+                )
+            )
+        for failure in failed:
+            event = failure.event
+            ops.append(
+                UpdateOne(
+                    {"_id": event.id, "status": "pending"},
+                    {
+                        "$set": {"available_at": failure.retry_at, "last_error": failure.error},
+                        "$inc": {"attempts": 1},
+                        "$unset": {"claim": ""},
+                    },
+                )
+            )
+            # What queues behind a failed entry waits as long, so it is not claimed in vain
+            # and the batch is not filled with entries that cannot go yet.
+            ops.append(
+                UpdateMany(
+                    {
+                        "status": "pending",
+                        "aggregate_type": event.aggregate_type,
+                        "aggregate_id": event.aggregate_id,
+                        "sequence": {"$gt": event.sequence},
+                    },
+                    {"$set": {"available_at": failure.retry_at}, "$unset": {"claim": ""}},
+                )
+            )
+        # Anything else still under this claim (a batch cut short) becomes claimable at once.
+        ops.append(
+            UpdateMany(
+                {"claim": self.token, "status": "pending"},
+                {"$set": {"available_at": now}, "$unset": {"claim": ""}},
+            )
+        )
+        await self.coll.bulk_write(ops, ordered=True)
+
+
+class EmbeddedStore:
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.field = outbox.field
+        self.due = outbox.due_field
+        self.claim_field = outbox.claim_field
+        self.token = ""
+        self.attempts: dict[str, int] = {}
+        self.docs: list[tuple[str, Any]] = []
+        self.owners: dict[str, tuple[str, Any]] = {}
+
+    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
+        now = utc_now()
+        self.token = uuid.uuid4().hex
+        self.docs, self.owners, self.attempts = [], {}, {}
+        groups: list[list[Event]] = []
+        more = False
+        for name in self.outbox.collections:
+            coll = self.outbox.db[name]
+            due = {self.due: {"$lte": now}}
+            ids = [
+                d["_id"]
+                for d in await coll.find(due, projection={"_id": 1})
+                .sort(self.due, 1)
+                .limit(limit)
+                .to_list(None)
+            ]
+            if not ids:
+                continue
+            claimed = await coll.update_many(
+                {"_id": {"$in": ids}, **due},
+                {"$set": {self.due: now + lease, self.claim_field: self.token}},
+            )
+            more = more or len(ids) == limit or claimed.modified_count < len(ids)
+            if not claimed.modified_count:
+                continue
+            docs = await coll.find(
+                {self.claim_field: self.token}, projection={self.field: 1}
+            ).to_list(None)
+            for doc in docs:
+                entries = doc.get(self.field) or []
+                events = [decode(entry, "id") for entry in entries]
+                self.attempts.update((e["id"], e.get("attempts", 0)) for e in entries)
+                self.docs.append((name, doc["_id"]))
+                self.owners.update((e.id, (name, doc["_id"])) for e in events)
+                if events:
+                    groups.append(events)
+        return groups, more
+
+    async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
+        now = utc_now()
+        done: dict[tuple[str, Any], list[str]] = defaultdict(list)
+        for event in published:
+            done[self.owners[event.id]].append(event.id)
+        failures = {self.owners[f.event.id]: f for f in failed}
+        ops: dict[str, list[Any]] = defaultdict(list)
+        for name, doc_id in self.docs:
+            mine = {"_id": doc_id, self.claim_field: self.token}
+            ids = done.get((name, doc_id))
+            if ids:
+                ops[name].append(
+                    UpdateOne({"_id": doc_id}, {"$pull": {self.field: {"id": {"$in": ids}}}})
+                )
+            failure = failures.get((name, doc_id))
+            if failure is not None:
+                ops[name].append(
+                    UpdateOne(
+                        {**mine, f"{self.field}.id": failure.event.id},
+                        {
+                            "$set": {
+                                self.due: failure.retry_at,
+                                f"{self.field}.$.last_error": failure.error,
+                            },
+                            "$inc": {f"{self.field}.$.attempts": 1},
+                            "$unset": {self.claim_field: ""},
+                        },
+                    )
+                )
+            else:
+                ops[name].append(
+                    UpdateOne(mine, {"$set": {self.due: now}, "$unset": {self.claim_field: ""}})
+                )
+            # Only an unclaimed document with nothing left leaves the relay's index.
+            ops[name].append(
+                UpdateOne(
+                    {
+                        "_id": doc_id,
+                        self.claim_field: None,
+                        f"{self.field}.0": {"$exists": False},
+                    },
+                    {"$unset": {self.due: ""}},
+                )
+            )
+        for name, writes in ops.items():
+            await self.outbox.db[name].bulk_write(writes, ordered=True)
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

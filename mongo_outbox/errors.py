@@ -1,0 +1,71 @@
+"""The one error hierarchy of mongo-outbox.
+
+::
+
+    OutboxError
+    ├── InvalidEventError        an Event or its payload cannot be stored or sent
+    ├── InvalidAggregateError    the document, collection or session cannot be saved with events
+    ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
+    ├── DuplicateEventError      an event id is already in the outbox
+    ├── PublishError             the broker did not confirm a message
+    └── InboxError
+        ├── MessageIdentityError a message arrived without an id to deduplicate on
+        └── PoisonMessage        raise it from a handler: never retry this message
+
+Every error carries the context it is about as attributes, so a handler can log or route it
+without parsing the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OutboxError(Exception):
+    """Root of every error mongo-outbox raises on purpose."""
+
+
+class InvalidEventError(OutboxError, ValueError):
+    def __init__(self, message: str, *, event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.event_id = event_id
+
+
+class InvalidAggregateError(OutboxError, ValueError):
+    def __init__(self, message: str, *, collection: str | None = None) -> None:
+        super().__init__(message)
+        self.collection = collection
+
+
+class ConcurrencyError(OutboxError):
+    def __init__(
+        self, message: str, *, collection: str, aggregate_id: Any, expected_version: int
+    ) -> None:
+        super().__init__(message)
+        self.collection = collection
+        self.aggregate_id = aggregate_id
+        self.expected_version = expected_version
+
+
+class DuplicateEventError(OutboxError):
+    def __init__(self, message: str, *, collection: str) -> None:
+        super().__init__(message)
+        self.collection = collection
+
+
+class PublishError(OutboxError):
+    def __init__(self, message: str, *, event_id: str) -> None:
+        super().__init__(message)
+        self.event_id = event_id
+
+
+class InboxError(OutboxError):
+    pass
+
+
+class MessageIdentityError(InboxError, ValueError):
+    pass
+
+
+class PoisonMessage(InboxError):
+    """Raised by a handler (or by the consumer helpers) for a message that must not be retried."""

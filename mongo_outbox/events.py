@@ -1,0 +1,115 @@
+"""The Event message: what ``save_with_events`` stores and publishers send."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from mongo_outbox.errors import InvalidEventError
+
+_INT64 = 2**63
+_id_lock = threading.Lock()
+_last_ms = 0
+_counter = 0
+
+
+def new_event_id() -> str:
+    """A UUIDv7 string: sortable by creation time, and strictly increasing within a process."""
+    global _last_ms, _counter
+    with _id_lock:
+        ms = time.time_ns() // 1_000_000
+        if ms > _last_ms:
+            _last_ms, _counter = ms, int.from_bytes(os.urandom(2), "big") & 0x3FF
+        else:
+            # Same millisecond (or the clock stepped back): keep ids increasing via the counter.
+            _counter += 1
+            if _counter > 0xFFF:
+                _last_ms, _counter = _last_ms + 1, 0
+        ms, counter = _last_ms, _counter
+    rand = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (ms << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | rand
+    return str(uuid.UUID(int=value))
+
+
+def utc_now() -> datetime:
+    """Now, in UTC, at the millisecond precision BSON dates keep."""
+    now = datetime.now(timezone.utc)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def _check_json(value: Any, path: str) -> None:
+    # pydantic's JsonValue admits NaN, unbounded ints and any key; BSON and JSON peers do not.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}: {value} is not a JSON number")
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+        raise ValueError(f"{path}: {value} does not fit in a 64-bit integer")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key.startswith("$") or "\x00" in key:
+                raise ValueError(f"{path}: key {key!r} cannot be stored in MongoDB")
+            _check_json(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(item, f"{path}[{index}]")
+
+
+def _json_object(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    _check_json(value, "payload")
+    return value
+
+
+def _utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        raise ValueError("occurred_at must be timezone-aware")
+    value = value.astimezone(timezone.utc)
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+
+
+AggregateId = str | int
+
+
+class Event(BaseModel):
+    """A domain event, immutable once built.
+
+    ``aggregate_type``, ``aggregate_id`` and ``sequence`` are filled in by ``save_with_events``;
+    ``sequence`` is the event's position in its aggregate's history, starting at 1.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: Annotated[str, Field(min_length=1, max_length=200)] = Field(default_factory=new_event_id)
+    type: Annotated[str, Field(min_length=1, max_length=200)]
+    payload: Annotated[dict[str, JsonValue], AfterValidator(_json_object)] = Field(
+        default_factory=dict
+    )
+    aggregate_type: str | None = None
+    aggregate_id: AggregateId | None = None
+    sequence: Annotated[int, Field(ge=1)] | None = None
+    occurred_at: Annotated[datetime, AfterValidator(_utc)] = Field(default_factory=utc_now)
+    headers: dict[str, str] = Field(default_factory=dict)
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    version: Annotated[int, Field(ge=1)] = 1
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise InvalidEventError(
+                f"invalid event: {error}", event_id=data.get("id")
+            ) from error
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> Event:
+        """Decode an Event from a message body, raising InvalidEventError on anything else."""
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as error:
+            raise InvalidEventError(f"message body is not an Event: {error}") from error

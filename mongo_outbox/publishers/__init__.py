@@ -1,0 +1,27 @@
+"""Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mongo_outbox.publishers.base import Publisher
+from mongo_outbox.publishers.memory import MemoryPublisher
+
+if TYPE_CHECKING:
+    from mongo_outbox.publishers.nats import NatsPublisher
+    from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+__all__ = ["MemoryPublisher", "NatsPublisher", "Publisher", "RabbitMQPublisher"]
+
+
+def __getattr__(name: str) -> Any:
+    # Import a broker adapter only when asked for, so its client stays an optional extra.
+    if name == "NatsPublisher":
+        from mongo_outbox.publishers.nats import NatsPublisher
+
+        return NatsPublisher
+    if name == "RabbitMQPublisher":
+        from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+        return RabbitMQPublisher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,52 @@
+"""The Publisher protocol: what a relay needs from a broker adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.events import Event
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Sends one event and returns once the broker has confirmed it.
+
+    ``publish`` is called concurrently for many events (at most one per aggregate at a time),
+    so an adapter keeps many messages in flight by simply not serialising its calls. It raises
+    on anything short of a confirmation; the relay then retries the event later.
+    """
+
+    async def publish(self, event: Event) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+Naming = str | Callable[[Event], str]
+"""A subject or routing key: a ``str.format`` template over the event's fields
+(``"events.{aggregate_type}.{type}"``), or a function of the event."""
+
+
+def render(naming: Naming, event: Event) -> str:
+    if callable(naming):
+        return naming(event)
+    try:
+        return naming.format_map(dict(event))
+    except (KeyError, IndexError, ValueError) as error:
+        raise InvalidEventError(
+            f"cannot render {naming!r} for event {event.id}: {error}", event_id=event.id
+        ) from error
+
+
+def message_headers(event: Event) -> dict[str, str]:
+    """Headers every adapter sends: the event's own, then the fields consumers route on."""
+    headers = dict(event.headers)
+    headers["event-type"] = event.type
+    if event.aggregate_type is not None:
+        headers["aggregate-type"] = event.aggregate_type
+    if event.aggregate_id is not None:
+        headers["aggregate-id"] = str(event.aggregate_id)
+    if event.sequence is not None:
+        headers["sequence"] = str(event.sequence)
+    return headers

@@ -1,0 +1,74 @@
+"""NatsPublisher: NATS JetStream through nats-py, deduplicated by the broker on ``Nats-Msg-Id``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mongo_outbox.errors import InvalidEventError, PublishError
+from mongo_outbox.events import Event
+from mongo_outbox.publishers.base import Naming, message_headers, render
+
+try:
+    import nats
+    from nats.js import JetStreamContext
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("NatsPublisher needs the nats extra: pip install 'mongo-outbox[nats]'") from error
+
+
+class NatsPublisher:
+    """Publishes each event to a JetStream subject and waits for the stream's ack.
+
+    The event id travels as ``Nats-Msg-Id``, so JetStream drops a republished event that falls
+    within the stream's duplicate window. A subject must be bound to a stream, or the publish
+    fails and the relay retries it.
+
+    Parameters:
+        js: a ``JetStreamContext`` (``nc.jetstream()``).
+        subject: template or function giving the subject; default
+            ``"events.{aggregate_type}.{type}"``.
+        timeout: seconds to wait for the ack.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        subject: Naming = "events.{aggregate_type}.{type}",
+        timeout: float = 5.0,
+        connection: Any = None,
+    ) -> None:
+        self.js = js
+        self.subject = subject
+        self.timeout = timeout
+        self._connection = connection
+
+    @classmethod
+    async def connect(
+        cls, url: str = "nats://127.0.0.1:4222", *, subject: Naming = "events.{aggregate_type}.{type}",
+        timeout: float = 5.0,
+    ) -> NatsPublisher:
+        """Open a connection of its own, which ``aclose`` drains and closes."""
+        nc = await nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=-1)
+        return cls(nc.jetstream(), subject=subject, timeout=timeout, connection=nc)
+
+    def subject_for(self, event: Event) -> str:
+        subject = render(self.subject, event)
+        tokens = subject.split(".")
+        if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+            raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
+        return subject
+
+    async def publish(self, event: Event) -> None:
+        headers = message_headers(event)
+        headers["Nats-Msg-Id"] = event.id
+        headers["Content-Type"] = "application/json"
+        ack = await self.js.publish(
+            self.subject_for(event), event.model_dump_json().encode(), timeout=self.timeout,
+            headers=headers,
+        )
+        if not ack.stream:
+            raise PublishError(f"no stream acknowledged event {event.id}", event_id=event.id)
+
+    async def aclose(self) -> None:
+        if self._connection is not None and not self._connection.is_closed:
+            await self._connection.drain()

@@ -1,0 +1,163 @@
+"""PollingRelay: claims pending outbox entries with a lease, publishes them, marks them published."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from pymongo.errors import PyMongoError
+
+from mongo_outbox._store import Failure, store_for
+from mongo_outbox.backoff import Backoff
+from mongo_outbox.events import Event, utc_now
+from mongo_outbox.outbox import Outbox
+from mongo_outbox.publishers.base import Publisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayStats:
+    published: int = 0
+    failed: int = 0
+    last_error: str | None = None
+    errors_by_type: dict[str, int] = field(default_factory=dict)
+
+
+class PollingRelay:
+    """Publishes an outbox's pending events, in sequence order per aggregate.
+
+    Several relays may run side by side: each claims a batch with a lease, and an entry is
+    published only after every earlier entry of its aggregate has been published, so a crashed
+    relay's claims come back after ``lease`` and keep their place in line.
+
+    Parameters:
+        outbox: the Outbox to relay.
+        publisher: any object with ``async publish(event)`` and ``async aclose()``.
+        batch_size: entries claimed per round.
+        interval: seconds to sleep when nothing is pending.
+        lease: how long a claim is held; must well exceed ``publish_timeout``.
+        publish_timeout: seconds to wait for one broker confirmation.
+        max_in_flight: messages awaiting confirmation at once.
+        backoff: delays between retries of a failed entry.
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        publisher: Publisher,
+        *,
+        batch_size: int = 100,
+        interval: float = 1.0,
+        lease: float = 30.0,
+        publish_timeout: float = 10.0,
+        max_in_flight: int = 256,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if batch_size < 1 or max_in_flight < 1:
+            raise ValueError("batch_size and max_in_flight must be at least 1")
+        if not 0 < publish_timeout < lease:
+            raise ValueError("publish_timeout must be positive and shorter than lease")
+        self.outbox = outbox
+        self.publisher = publisher
+        self.batch_size = batch_size
+        self.interval = interval
+        self.lease = timedelta(seconds=lease)
+        self.publish_timeout = publish_timeout
+        self.backoff = backoff or Backoff()
+        self.stats = RelayStats()
+        self._store = store_for(outbox)
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._stopping = asyncio.Event()
+
+    async def drain(self) -> int:
+        """Publish everything claimable now; return how many events were published.
+        Entries that fail are left for a later retry, not waited for."""
+        total = 0
+        while True:
+            published, more = await self.publish_batch()
+            total += published
+            if not more:
+                return total
+
+    async def run(self) -> None:
+        """Relay until ``stop()`` or cancellation. Database errors are logged and retried."""
+        self._stopping.clear()
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                _, more = await self.publish_batch()
+                failures = 0
+            except PyMongoError as error:
+                failures += 1
+                delay = self.backoff.delay(failures)
+                log.warning("relay round failed (%s); retrying in %.1fs", error, delay)
+                await self._sleep(delay)
+                continue
+            if not more:
+                await self._sleep(self.interval)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def publish_batch(self) -> tuple[int, bool]:
+        """One round: claim, publish, settle. Returns (published, more may be waiting)."""
+        groups, more = await self._store.claim(self.batch_size, self.lease)
+        if not groups:
+            return 0, more
+        published, failed = await self._publish(groups)
+        await self._store.settle(published, failed)
+        self.stats.published += len(published)
+        self.stats.failed += len(failed)
+        return len(published), more or bool(published)
+
+    async def _publish(
+        self, groups: Sequence[Sequence[Event]]
+    ) -> tuple[list[Event], list[Failure]]:
+        published: list[Event] = []
+        failed: list[Failure] = []
+        # Wave k holds the k-th event of every aggregate: an event goes out only once its
+        # predecessor is confirmed, so a failure can never let a later event overtake it.
+        queues = [list(reversed(group)) for group in groups]
+        while queues:
+            wave = [queue.pop() for queue in queues]
+            results = await asyncio.gather(*(self._publish_one(e) for e in wave))
+            survivors = []
+            for event, queue, error in zip(wave, queues, results, strict=True):
+                if error is None:
+                    published.append(event)
+                    if queue:
+                        survivors.append(queue)
+                else:
+                    failed.append(self._failure(event, error))
+            queues = survivors
+        return published, failed
+
+    async def _publish_one(self, event: Event) -> BaseException | None:
+        async with self._slots:
+            try:
+                await asyncio.wait_for(self.publisher.publish(event), self.publish_timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any broker failure is retried later
+                return error
+        return None
+
+    def _failure(self, event: Event, error: BaseException) -> Failure:
+        attempt = self._store.attempts.get(event.id, 0) + 1
+        delay = self.backoff.delay(attempt)
+        text = f"{type(error).__name__}: {error}"
+        self.stats.last_error = text
+        name = type(error).__name__
+        self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
+        log.warning("publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text)
+        return Failure(event, text, utc_now() + timedelta(seconds=delay))
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
