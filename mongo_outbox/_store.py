@@ -72,9 +72,12 @@ class CollectionStore:
         self.token = uuid.uuid4().hex
         self.attempts = {}
         due = {"status": "pending", "available_at": {"$lte": now}}
-        candidates = await self.coll.find(
-            due, projection={"aggregate_type": 1, "aggregate_id": 1}
-        ).sort("available_at", 1).limit(limit).to_list(None)
+        candidates = (
+            await self.coll.find(due, projection={"aggregate_type": 1, "aggregate_id": 1})
+            .sort("available_at", 1)
+            .limit(limit)
+            .to_list(None)
+        )
         if not candidates:
             return [], False
         claimed = await self.coll.update_many(
@@ -86,13 +89,17 @@ class CollectionStore:
             return [], more
         aggregates = {(c["aggregate_type"], c["aggregate_id"]) for c in candidates}
         # Every pending entry of the claimed aggregates, to find entries that must go first.
-        pending = await self.coll.find(
-            {
-                "status": "pending",
-                "$or": [{"aggregate_type": t, "aggregate_id": i} for t, i in aggregates],
-            },
-            batch_size=10_000,
-        ).sort("sequence", 1).to_list(None)
+        pending = (
+            await self.coll.find(
+                {
+                    "status": "pending",
+                    "$or": [{"aggregate_type": t, "aggregate_id": i} for t, i in aggregates],
+                },
+                batch_size=10_000,
+            )
+            .sort("sequence", 1)
+            .to_list(None)
+        )
         by_aggregate: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
         for entry in pending:
             by_aggregate[(entry["aggregate_type"], entry["aggregate_id"])].append(entry)
@@ -145,8 +152,9 @@ class CollectionStore:
         for failure in failed:
             event = failure.event
             ops.append(
+                # Conditional on our claim: a relay whose lease ran out must not move another's.
                 UpdateOne(
-                    {"_id": event.id, "status": "pending"},
+                    {"_id": event.id, "status": "pending", "claim": self.token},
                     {
                         "$set": {"available_at": failure.retry_at, "last_error": failure.error},
                         "$inc": {"attempts": 1},
@@ -163,6 +171,7 @@ class CollectionStore:
                         "aggregate_type": event.aggregate_type,
                         "aggregate_id": event.aggregate_id,
                         "sequence": {"$gt": event.sequence},
+                        "claim": {"$in": [self.token, None]},
                     },
                     {"$set": {"available_at": failure.retry_at}, "$unset": {"claim": ""}},
                 )

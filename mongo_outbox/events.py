@@ -102,9 +102,7 @@ class Event(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as error:
-            raise InvalidEventError(
-                f"invalid event: {error}", event_id=data.get("id")
-            ) from error
+            raise InvalidEventError(f"invalid event: {error}", event_id=data.get("id")) from error
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Event:

@@ -141,7 +141,8 @@ class Outbox:
         if not isinstance(document, Mapping):
             raise InvalidAggregateError("the document must be a mapping", collection=name)
         if expected_version is not None and (
-            isinstance(expected_version, bool) or not isinstance(expected_version, int)
+            isinstance(expected_version, bool)
+            or not isinstance(expected_version, int)
             or expected_version < 0
         ):
             raise InvalidAggregateError(
@@ -165,8 +166,8 @@ class Outbox:
         if "_id" not in document:
             if expected_version:
                 raise InvalidAggregateError(
-                    "a document without _id cannot match expected_version "
-                    f"{expected_version}", collection=name
+                    f"a document without _id cannot match expected_version {expected_version}",
+                    collection=name,
                 )
             document["_id"] = ObjectId()  # as insert_one does
         doc_id = document["_id"]
@@ -182,7 +183,8 @@ class Outbox:
             if event.aggregate_id is not None and event.aggregate_id != aggregate_id:
                 raise InvalidEventError(
                     f"event {event.id} is for aggregate {event.aggregate_id!r}, "
-                    f"not {aggregate_id!r}", event_id=event.id
+                    f"not {aggregate_id!r}",
+                    event_id=event.id,
                 )
             if event.aggregate_type is None:
                 event = event.model_copy(update={"aggregate_type": name})
@@ -200,12 +202,19 @@ class Outbox:
         if self.mode == "embedded":
             base = {"$ifNull": ["$_sequence", 0]}
             entries = [
-                {"$mergeObjects": [{"$literal": _entry(e, "id")}, {"sequence": {"$add": [base, i]}}]}
+                {
+                    "$mergeObjects": [
+                        {"$literal": _entry(e, "id")},
+                        {"sequence": {"$add": [base, i]}},
+                    ]
+                }
                 for i, e in enumerate(plan.events, start=1)
             ]
             sets[self.field] = {"$concatArrays": [{"$ifNull": [f"${self.field}", []]}, entries]}
             # Keep a live claim's due time, so a relay's lease survives a concurrent save.
-            sets[self.due_field] = {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
+            sets[self.due_field] = (
+                {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
+            )
             sets[self.claim_field] = f"${self.claim_field}"
         pipeline = [{"$replaceWith": {"$mergeObjects": [{"$literal": plan.body}, sets]}}]
         query: dict[str, Any] = {"_id": plan.doc_id}

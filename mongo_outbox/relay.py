@@ -1,8 +1,9 @@
-"""PollingRelay: claims pending outbox entries with a lease, publishes them, marks them published."""
+"""PollingRelay: claims pending outbox entries with a lease, publishes, marks them published."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -153,11 +154,11 @@ class PollingRelay:
         self.stats.last_error = text
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
-        log.warning("publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text)
+        log.warning(
+            "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
+        )
         return Failure(event, text, utc_now() + timedelta(seconds=delay))
 
     async def _sleep(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
