@@ -11,7 +11,9 @@ from mongoeco.wire import AsyncMongoEcoProxyServer
 
 async def main(port: int) -> None:
     async with AsyncMongoEcoProxyServer(host="127.0.0.1", port=port) as server:
-        print("ready", server.address.port, flush=True)
+        from importlib.metadata import version
+
+        print("ready", server.address.port, version("mongoeco"), flush=True)
         await asyncio.Event().wait()
 
 

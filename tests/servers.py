@@ -41,21 +41,21 @@ def start_mongo() -> MongoServer:
 
 
 def start_emulator() -> MongoServer:
-    if sys.version_info < (3, 13):
-        raise RuntimeError(
-            "no MONGODB_URI, no Docker engine, and the mongoeco emulator needs Python >= 3.13"
-        )
+    # The emulator needs Python >= 3.13; the library and its tests run on 3.10+, so the
+    # emulator may come from another interpreter (MONGOECO_PYTHON) than the tests.
+    python = os.environ.get("MONGOECO_PYTHON", sys.executable)
     script = os.path.join(os.path.dirname(__file__), "mongo_emulator.py")
     process = subprocess.Popen(
-        [sys.executable, script, "0"], stdout=subprocess.PIPE, stderr=sys.stderr, text=True
+        [python, script, "0"], stdout=subprocess.PIPE, stderr=sys.stderr, text=True
     )
     assert process.stdout is not None
     line = process.stdout.readline().split()
-    if len(line) != 2 or line[0] != "ready":
+    if len(line) != 3 or line[0] != "ready":
         process.kill()
-        raise RuntimeError(f"mongoeco emulator did not start: {line}")
-    from importlib.metadata import version
-
+        raise RuntimeError(
+            f"the mongoeco emulator did not start with {python} (it needs Python >= 3.13 and "
+            "mongoeco[wire]; set MONGOECO_PYTHON, MONGODB_URI or run a Docker engine)"
+        )
     def stop() -> None:
         process.kill()
         process.wait()
@@ -64,7 +64,7 @@ def start_emulator() -> MongoServer:
     return MongoServer(
         f"mongodb://127.0.0.1:{line[1]}/?directConnection=true",
         "emulator",
-        f"mongoeco {version('mongoeco')} wire emulator on port {line[1]} (no change streams)",
+        f"mongoeco {line[2]} wire emulator on port {line[1]} (no change streams)",
         False,
         [stop],
     )

@@ -19,9 +19,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
-    The exchange's channel must have publisher confirms on (``connect`` does that). Messages
-    are ``mandatory``: one that no queue is bound for comes back as an error and is retried,
-    rather than confirmed and dropped.
+    The exchange's channel must have publisher confirms and ``on_return_raises`` on (``connect``
+    does that). Messages are ``mandatory``: one that no queue is bound for comes back as an
+    error and is retried, rather than confirmed and dropped.
 
     Parameters:
         exchange: an aio-pika exchange on a channel with publisher confirms.
@@ -53,7 +53,7 @@ class RabbitMQPublisher:
     ) -> RabbitMQPublisher:
         """Open a connection of its own and declare ``exchange`` as a durable topic exchange."""
         connection = await aio_pika.connect_robust(url, timeout=timeout)
-        channel = await connection.channel(publisher_confirms=True)
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         declared = await channel.declare_exchange(
             exchange, aio_pika.ExchangeType.TOPIC, durable=True
         )

@@ -1,0 +1,264 @@
+"""PollingRelay against the session's MongoDB: counts, order, leases, failures, concurrency, TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from mongo_outbox import Backoff, Event, Outbox, PollingRelay
+from mongo_outbox._store import store_for
+from mongo_outbox.publishers import MemoryPublisher
+
+MODES = ["collection", "embedded"]
+FAST = Backoff(initial=0.01, maximum=0.05)
+
+
+def make_outbox(db: Any, mode: str, **options: Any) -> Outbox:
+    return Outbox(db, mode=mode, collections=["orders"], **options)  # type: ignore[arg-type]
+
+
+async def save_history(outbox: Outbox, db: Any, aggregates: int, saves: int) -> list[Event]:
+    """``saves`` saves per aggregate, two events each, interleaved across aggregates."""
+    events: list[Event] = []
+    for step in range(saves):
+        for aggregate in range(aggregates):
+            saved = await outbox.save_with_events(
+                None, db.orders, {"_id": aggregate, "step": step},
+                [Event(type="changed", payload={"step": step}), Event(type="noted")],
+            )
+            events += saved.events
+    return events
+
+
+def assert_in_order(published: list[Event], saved: list[Event]) -> None:
+    """Every saved event was published, and per aggregate the first publications follow
+    sequence order (republished duplicates may follow, with the same id)."""
+    assert {e.id for e in published} == {e.id for e in saved}
+    firsts: dict[Any, list[int]] = defaultdict(list)
+    seen: set[str] = set()
+    for event in published:
+        if event.id not in seen:
+            seen.add(event.id)
+            firsts[event.aggregate_id].append(event.sequence or 0)
+    for sequences in firsts.values():
+        assert sequences == sorted(sequences) == list(range(1, len(sequences) + 1))
+
+
+async def drain_until(relays: list[PollingRelay], count: int, rounds: int = 400) -> int:
+    total = 0
+    for _ in range(rounds):
+        total += sum(await asyncio.gather(*(r.drain() for r in relays)))
+        if total >= count:
+            return total
+        await asyncio.sleep(0.01)
+    return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=5, saves=2)
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher, batch_size=7)
+    assert await relay.drain() == len(saved) == 20
+    assert await relay.drain() == 0
+    assert_in_order(publisher.events, saved)
+    assert len(publisher.events) == len(saved)
+    if mode == "collection":
+        entries = await db.outbox.find().to_list(None)
+        assert {e["status"] for e in entries} == {"published"}
+        for entry in entries:
+            assert entry["expire_at"] - entry["published_at"] == outbox.retention
+            assert "claim" not in entry
+    else:
+        for doc in await db.orders.find().to_list(None):
+            assert doc["_outbox"] == []
+            assert outbox.due_field not in doc and doc.get(outbox.claim_field) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_order_holds_through_random_failures(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=8, saves=3)
+    chaos = random.Random(7)
+    publisher = MemoryPublisher(
+        fail=lambda e: ConnectionError("broker hiccup") if chaos.random() < 0.3 else None
+    )
+    relay = PollingRelay(outbox, publisher, batch_size=10, backoff=FAST)
+    assert await drain_until([relay], len(saved)) == len(saved)
+    assert relay.stats.failed > 0
+    assert_in_order(publisher.events, saved)
+
+
+class OverlapDetector(MemoryPublisher):
+    """A MemoryPublisher that yields mid-publish and records any event published by two
+    relays at once, or any aggregate with two events in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: set[str] = set()
+        self.aggregates: set[Any] = set()
+        self.overlaps: list[str] = []
+
+    async def publish(self, event: Event) -> None:
+        if event.id in self.in_flight or event.aggregate_id in self.aggregates:
+            self.overlaps.append(event.id)
+        self.in_flight.add(event.id)
+        self.aggregates.add(event.aggregate_id)
+        try:
+            await asyncio.sleep(0.001)
+            await super().publish(event)
+        finally:
+            self.in_flight.discard(event.id)
+            self.aggregates.discard(event.aggregate_id)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_relays_side_by_side_never_overlap_and_keep_order(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=6, saves=4)
+    publisher = OverlapDetector()
+    relays = [PollingRelay(outbox, publisher, batch_size=5, interval=0.01) for _ in range(3)]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await publisher.wait_for(len(saved), timeout=60)
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert publisher.overlaps == []
+    assert len(publisher.events) == len(saved)  # live leases: nothing published twice
+    assert_in_order(publisher.events, saved)
+    assert sum(r.stats.published for r in relays) == len(saved)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_failing_head_waits_alone(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=4, saves=2)
+    poisoned = saved[0]  # aggregate 0, sequence 1
+    assert (poisoned.aggregate_id, poisoned.sequence) == (0, 1)
+    broken = True
+    publisher = MemoryPublisher(
+        fail=lambda e: RuntimeError("rejected") if broken and e.id == poisoned.id else None
+    )
+    relay = PollingRelay(outbox, publisher, backoff=Backoff(initial=60, maximum=60))
+    assert await relay.drain() == 12  # the other aggregates all went out
+    assert {e.aggregate_id for e in publisher.events} == {1, 2, 3}
+    if mode == "collection":
+        head = await db.outbox.find_one({"_id": poisoned.id})
+        assert head["attempts"] == 1 and "RuntimeError: rejected" in head["last_error"]
+        waiting = await db.outbox.find({"aggregate_id": 0, "status": "pending"}).to_list(None)
+        assert len(waiting) == 4
+        assert all(w["available_at"] >= head["available_at"] for w in waiting)
+    else:
+        doc = await db.orders.find_one({"_id": 0})
+        assert len(doc["_outbox"]) == 4
+        assert doc["_outbox"][0]["attempts"] == 1
+        assert "rejected" in doc["_outbox"][0]["last_error"]
+    assert await relay.drain() == 0  # backing off, not hammering
+    broken = False
+    relay.backoff = FAST
+    await _make_due(db, outbox)
+    assert await relay.drain() == 4
+    assert [e.sequence for e in publisher.events if e.aggregate_id == 0] == [1, 2, 3, 4]
+
+
+async def _make_due(db: Any, outbox: Outbox) -> None:
+    """Skip the remaining backoff, as waiting it out would."""
+    from mongo_outbox.events import utc_now
+
+    if outbox.mode == "collection":
+        await db.outbox.update_many({"status": "pending"}, {"$set": {"available_at": utc_now()}})
+    else:
+        await db.orders.update_many(
+            {outbox.due_field: {"$ne": None}}, {"$set": {outbox.due_field: utc_now()}}
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_dead_relays_claims_come_back_after_the_lease(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=3, saves=1)
+    # A relay that claimed and then died: its claim is all that is left of it.
+    groups, _ = await store_for(outbox).claim(100, timedelta(seconds=1))
+    assert sum(len(g) for g in groups) == len(saved)
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == 0
+    await asyncio.sleep(1.1)
+    assert await relay.drain() == len(saved)
+    assert_in_order(publisher.events, saved)
+
+
+async def test_a_claim_held_elsewhere_blocks_later_events_of_its_aggregate(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save_history(outbox, db, aggregates=2, saves=1)
+    head = saved[0]
+    # Another relay holds the head of aggregate 0 (and only it).
+    await db.outbox.update_one(
+        {"_id": head.id},
+        {"$set": {"claim": "elsewhere", "available_at": head.occurred_at + timedelta(hours=1)}},
+    )
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 2  # aggregate 1 only
+    assert {e.aggregate_id for e in publisher.events} == {1}
+    behind = await db.outbox.find_one({"_id": saved[1].id})
+    assert behind["status"] == "pending" and "claim" not in behind
+    assert behind["available_at"] >= head.occurred_at + timedelta(hours=1) - timedelta(seconds=1)
+
+
+async def test_run_stops_on_stop_and_on_cancel(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher, interval=0.02)
+    task = asyncio.create_task(relay.run())
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="late")])
+    await publisher.wait_for(1)
+    relay.stop()
+    await asyncio.wait_for(task, 5)
+    task = asyncio.create_task(relay.run())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_run_survives_a_database_outage(mongo: Any) -> None:
+    from pymongo import AsyncMongoClient
+
+    # A server that is not there: every round fails, and run() keeps retrying until stopped.
+    dead: Any = AsyncMongoClient(
+        "mongodb://127.0.0.1:1/?directConnection=true", serverSelectionTimeoutMS=50
+    )
+    relay = PollingRelay(make_outbox(dead.db, "collection"), MemoryPublisher(), backoff=FAST)
+    task = asyncio.create_task(relay.run())
+    await asyncio.sleep(0.5)
+    assert not task.done()
+    relay.stop()
+    await asyncio.wait_for(task, 5)
+    await dead.close()
+
+
+async def test_ttl_prunes_published_entries_only(db: Any) -> None:
+    outbox = make_outbox(db, "collection", retention=timedelta(seconds=1))
+    await outbox.ensure_indexes()
+    info = await db.outbox.index_information()
+    assert info["ttl"]["expireAfterSeconds"] == 0 and info["ttl"]["key"] == [("expire_at", 1)]
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a"), Event(type="b")])
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 2
+    await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="pending")])
+    for _ in range(150):  # a real server's TTL monitor runs every 60 s; the emulator's sooner
+        if await db.outbox.count_documents({"status": "published"}) == 0:
+            break
+        await asyncio.sleep(0.5)
+    remaining = await db.outbox.find().to_list(None)
+    assert [(e["type"], e["status"]) for e in remaining] == [("pending", "pending")]
