@@ -1,0 +1,57 @@
+"""A relay process that kills itself (SIGKILL) once KILL_AFTER events are confirmed, before it
+can mark anything published: the crash a relay must survive.
+
+Usage: python -m tests.crash.relay_process URI DB MODE BROKER TARGET KILL_AFTER
+BROKER is "nats" (TARGET: the stream, also the subject prefix) or "rabbitmq" (TARGET: exchange).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
+from tests.servers import NATS_URL, RABBITMQ_URL
+
+
+class KillAfter:
+    """Publishes through ``inner``; once ``limit`` events are confirmed, dies on the spot."""
+
+    def __init__(self, inner: Publisher, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.confirmed = 0
+
+    async def publish(self, event: Event) -> None:
+        await self.inner.publish(event)
+        self.confirmed += 1
+        if self.confirmed >= self.limit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def main(uri: str, db_name: str, mode: Any, broker: str, target: str, kill_after: int) -> None:
+    client: Any = AsyncMongoClient(uri, tz_aware=True)
+    outbox = Outbox(client[db_name], mode=mode, collections=["orders"])
+    inner: Publisher
+    if broker == "nats":
+        inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")
+    else:
+        inner = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=target)
+    relay = PollingRelay(outbox, KillAfter(inner, kill_after), batch_size=100, lease=2.0,
+                         publish_timeout=1.0, max_in_flight=1)
+    await relay.drain()
+    raise SystemExit("the relay finished without reaching its kill point")
+
+
+if __name__ == "__main__":
+    uri, db_name, mode, broker, target, kill_after = sys.argv[1:]
+    asyncio.run(main(uri, db_name, mode, broker, target, int(kill_after)))
