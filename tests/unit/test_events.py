@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from mongo_outbox import Backoff, Event, InvalidEventError, OutboxError, new_event_id
+
+
+def test_ids_are_uuid7_unique_and_increasing() -> None:
+    ids = [new_event_id() for _ in range(5000)]
+    assert all(uuid.UUID(i).version == 7 for i in ids)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    first_ms = int(uuid.UUID(ids[0]).hex[:12], 16)
+    assert abs(first_ms / 1000 - datetime.now(timezone.utc).timestamp()) < 5
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"at": datetime.now(timezone.utc)},
+        {"n": float("nan")},
+        {"n": float("inf")},
+        {"big": 2**63},
+        {"$set": 1},
+        {"deep": [{"a\x00b": 1}]},
+        {"raw": b"bytes"},
+        {"set": {1, 2}},
+        {1: "non-string key"},
+    ],
+)
+def test_non_json_payload_is_rejected_when_built(payload: object) -> None:
+    with pytest.raises(InvalidEventError) as caught:
+        Event(type="x", payload=payload)
+    assert isinstance(caught.value, OutboxError)
+
+
+def test_json_payload_is_kept_as_given() -> None:
+    payload = {"s": "x", "i": -(2**63), "f": 1.5, "b": True, "n": None, "l": [1, {"k": []}]}
+    assert Event(type="x", payload=payload).payload == payload
+
+
+def test_occurred_at_is_utc_to_the_millisecond() -> None:
+    local = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone(timedelta(hours=2)))
+    event = Event(type="x", occurred_at=local)
+    assert event.occurred_at == datetime(2026, 1, 2, 1, 4, 5, 678000, tzinfo=timezone.utc)
+    assert Event(type="x").occurred_at.microsecond % 1000 == 0
+    with pytest.raises(InvalidEventError):
+        Event(type="x", occurred_at=datetime(2026, 1, 1))  # naive: ambiguous
+
+
+def test_events_are_frozen_and_strict() -> None:
+    event = Event(type="x")
+    with pytest.raises(Exception):  # noqa: B017, PT011 - pydantic's frozen-instance error
+        event.type = "y"  # type: ignore[misc]
+    for bad in ({"type": ""}, {"type": "x", "unknown": 1}, {"type": "x", "version": 0},
+                {"type": "x", "sequence": 0}, {"type": "x", "headers": {"h": 1}}):
+        with pytest.raises(InvalidEventError):
+            Event(**bad)  # type: ignore[arg-type]
+
+
+def test_json_round_trip_and_bad_bodies() -> None:
+    event = Event(type="x", payload={"a": [1]}, aggregate_type="orders", aggregate_id=3,
+                  sequence=2, headers={"h": "v"}, correlation_id="c", causation_id="d")
+    assert Event.from_json(event.model_dump_json()) == event
+    for body in (b"", b"not json", b"{}", b'{"type": "x", "payload": {"n": NaN}}'):
+        with pytest.raises(InvalidEventError):
+            Event.from_json(body)
+
+
+def test_backoff_grows_exponentially_with_full_jitter() -> None:
+    backoff = Backoff(initial=1, maximum=8)
+    for attempt, ceiling in [(1, 1), (2, 2), (3, 4), (4, 8), (10, 8)]:
+        delays = [backoff.delay(attempt) for _ in range(200)]
+        assert all(0 <= d <= ceiling for d in delays)
+        assert max(delays) > ceiling / 2  # spread over the range, not stuck at zero
+    with pytest.raises(ValueError):
+        Backoff(initial=0)
