@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from mongo_outbox.errors import InvalidEventError, PublishError
@@ -13,6 +15,8 @@ try:
     from nats.js import JetStreamContext
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("NatsPublisher needs the nats extra: pip install 'mongo-outbox[nats]'") from error
+
+log = logging.getLogger(__name__)
 
 
 class NatsPublisher:
@@ -47,8 +51,25 @@ class NatsPublisher:
         cls, url: str = "nats://127.0.0.1:4222", *, subject: Naming = "events.{aggregate_type}.{type}",
         timeout: float = 5.0,
     ) -> NatsPublisher:
-        """Open a connection of its own, which ``aclose`` drains and closes."""
-        nc = await nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=-1)
+        """Open a connection of its own, which ``aclose`` drains and closes.
+
+        Once connected it reconnects for as long as it takes; the first connection must
+        succeed within ``2 * timeout`` or ``ConnectionError`` is raised.
+        """
+
+        async def log_error(error: Exception) -> None:
+            log.warning("NATS connection to %s: %s", url, error)
+
+        # nats-py retries a refused first connection forever when reconnects are unlimited.
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url, connect_timeout=timeout, max_reconnect_attempts=-1, error_cb=log_error
+                ),
+                2 * timeout,
+            )
+        except asyncio.TimeoutError as error:
+            raise ConnectionError(f"NATS at {url} did not answer within {2 * timeout}s") from error
         return cls(nc.jetstream(), subject=subject, timeout=timeout, connection=nc)
 
     def subject_for(self, event: Event) -> str:

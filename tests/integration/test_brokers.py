@@ -221,3 +221,10 @@ async def test_relay_backs_off_while_the_broker_refuses_then_delivers_in_order(
     finally:
         await publisher.aclose()
         await js.delete_stream(unique)
+
+
+async def test_connect_fails_loudly_when_the_broker_is_not_there() -> None:
+    with pytest.raises(ConnectionError):
+        await NatsPublisher.connect("nats://127.0.0.1:1", timeout=0.5)
+    with pytest.raises(ConnectionError):  # aio-pika's AMQPConnectionError is a ConnectionError
+        await RabbitMQPublisher.connect("amqp://guest:guest@127.0.0.1:1/", timeout=0.5)

@@ -1,0 +1,395 @@
+"""Publish throughput of each publisher, driven as the relay drives it, against raw clients.
+
+The library side goes through ``PollingRelay._publish``, the relay's own hot path: one
+``publish(event)`` task per aggregate, at most ``max_in_flight`` awaiting a confirmation, each
+under ``publish_timeout``. The baselines are the broker clients used directly with the same
+concurrency, on payloads and headers serialised beforehand, so the ratio is the library's own
+overhead. Runs alternate baseline and library; each takes a fresh stream or exchange and queue,
+deleted afterwards. The end-to-end figure (saved events, drained to the broker) is mostly the
+database's cost, and here that is whatever MongoDB the benchmark runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from benchmarks.common import (
+    NATS_URL,
+    RABBITMQ_URL,
+    client,
+    fresh_db,
+    header,
+    median,
+    say,
+    start_backend,
+    unique,
+)
+from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox.publishers import MemoryPublisher, Publisher
+from mongo_outbox.publishers.base import message_headers
+
+MESSAGES = 5000
+IN_FLIGHT = 256
+REPEATS = 3
+E2E_AGGREGATES = 250
+E2E_EVENTS_PER_AGGREGATE = 2
+
+Run = Callable[[list[Event]], Awaitable[None]]
+
+
+def make_events(count: int) -> list[Event]:
+    # One event per aggregate: every publish can be in flight at once, as for the baselines.
+    return [
+        Event(
+            type="order.placed",
+            payload={"order": n, "customer": f"customer-{n % 97}", "lines": [1, 2, 3] * 8},
+            aggregate_type="orders",
+            aggregate_id=f"order-{n}",
+            sequence=1,
+        )
+        for n in range(count)
+    ]
+
+
+def relay_driver(publisher: Publisher, mongo: Any) -> Run:
+    # The relay is never started and its outbox never touched: only _publish runs.
+    relay = PollingRelay(Outbox(mongo.bench_unused), publisher, max_in_flight=IN_FLIGHT)
+
+    async def run(events: list[Event]) -> None:
+        published, failed = await relay._publish([[event] for event in events])
+        if failed or len(published) != len(events):
+            raise RuntimeError(f"{len(failed)} publishes failed: {failed[0].error}")
+
+    return run
+
+
+async def bounded(count: int, send: Callable[[int], Awaitable[Any]]) -> None:
+    slots = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(i: int) -> None:
+        async with slots:
+            await send(i)
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+
+
+async def compare(
+    name: str,
+    runs: dict[str, Callable[[], Awaitable[Run]]],
+    cleanup: Callable[[], Awaitable[None]],
+) -> list[str]:
+    """Time each run REPEATS times, alternating, with fresh events each time (brokers dedupe)."""
+    seconds: dict[str, list[float]] = {label: [] for label in runs}
+    try:
+        for _ in range(REPEATS):
+            for label, prepare in runs.items():
+                events = make_events(MESSAGES)
+                run = await prepare()
+                start = time.perf_counter()
+                await run(events)
+                seconds[label].append(time.perf_counter() - start)
+    finally:
+        await cleanup()
+    rates = {label: MESSAGES / median(values) for label, values in seconds.items()}
+    library = rates.pop("library")
+    lines = [f"{name:<9} library {library:>9,.0f} msg/s"]
+    for label, rate in rates.items():
+        lines.append(f"{name:<9}   vs {label:<50} {rate:>9,.0f} msg/s  ratio {library / rate:.2f}")
+    for line in lines:
+        say(line)
+    return lines
+
+
+async def bench_memory(mongo: Any) -> list[str]:
+    async def library() -> Run:
+        return relay_driver(MemoryPublisher(), mongo)
+
+    async def nothing() -> None:
+        pass
+
+    return await compare("memory", {"library": library}, nothing)
+
+
+async def bench_nats(mongo: Any) -> list[str]:
+    import nats
+
+    from mongo_outbox.publishers import NatsPublisher
+
+    nc = await nats.connect(NATS_URL, connect_timeout=5, max_reconnect_attempts=1)
+    js = nc.jetstream()
+    js_async = nc.jetstream(publish_async_max_pending=IN_FLIGHT)
+    streams: list[str] = []
+
+    async def stream() -> str:
+        name = unique("bench")
+        await js.add_stream(name=name, subjects=[f"{name}.>"])
+        streams.append(name)
+        return name
+
+    def raw_messages(name: str, events: list[Event]) -> list[tuple[str, bytes, dict[str, str]]]:
+        return [
+            (
+                f"{name}.orders.order.placed",
+                e.model_dump_json().encode(),
+                message_headers(e) | {"Nats-Msg-Id": e.id, "Content-Type": "application/json"},
+            )
+            for e in events
+        ]
+
+    async def library() -> Run:
+        publisher = NatsPublisher(js, subject=f"{await stream()}.{{aggregate_type}}.{{type}}")
+        return relay_driver(publisher, mongo)
+
+    async def raw_publish() -> Run:
+        name = await stream()
+
+        async def run(events: list[Event]) -> None:
+            messages = raw_messages(name, events)
+
+            async def send(i: int) -> None:
+                subject, payload, headers = messages[i]
+                await js.publish(subject, payload, headers=headers)
+
+            await bounded(len(messages), send)
+
+        return run
+
+    async def raw_publish_async() -> Run:
+        name = await stream()
+
+        async def run(events: list[Event]) -> None:
+            messages = raw_messages(name, events)
+            # publish_async itself holds at most IN_FLIGHT messages awaiting their ack.
+            acks = [
+                await js_async.publish_async(subject, payload, headers=headers)
+                for subject, payload, headers in messages
+            ]
+            await asyncio.gather(*acks)
+
+        return run
+
+    async def cleanup() -> None:
+        try:
+            for name in streams:
+                await js.delete_stream(name)
+        finally:
+            await nc.close()
+
+    return await compare(
+        "nats",
+        {
+            "library": library,
+            f"raw js.publish, {IN_FLIGHT} in flight": raw_publish,
+            f"raw js.publish_async, {IN_FLIGHT} pending": raw_publish_async,
+        },
+        cleanup,
+    )
+
+
+async def bench_rabbitmq(mongo: Any) -> list[str]:
+    import aio_pika
+
+    from mongo_outbox.publishers import RabbitMQPublisher
+
+    connection = await aio_pika.connect_robust(RABBITMQ_URL, timeout=5)
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    created: list[tuple[Any, Any]] = []
+
+    async def exchange() -> Any:
+        # A durable queue bound to everything, so mandatory persistent messages are routed
+        # and written as they would be in production.
+        declared = await channel.declare_exchange(
+            unique("bench"), aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        queue = await channel.declare_queue(unique("bench"), durable=True)
+        await queue.bind(declared, "#")
+        created.append((declared, queue))
+        return declared
+
+    async def library() -> Run:
+        return relay_driver(RabbitMQPublisher(await exchange()), mongo)
+
+    async def raw_publish() -> Run:
+        declared = await exchange()
+
+        async def run(events: list[Event]) -> None:
+            messages = [
+                (e.model_dump_json().encode(), e.id, message_headers(e), e.type) for e in events
+            ]
+
+            async def send(i: int) -> None:
+                body, message_id, headers, routing_key = messages[i]
+                message = aio_pika.Message(
+                    body,
+                    message_id=message_id,
+                    content_type="application/json",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    headers=dict(headers),
+                )
+                await declared.publish(message, routing_key=routing_key, mandatory=True)
+
+            await bounded(len(messages), send)
+
+        return run
+
+    async def cleanup() -> None:
+        try:
+            for declared, queue in created:
+                await queue.delete(if_unused=False, if_empty=False)
+                await declared.delete()
+        finally:
+            await connection.close()
+
+    return await compare(
+        "rabbitmq",
+        {"library": library, f"raw exchange.publish, confirms, {IN_FLIGHT} in flight": raw_publish},
+        cleanup,
+    )
+
+
+async def end_to_end(uri: str, mode: str, name: str, connect: Callable[[], Awaitable[Any]]) -> str:
+    """Save events, then time one drain of them all to the broker."""
+    mongo = client(uri)
+    publisher, cleanup = await connect()
+    try:
+        async with fresh_db(mongo) as db:
+            outbox = (
+                Outbox(db, mode="embedded", collections=["orders"])
+                if mode == "embedded"
+                else Outbox(db)
+            )
+            await outbox.ensure_indexes()
+            for n in range(E2E_AGGREGATES):
+                events = [
+                    Event(type="order.placed", payload={"n": n, "step": step})
+                    for step in range(E2E_EVENTS_PER_AGGREGATE)
+                ]
+                await outbox.save_with_events(None, db.orders, {"_id": f"o{n}", "n": n}, events)
+            relay = PollingRelay(outbox, publisher, batch_size=100)
+            start = time.perf_counter()
+            published = await relay.drain()
+            elapsed = time.perf_counter() - start
+    finally:
+        await publisher.aclose()
+        await cleanup()
+        await mongo.close()
+    expected = E2E_AGGREGATES * E2E_EVENTS_PER_AGGREGATE
+    if published != expected:
+        raise RuntimeError(f"end to end {mode}/{name}: drained {published} of {expected}")
+    line = (
+        f"end-to-end {mode:<10} -> {name:<8} {published} events in {elapsed:.2f}s = "
+        f"{published / elapsed:,.0f} events/s"
+    )
+    say(line)
+    return line
+
+
+async def memory_target() -> tuple[Publisher, Callable[[], Awaitable[None]]]:
+    async def nothing() -> None:
+        pass
+
+    return MemoryPublisher(), nothing
+
+
+async def nats_target() -> tuple[Publisher, Callable[[], Awaitable[None]]]:
+    import nats
+
+    from mongo_outbox.publishers import NatsPublisher
+
+    name = unique("bench")
+    admin = await nats.connect(NATS_URL, connect_timeout=5, max_reconnect_attempts=1)
+
+    async def cleanup() -> None:
+        try:
+            await admin.jetstream().delete_stream(name)
+        finally:
+            await admin.close()
+
+    try:
+        await admin.jetstream().add_stream(name=name, subjects=[f"{name}.>"])
+        publisher = await NatsPublisher.connect(NATS_URL, subject=f"{name}.{{aggregate_type}}")
+    except BaseException:
+        await cleanup()
+        raise
+    return publisher, cleanup
+
+
+async def rabbitmq_target() -> tuple[Publisher, Callable[[], Awaitable[None]]]:
+    import aio_pika
+
+    from mongo_outbox.publishers import RabbitMQPublisher
+
+    name = unique("bench")
+    admin = await aio_pika.connect_robust(RABBITMQ_URL, timeout=5)
+
+    async def cleanup() -> None:
+        try:
+            channel = await admin.channel()
+            await channel.queue_delete(name)
+            await channel.exchange_delete(name)
+        finally:
+            await admin.close()
+
+    try:
+        channel = await admin.channel()
+        exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
+        queue = await channel.declare_queue(name, durable=True)
+        await queue.bind(exchange, "#")
+        publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=name)
+    except BaseException:
+        await cleanup()
+        raise
+    return publisher, cleanup
+
+
+async def run(uri: str) -> list[str]:
+    header(f"Publish throughput: {MESSAGES} messages, {IN_FLIGHT} in flight, median of {REPEATS}")
+    say("library = PollingRelay._publish over the publisher; ratio = library / baseline")
+    lines: list[str] = []
+    mongo = client(uri)
+    try:
+        for name, bench in (
+            ("memory", bench_memory),
+            ("nats", bench_nats),
+            ("rabbitmq", bench_rabbitmq),
+        ):
+            try:
+                lines += await bench(mongo)
+            except Exception as error:  # noqa: BLE001 - one broker down must not stop the rest
+                lines.append(f"{name}: FAILED ({error!r})")
+                say(lines[-1])
+    finally:
+        await mongo.close()
+    header(
+        f"End-to-end relay throughput: {E2E_AGGREGATES * E2E_EVENTS_PER_AGGREGATE} saved events, "
+        "drain(batch_size=100)"
+    )
+    say("note: bounded by the MongoDB backend above (the emulator is far slower than mongod)")
+    for mode in ("collection", "embedded"):
+        for name, target in (
+            ("memory", memory_target),
+            ("nats", nats_target),
+            ("rabbitmq", rabbitmq_target),
+        ):
+            try:
+                lines.append(await end_to_end(uri, mode, name, target))
+            except Exception as error:  # noqa: BLE001 - one broker down must not stop the rest
+                lines.append(f"end-to-end {mode} -> {name}: FAILED ({error!r})")
+                say(lines[-1])
+    return lines
+
+
+async def main() -> None:
+    server = start_backend()
+    say(f"MongoDB: {server.description}")
+    try:
+        await run(server.uri)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,109 @@
+"""Helpers the benchmarks share: which MongoDB they run on, command counting, names, timing.
+
+Benchmarks print figures and ratios to a baseline measured in the same run; they never assert
+timings, because the machine they run on (often shared, often the emulator) decides those.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.monitoring import (
+    CommandFailedEvent,
+    CommandListener,
+    CommandStartedEvent,
+    CommandSucceededEvent,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    # The server launcher lives with the tests, which are not part of the installed package.
+    sys.path.insert(0, str(ROOT))
+
+from tests.servers import MongoServer, start_mongo  # noqa: E402
+
+NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+# Commands the driver sends on its own schedule, not on the code under measurement's behalf.
+_BACKGROUND = frozenset(
+    {"hello", "ismaster", "isMaster", "ping", "endSessions", "saslStart", "saslContinue"}
+)
+
+
+def start_backend() -> MongoServer:
+    """``MONGODB_URI`` if set, else whatever the test suite would use (usually the emulator)."""
+    return start_mongo()
+
+
+class CommandCounter(CommandListener):
+    """Counts the commands a client sends, by name (find, update, getMore, ...)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def started(self, event: CommandStartedEvent) -> None:
+        if event.command_name not in _BACKGROUND:
+            self.counts[event.command_name] += 1
+
+    def succeeded(self, event: CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: CommandFailedEvent) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def breakdown(self) -> str:
+        return " ".join(f"{name}={n}" for name, n in sorted(self.counts.items()))
+
+
+def client(uri: str, *listeners: CommandListener) -> AsyncMongoClient[Any]:
+    return AsyncMongoClient(uri, tz_aware=True, event_listeners=list(listeners))
+
+
+def unique(prefix: str = "bench") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+@asynccontextmanager
+async def fresh_db(mongo: AsyncMongoClient[Any]) -> AsyncIterator[Any]:
+    """A database of its own, dropped afterwards: emulator writes cost O(collection size)."""
+    name = unique("bench_")
+    try:
+        yield mongo[name]
+    finally:
+        await mongo.drop_database(name)
+
+
+async def timed(work: Callable[[], Awaitable[Any]]) -> float:
+    start = time.perf_counter()
+    await work()
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def header(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)

@@ -1,0 +1,72 @@
+"""``make bench``: every benchmark in one run, on one MongoDB, with a summary at the end.
+
+MongoDB is ``MONGODB_URI`` if set, else what the test suite would start (usually the mongoeco
+emulator); RabbitMQ and NATS come from ``RABBITMQ_URL`` and ``NATS_URL`` (local defaults).
+Each benchmark module has ``async def run(uri) -> list[str]``: it prints as it goes and returns
+its headline figures. Optional modules (written separately) run when they exist and import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import NATS_URL, RABBITMQ_URL, header, say, start_backend  # noqa: E402
+
+BENCHMARKS = ("bench_relay", "bench_publishers", "bench_save")
+OPTIONAL = ("bench_inbox", "bench_changestream")
+
+
+def load(name: str, optional: bool) -> object | None:
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as error:
+        if optional and error.name == f"benchmarks.{name}":
+            return None
+        raise
+    except Exception:
+        if not optional:
+            raise
+        say(f"\n{name}: skipped, it does not import:\n{traceback.format_exc()}")
+        return None
+
+
+async def main() -> int:
+    server = start_backend()
+    say(f"MongoDB backend: {server.description}")
+    say(f"Brokers: NATS {NATS_URL}, RabbitMQ {RABBITMQ_URL}")
+    summary: dict[str, list[str]] = {}
+    failed: list[str] = []
+    start = time.perf_counter()
+    try:
+        for name, optional in [(n, False) for n in BENCHMARKS] + [(n, True) for n in OPTIONAL]:
+            module = load(name, optional)
+            if module is None:
+                continue
+            try:
+                summary[name] = await module.run(server.uri)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - report it and let the other benchmarks run
+                failed.append(name)
+                say(f"\n{name} FAILED:\n{traceback.format_exc()}")
+    finally:
+        server.stop()
+    header(f"Summary ({server.description}; {time.perf_counter() - start:.0f}s)")
+    for name, lines in summary.items():
+        say(f"[{name}]")
+        for line in lines:
+            say(f"  {line}")
+    if failed:
+        say(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
