@@ -24,7 +24,7 @@ from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher, Publisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.servers import start_emulator  # noqa: E402 - the emulator launcher lives with the tests
+from tests.servers import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -46,8 +46,10 @@ async def place_orders(client: Any, outbox: Outbox, orders: int) -> tuple[list[E
                 async with await session.start_transaction():
                     saved = await outbox.save_with_events(session, db.orders, order, [placed])
                     await db.customers.update_one(
-                        {"_id": order["customer"]}, {"$inc": {"orders": 1}},
-                        upsert=True, session=session,
+                        {"_id": order["customer"]},
+                        {"$inc": {"orders": 1}},
+                        upsert=True,
+                        session=session,
                     )
                     if n % 10 == 9:
                         raise Aborted
@@ -57,7 +59,10 @@ async def place_orders(client: Any, outbox: Outbox, orders: int) -> tuple[list[E
             continue
         if n % 3 == 0:  # pay some orders: a second save, guarded by the version just written
             paid = await outbox.save_with_events(
-                None, db.orders, order | {"paid": True}, [Event(type="order.paid")],
+                None,
+                db.orders,
+                order | {"paid": True},
+                [Event(type="order.paid")],
                 expected_version=saved.version,
             )
             committed += paid.events
@@ -153,7 +158,11 @@ async def main(orders: int, mode: str) -> dict[str, Any]:
 
 
 def summarize(
-    broker: str, orders: int, committed: list[Event], aborted: int, relay: PollingRelay,
+    broker: str,
+    orders: int,
+    committed: list[Event],
+    aborted: int,
+    relay: PollingRelay,
     on_broker: list[Event],
 ) -> dict[str, Any]:
     ids = {e.id for e in committed}

@@ -56,6 +56,7 @@ def start_emulator() -> MongoServer:
             f"the mongoeco emulator did not start with {python} (it needs Python >= 3.13 and "
             "mongoeco[wire]; set MONGOECO_PYTHON, MONGODB_URI or run a Docker engine)"
         )
+
     def stop() -> None:
         process.kill()
         process.wait()
@@ -81,7 +82,9 @@ def _start_container() -> MongoServer:
     from testcontainers.core.container import DockerContainer
 
     image = os.environ.get("MONGODB_IMAGE", "mongo:7")
-    container = DockerContainer(image).with_command("--replSet rs0 --bind_ip_all").with_exposed_ports(27017)
+    container = (
+        DockerContainer(image).with_command("--replSet rs0 --bind_ip_all").with_exposed_ports(27017)
+    )
     container.start()
     initiate = "rs.initiate({_id: 'rs0', members: [{_id: 0, host: 'localhost:27017'}]})"
     deadline = time.monotonic() + 60
@@ -92,7 +95,9 @@ def _start_container() -> MongoServer:
             break
         if time.monotonic() > deadline:
             container.stop()
-            raise RuntimeError(f"replica set in {image} did not elect a primary (rs.initiate: {code})")
+            raise RuntimeError(
+                f"replica set in {image} did not elect a primary (rs.initiate: {code})"
+            )
         time.sleep(0.5)
     port = container.get_exposed_port(27017)
     return MongoServer(

@@ -51,7 +51,7 @@ async def test_block_runs(
         code = compile(
             "\n" * (line - 1) + source, str(path), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         )
-        result = eval(code, namespace)  # noqa: S307 - our own documentation
+        result = eval(code, namespace)
         if inspect.iscoroutine(result):
             await result
         if path.name == "README.md":  # the example's event really reached the broker

@@ -35,7 +35,9 @@ class MemoryPublisher:
     async def wait_for(self, count: int, timeout: float = 10.0) -> list[Event]:
         """Wait until at least ``count`` events were published; return them."""
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.events) >= count), timeout)
+            await asyncio.wait_for(
+                self._changed.wait_for(lambda: len(self.events) >= count), timeout
+            )
         return self.events
 
     async def aclose(self) -> None:

@@ -14,7 +14,9 @@ try:
     import nats
     from nats.js import JetStreamContext
 except ImportError as error:  # pragma: no cover - exercised only without the extra
-    raise ImportError("NatsPublisher needs the nats extra: pip install 'mongo-outbox[nats]'") from error
+    raise ImportError(
+        "NatsPublisher needs the nats extra: pip install 'mongo-outbox[nats]'"
+    ) from error
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,10 @@ class NatsPublisher:
 
     @classmethod
     async def connect(
-        cls, url: str = "nats://127.0.0.1:4222", *, subject: Naming = "events.{aggregate_type}.{type}",
+        cls,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        subject: Naming = "events.{aggregate_type}.{type}",
         timeout: float = 5.0,
     ) -> NatsPublisher:
         """Open a connection of its own, which ``aclose`` drains and closes.
@@ -75,7 +80,9 @@ class NatsPublisher:
     def subject_for(self, event: Event) -> str:
         subject = render(self.subject, event)
         tokens = subject.split(".")
-        if not subject or any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+        if not subject or any(
+            not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens
+        ):
             raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
         return subject
 
@@ -84,7 +91,9 @@ class NatsPublisher:
         headers["Nats-Msg-Id"] = event.id
         headers["Content-Type"] = "application/json"
         ack = await self.js.publish(
-            self.subject_for(event), event.model_dump_json().encode(), timeout=self.timeout,
+            self.subject_for(event),
+            event.model_dump_json().encode(),
+            timeout=self.timeout,
             headers=headers,
         )
         if not ack.stream:

@@ -71,7 +71,9 @@ class RabbitMQPublisher:
             headers=dict(message_headers(event)),
         )
         await self.exchange.publish(
-            message, routing_key=render(self.routing_key, event), mandatory=True,
+            message,
+            routing_key=render(self.routing_key, event),
+            mandatory=True,
             timeout=self.timeout,
         )
 

@@ -38,7 +38,9 @@ class KillAfter:
         await self.inner.aclose()
 
 
-async def main(uri: str, db_name: str, mode: Any, broker: str, target: str, kill_after: int) -> None:
+async def main(
+    uri: str, db_name: str, mode: Any, broker: str, target: str, kill_after: int
+) -> None:
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     outbox = Outbox(client[db_name], mode=mode, collections=["orders"])
     inner: Publisher
@@ -46,8 +48,14 @@ async def main(uri: str, db_name: str, mode: Any, broker: str, target: str, kill
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")
     else:
         inner = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=target)
-    relay = PollingRelay(outbox, KillAfter(inner, kill_after), batch_size=100, lease=2.0,
-                         publish_timeout=1.0, max_in_flight=1)
+    relay = PollingRelay(
+        outbox,
+        KillAfter(inner, kill_after),
+        batch_size=100,
+        lease=2.0,
+        publish_timeout=1.0,
+        max_in_flight=1,
+    )
     await relay.drain()
     raise SystemExit("the relay finished without reaching its kill point")
 

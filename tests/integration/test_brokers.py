@@ -67,8 +67,12 @@ def test_publishers_satisfy_the_protocol() -> None:
     assert {"publish", "aclose"} <= set(dir(NatsPublisher)) & set(dir(RabbitMQPublisher))
 
 
-async def test_nats_message_carries_the_event_and_its_id(nats_client: Any, nats_stream: str) -> None:
-    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{aggregate_type}}.{{type}}")
+async def test_nats_message_carries_the_event_and_its_id(
+    nats_client: Any, nats_stream: str
+) -> None:
+    publisher = await NatsPublisher.connect(
+        NATS_URL, subject=f"{nats_stream}.{{aggregate_type}}.{{type}}"
+    )
     sent = event()
     await publisher.publish(sent)
     await publisher.aclose()
@@ -150,8 +154,14 @@ async def test_many_messages_in_flight_keep_per_aggregate_order(
 @pytest.mark.parametrize("broker", ["nats", "rabbitmq"])
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_relay_end_to_end(
-    client: Any, db: Any, nats_client: Any, nats_stream: str, rabbit_queue: Any, unique: str,
-    mode: str, broker: str,
+    client: Any,
+    db: Any,
+    nats_client: Any,
+    nats_stream: str,
+    rabbit_queue: Any,
+    unique: str,
+    mode: str,
+    broker: str,
 ) -> None:
     outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
     await outbox.ensure_indexes()
@@ -159,7 +169,9 @@ async def test_relay_end_to_end(
     for order in range(20):
         for step in range(2):
             saved = await outbox.save_with_events(
-                None, db.orders, {"_id": order, "step": step},
+                None,
+                db.orders,
+                {"_id": order, "step": step},
                 [Event(type="order.changed", payload={"step": step}), Event(type="order.noted")],
             )
             committed += saved.events
@@ -198,9 +210,13 @@ async def test_relay_backs_off_while_the_broker_refuses_then_delivers_in_order(
     saved = []
     for order in range(5):
         for _ in range(3):
-            saved += (await outbox.save_with_events(None, db.orders, {"_id": order}, [Event(type="t")])).events
+            saved += (
+                await outbox.save_with_events(None, db.orders, {"_id": order}, [Event(type="t")])
+            ).events
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{unique}.{{type}}", timeout=0.5)
-    relay = PollingRelay(outbox, publisher, publish_timeout=1, backoff=Backoff(initial=0.01, maximum=0.05))
+    relay = PollingRelay(
+        outbox, publisher, publish_timeout=1, backoff=Backoff(initial=0.01, maximum=0.05)
+    )
     assert await relay.drain() == 0  # no stream bound to the subject yet: every head fails
     assert relay.stats.failed == 5  # one head per aggregate; nothing queued behind was tried
     failed = await db.outbox.find({"attempts": 1}).to_list(None)

@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_demo(mongo: MongoServer, *args: str, **env: str) -> dict[str, str]:
     result = subprocess.run(
         [sys.executable, "examples/order_service.py", "--orders", "60", *args],
-        cwd=ROOT, env=os.environ | {"MONGODB_URI": mongo.uri} | env,
-        capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        env=os.environ | {"MONGODB_URI": mongo.uri} | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
@@ -30,8 +34,11 @@ def run_demo(mongo: MongoServer, *args: str, **env: str) -> dict[str, str]:
     [
         ((), {}, "NATS JetStream"),
         (("--mode", "embedded"), {"NATS_URL": "nats://127.0.0.1:1"}, "RabbitMQ"),
-        ((), {"NATS_URL": "nats://127.0.0.1:1", "RABBITMQ_URL": "amqp://g:g@127.0.0.1:1/"},
-         "memory (no broker answered)"),
+        (
+            (),
+            {"NATS_URL": "nats://127.0.0.1:1", "RABBITMQ_URL": "amqp://g:g@127.0.0.1:1/"},
+            "memory (no broker answered)",
+        ),
     ],
 )
 def test_demo_publishes_every_committed_event_and_nothing_else(

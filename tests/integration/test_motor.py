@@ -40,12 +40,16 @@ async def test_motor_database_session_and_relay(motor_db: Any, mode: str) -> Non
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 3
     assert sorted((e.aggregate_id, e.sequence, e.type) for e in publisher.events) == [
-        (1, 1, "a"), (1, 2, "b"), (2, 1, "c")
+        (1, 1, "a"),
+        (1, 2, "b"),
+        (2, 1, "c"),
     ]
     assert await motor_db.audit.count_documents({}) == 1
 
 
-async def test_motor_session_of_another_client_is_refused(motor_db: Any, mongo: MongoServer) -> None:
+async def test_motor_session_of_another_client_is_refused(
+    motor_db: Any, mongo: MongoServer
+) -> None:
     from motor.motor_asyncio import AsyncIOMotorClient
 
     other: Any = AsyncIOMotorClient(mongo.uri)

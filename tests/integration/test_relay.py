@@ -28,7 +28,9 @@ async def save_history(outbox: Outbox, db: Any, aggregates: int, saves: int) -> 
     for step in range(saves):
         for aggregate in range(aggregates):
             saved = await outbox.save_with_events(
-                None, db.orders, {"_id": aggregate, "step": step},
+                None,
+                db.orders,
+                {"_id": aggregate, "step": step},
                 [Event(type="changed", payload={"step": step}), Event(type="noted")],
             )
             events += saved.events

@@ -19,10 +19,20 @@ from tests.servers import NATS_URL, RABBITMQ_URL, MongoServer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def run_crashing_relay(mongo: MongoServer, db: Any, mode: str, broker: str, target: str) -> None:
+async def run_crashing_relay(
+    mongo: MongoServer, db: Any, mode: str, broker: str, target: str
+) -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.crash.relay_process",
-        mongo.uri, db.name, mode, broker, target, "7", cwd=ROOT,
+        sys.executable,
+        "-m",
+        "tests.crash.relay_process",
+        mongo.uri,
+        db.name,
+        mode,
+        broker,
+        target,
+        "7",
+        cwd=ROOT,
     )
     assert await asyncio.wait_for(process.wait(), 60) == -signal.SIGKILL
 

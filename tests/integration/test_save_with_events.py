@@ -43,12 +43,17 @@ async def test_saves_document_and_events_with_sequences(client: Any, db: Any, mo
     await outbox.ensure_indexes()  # idempotent
     async with client.start_session() as session:
         first = await outbox.save_with_events(
-            session, db.orders, {"_id": "o1", "total": 10},
+            session,
+            db.orders,
+            {"_id": "o1", "total": 10},
             [Event(type="order.placed", payload={"total": 10}), Event(type="order.priced")],
         )
         second = await outbox.save_with_events(
-            session, db.orders, {"_id": "o1", "total": 12},
-            [Event(type="order.repriced", payload={"total": 12})], expected_version=1,
+            session,
+            db.orders,
+            {"_id": "o1", "total": 12},
+            [Event(type="order.repriced", payload={"total": 12})],
+            expected_version=1,
         )
     assert (first.version, second.version) == (1, 2)
     assert [e.sequence for e in first.events + second.events] == [1, 2, 3]
@@ -154,12 +159,18 @@ async def test_bad_input_raises_before_anything_is_written(
         cases.append((InvalidAggregateError, {"collection": db.other}))
     for error, overrides in cases:
         args: dict[str, Any] = {
-            "session": None, "collection": db.orders, "document": {"_id": 1, "keep": False},
-            "events": [Event(type="b")], "expected_version": None,
+            "session": None,
+            "collection": db.orders,
+            "document": {"_id": 1, "keep": False},
+            "events": [Event(type="b")],
+            "expected_version": None,
         } | overrides
-        with pytest.raises(error):  # noqa: PT012 - one call, arguments built above
+        with pytest.raises(error):
             await outbox.save_with_events(
-                args["session"], args["collection"], args["document"], args["events"],
+                args["session"],
+                args["collection"],
+                args["document"],
+                args["events"],
                 expected_version=args["expected_version"],
             )
     await other_session.end_session()

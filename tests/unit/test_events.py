@@ -54,15 +54,28 @@ def test_events_are_frozen_and_strict() -> None:
     event = Event(type="x")
     with pytest.raises(Exception):  # noqa: B017, PT011 - pydantic's frozen-instance error
         event.type = "y"  # type: ignore[misc]
-    for bad in ({"type": ""}, {"type": "x", "unknown": 1}, {"type": "x", "version": 0},
-                {"type": "x", "sequence": 0}, {"type": "x", "headers": {"h": 1}}):
+    for bad in (
+        {"type": ""},
+        {"type": "x", "unknown": 1},
+        {"type": "x", "version": 0},
+        {"type": "x", "sequence": 0},
+        {"type": "x", "headers": {"h": 1}},
+    ):
         with pytest.raises(InvalidEventError):
             Event(**bad)  # type: ignore[arg-type]
 
 
 def test_json_round_trip_and_bad_bodies() -> None:
-    event = Event(type="x", payload={"a": [1]}, aggregate_type="orders", aggregate_id=3,
-                  sequence=2, headers={"h": "v"}, correlation_id="c", causation_id="d")
+    event = Event(
+        type="x",
+        payload={"a": [1]},
+        aggregate_type="orders",
+        aggregate_id=3,
+        sequence=2,
+        headers={"h": "v"},
+        correlation_id="c",
+        causation_id="d",
+    )
     assert Event.from_json(event.model_dump_json()) == event
     for body in (b"", b"not json", b"{}", b'{"type": "x", "payload": {"n": NaN}}'):
         with pytest.raises(InvalidEventError):
@@ -75,5 +88,5 @@ def test_backoff_grows_exponentially_with_full_jitter() -> None:
         delays = [backoff.delay(attempt) for _ in range(200)]
         assert all(0 <= d <= ceiling for d in delays)
         assert max(delays) > ceiling / 2  # spread over the range, not stuck at zero
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="initial"):
         Backoff(initial=0)
