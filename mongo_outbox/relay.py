@@ -15,7 +15,7 @@ from mongo_outbox._store import Failure, store_for
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
+from mongo_outbox.publishers.base import BatchPublisher, Publisher
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class PollingRelay:
         self.backoff = backoff or Backoff()
         self.stats = RelayStats()
         self._store = store_for(outbox)
+        self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
         self._stopping = asyncio.Event()
 
@@ -125,7 +126,7 @@ class PollingRelay:
         queues = [list(reversed(group)) for group in groups]
         while queues:
             wave = [queue.pop() for queue in queues]
-            results = await asyncio.gather(*(self._publish_one(e) for e in wave))
+            results = await self._publish_wave(wave)
             survivors = []
             for event, queue, error in zip(wave, queues, results, strict=True):
                 if error is None:
@@ -136,6 +137,30 @@ class PollingRelay:
                     failed.append(self._failure(event, error))
             queues = survivors
         return published, failed
+
+    async def _publish_wave(self, wave: list[Event]) -> list[BaseException | None]:
+        if not isinstance(self.publisher, BatchPublisher):
+            return list(await asyncio.gather(*(self._publish_one(e) for e in wave)))
+        publisher = self.publisher
+        # Two half-size chunks in flight at once: one is being sent while the other awaits its
+        # acks, so the pipe never drains, and never holds more than max_in_flight messages.
+        size = max(1, self.max_in_flight // 2)
+        chunks = [wave[start : start + size] for start in range(0, len(wave), size)]
+        turns = asyncio.Semaphore(2)
+
+        async def publish_chunk(chunk: list[Event]) -> list[BaseException | None]:
+            async with turns:
+                try:
+                    return await asyncio.wait_for(
+                        publisher.publish_many(chunk), self.publish_timeout
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - the whole chunk is retried later
+                    return [error] * len(chunk)
+
+        done = await asyncio.gather(*(publish_chunk(chunk) for chunk in chunks))
+        return [result for chunk_results in done for result in chunk_results]
 
     async def _publish_one(self, event: Event) -> BaseException | None:
         async with self._slots:

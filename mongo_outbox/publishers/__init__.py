@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mongo_outbox.publishers.base import Publisher
+from mongo_outbox.publishers.base import BatchPublisher, Publisher
 from mongo_outbox.publishers.memory import MemoryPublisher
 
 if TYPE_CHECKING:
     from mongo_outbox.publishers.nats import NatsPublisher
     from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
-__all__ = ["MemoryPublisher", "NatsPublisher", "Publisher", "RabbitMQPublisher"]
+__all__ = ["BatchPublisher", "MemoryPublisher", "NatsPublisher", "Publisher", "RabbitMQPublisher"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from mongo_outbox.errors import InvalidEventError, PublishError
@@ -87,17 +88,42 @@ class NatsPublisher:
         return subject
 
     async def publish(self, event: Event) -> None:
-        headers = message_headers(event)
-        headers["Nats-Msg-Id"] = event.id
-        headers["Content-Type"] = "application/json"
-        ack = await self.js.publish(
-            self.subject_for(event),
-            event.model_dump_json().encode(),
-            timeout=self.timeout,
-            headers=headers,
-        )
-        if not ack.stream:
-            raise PublishError(f"no stream acknowledged event {event.id}", event_id=event.id)
+        [error] = await self.publish_many([event])
+        if error is not None:
+            raise error
+
+    async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(events)
+        pending: dict[asyncio.Future[Any], int] = {}
+        for index, event in enumerate(events):
+            headers = message_headers(event)
+            headers["Nats-Msg-Id"] = event.id
+            headers["Content-Type"] = "application/json"
+            try:
+                # publish_async only sends; every ack is awaited together below.
+                future = await self.js.publish_async(
+                    self.subject_for(event), event.model_dump_json().encode(), headers=headers
+                )
+            except Exception as error:  # noqa: BLE001 - reported per event, like a nack
+                results[index] = error
+            else:
+                pending[future] = index
+        if pending:
+            await asyncio.wait(pending, timeout=self.timeout)
+        for future, index in pending.items():
+            event = events[index]
+            if not future.done():
+                future.cancel()
+                results[index] = PublishError(
+                    f"no ack for event {event.id} within {self.timeout}s", event_id=event.id
+                )
+            elif future.exception() is not None:
+                results[index] = future.exception()
+            elif not future.result().stream:
+                results[index] = PublishError(
+                    f"no stream acknowledged event {event.id}", event_id=event.id
+                )
+        return results
 
     async def aclose(self) -> None:
         if self._connection is not None and not self._connection.is_closed:

@@ -26,7 +26,8 @@ class RabbitMQPublisher:
     Parameters:
         exchange: an aio-pika exchange on a channel with publisher confirms.
         routing_key: template or function giving the routing key; default ``"{type}"``.
-        timeout: seconds to wait for the confirm.
+        timeout: seconds to wait for the connection (``connect``). A publish waits for its
+            confirm without a timeout of its own: the relay bounds it with ``publish_timeout``.
     """
 
     def __init__(
@@ -74,7 +75,6 @@ class RabbitMQPublisher:
             message,
             routing_key=render(self.routing_key, event),
             mandatory=True,
-            timeout=self.timeout,
         )
 
     async def aclose(self) -> None:

@@ -244,3 +244,18 @@ async def test_connect_fails_loudly_when_the_broker_is_not_there() -> None:
         await NatsPublisher.connect("nats://127.0.0.1:1", timeout=0.5)
     with pytest.raises(ConnectionError):  # aio-pika's AMQPConnectionError is a ConnectionError
         await RabbitMQPublisher.connect("amqp://guest:guest@127.0.0.1:1/", timeout=0.5)
+
+
+async def test_nats_publish_many_reports_each_event(nats_client: Any, nats_stream: str) -> None:
+    publisher = NatsPublisher(nats_client.jetstream(), subject=lambda e: e.headers["to"])
+    good, bad, lost = (
+        event(headers={"to": f"{nats_stream}.ok"}),
+        event(headers={"to": f"{nats_stream}.not valid"}),
+        event(headers={"to": "nobody.listens.here"}),
+    )
+    results = await publisher.publish_many([good, bad, lost])
+    assert results[0] is None
+    assert isinstance(results[1], InvalidEventError)
+    assert results[2] is not None  # no stream: JetStream answers "no responders"
+    [message] = await read_stream(nats_client, nats_stream, 1)
+    assert message.headers["Nats-Msg-Id"] == good.id

@@ -33,6 +33,7 @@ def test_all_is_exactly_the_public_surface() -> None:
     for name in mongo_outbox.__all__:
         assert getattr(mongo_outbox, name) is not None
     assert set(mongo_outbox.publishers.__all__) == {
+        "BatchPublisher",
         "MemoryPublisher",
         "NatsPublisher",
         "Publisher",
