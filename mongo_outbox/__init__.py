@@ -17,24 +17,40 @@ from mongo_outbox.errors import (
     PublishError,
 )
 from mongo_outbox.events import Event, new_event_id
+from mongo_outbox.inbox import (
+    DeadLettered,
+    Guarded,
+    Inbox,
+    Outcome,
+    Result,
+    RetryLater,
+    inbox_guard,
+)
 from mongo_outbox.outbox import Outbox, Saved
 from mongo_outbox.relay import PollingRelay, RelayStats
 
 __all__ = [
     "Backoff",
     "ConcurrencyError",
+    "DeadLettered",
     "DuplicateEventError",
     "Event",
+    "Guarded",
+    "Inbox",
     "InboxError",
     "InvalidAggregateError",
     "InvalidEventError",
     "MessageIdentityError",
     "Outbox",
     "OutboxError",
+    "Outcome",
     "PoisonMessage",
     "PollingRelay",
     "PublishError",
     "RelayStats",
+    "Result",
+    "RetryLater",
     "Saved",
+    "inbox_guard",
     "new_event_id",
 ]

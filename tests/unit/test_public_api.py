@@ -7,7 +7,7 @@ import inspect
 import mongo_outbox
 import mongo_outbox.publishers
 
-EXTRA: set[str] = set()  # names later modules add (inbox, change streams)
+EXTRA = {"DeadLettered", "Guarded", "Inbox", "Outcome", "Result", "RetryLater", "inbox_guard"}
 PUBLIC = {
     "Backoff",
     "ConcurrencyError",
