@@ -104,6 +104,7 @@ class Inbox:
         self.retention = retention
         self.transactional = transactional
         self.lease = lease
+        self._ready = False
 
     async def ensure_indexes(self) -> None:
         """Create the unique identity index and the TTL index. Idempotent."""
@@ -113,6 +114,11 @@ class Inbox:
         await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
 
     async def uses_transactions(self) -> bool:
+        """Whether guarded handlers run in transactions; on first use this also creates the
+        indexes, since without the unique one nothing would be deduplicated."""
+        if not self._ready:
+            await self.ensure_indexes()
+            self._ready = True
         if self.transactional is None:
             hello = await self.db.client.admin.command("hello")
             self.transactional = "setName" in hello or hello.get("msg") == "isdbgrid"
@@ -222,7 +228,7 @@ class Guarded:
         coll = self.inbox.collection
         before: dict[str, Any] | None = None
 
-        async def attempt_in_transaction(session: Any) -> bool:
+        async def attempt_in_transaction(session: Any) -> None:
             nonlocal before
             now = utc_now()
             # The one write the inbox adds: done, in the handler's transaction.
@@ -242,13 +248,14 @@ class Guarded:
                 session=session,
             )
             if before is not None and before.get("status") in ("done", "failed"):
-                return False
+                raise _Duplicate  # abort: a duplicate leaves the record as it was
             await self._run(event, session, _attempts(before) + 1)
-            return True
 
         try:
             async with await _start_session(self.inbox.db.client) as session:
-                ran = await session.with_transaction(attempt_in_transaction)
+                await session.with_transaction(attempt_in_transaction)
+        except _Duplicate:
+            return Result(Outcome.DUPLICATE, _attempts(before))
         except PoisonMessage as error:
             return await self._poison(event, identity, _attempts(before) + 1, str(error))
         except DuplicateKeyError:
@@ -256,7 +263,7 @@ class Guarded:
             return Result(Outcome.RETRY, _attempts(before) + 1, self.backoff.delay(1), "racing")
         except Exception as error:  # noqa: BLE001 - any handler failure is retried or poisoned
             return await self._failed(event, identity, _attempts(before) + 1, error)
-        return Result(Outcome.HANDLED if ran else Outcome.DUPLICATE, _attempts(before) + 1)
+        return Result(Outcome.HANDLED, _attempts(before) + 1)
 
     async def _leased(self, event: Event, source: str, message_id: str) -> Result:
         identity = self._identity(source, message_id)
@@ -369,6 +376,10 @@ class Guarded:
         except PyMongoError:
             # The broker redelivers and the attempt is counted again; nothing is lost.
             log.exception("could not record the %s state of %s", status, identity["message_id"])
+
+
+class _Duplicate(Exception):
+    pass
 
 
 class _Busy:

@@ -1,0 +1,220 @@
+"""inbox_guard against the session's MongoDB: once-only effects, storms, retries, poison, leases."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from mongo_outbox import (
+    Backoff,
+    DeadLettered,
+    Event,
+    Inbox,
+    MessageIdentityError,
+    Outcome,
+    PoisonMessage,
+    RetryLater,
+    inbox_guard,
+)
+
+FAST = Backoff(initial=0.01, maximum=0.02)
+MODES = [True, False]  # transactional, leased
+
+
+def order_event(n: int = 1) -> Event:
+    return Event(type="order.placed", payload={"total": n}, aggregate_type="orders", aggregate_id=n)
+
+
+@pytest.mark.parametrize("transactional", MODES)
+async def test_handles_once_then_skips(db: Any, transactional: bool) -> None:
+    inbox = Inbox(db, consumer="billing", transactional=transactional)
+    await inbox.ensure_indexes()
+    calls: list[str] = []
+
+    @inbox_guard(inbox)
+    async def on_order_placed(event: Event, session: Any) -> None:
+        calls.append(event.id)
+        await db.invoices.insert_one({"order": event.aggregate_id}, session=session)
+
+    event = order_event()
+    assert await on_order_placed(event) is True
+    assert await on_order_placed(event) is False
+    assert await on_order_placed(event.model_copy()) is False
+    assert calls == [event.id]
+    assert await db.invoices.count_documents({}) == 1
+    [record] = await db.inbox.find().to_list(None)
+    assert (record["consumer"], record["source"], record["message_id"]) == ("billing", "orders", event.id)
+    assert record["status"] == "done" and record["attempts"] == 1
+    assert record["expire_at"] - record["processed_at"] == inbox.retention
+    info = await db.inbox.index_information()
+    assert info["identity"]["unique"] is True
+    assert info["ttl"]["expireAfterSeconds"] == 0
+
+
+async def test_identity_is_per_consumer_and_source(db: Any) -> None:
+    seen: Counter[str] = Counter()
+
+    def guard(consumer: str) -> Any:
+        @inbox_guard(Inbox(db, consumer=consumer, transactional=True))
+        async def handler(event: Event, session: Any) -> None:
+            seen[consumer] += 1
+
+        return handler
+
+    billing, shipping = guard("billing"), guard("shipping")
+    event = order_event()
+    assert await billing(event) and await shipping(event)
+    assert await billing(event, source="another-service")  # same id from elsewhere: a new message
+    assert not await billing(event, message_id=event.id, source="orders")
+    assert seen == {"billing": 2, "shipping": 1}
+    with pytest.raises(MessageIdentityError):
+        await billing(event, message_id="")
+
+
+@pytest.mark.parametrize("transactional", MODES)
+async def test_duplicate_storm_runs_the_handler_once(db: Any, transactional: bool) -> None:
+    inbox = Inbox(db, consumer="billing", transactional=transactional)
+    await inbox.ensure_indexes()
+    runs: Counter[str] = Counter()
+
+    @inbox_guard(inbox)
+    async def handler(event: Event, session: Any) -> None:
+        runs[event.id] += 1
+        await asyncio.sleep(0.01)  # let the other deliveries pile up behind this one
+        await db.effects.insert_one({"event": event.id}, session=session)
+
+    events = [order_event(n) for n in range(3)]
+
+    async def consumer_task() -> list[bool]:
+        return [await handler(e) for _ in range(5) for e in events]
+
+    results = await asyncio.gather(*(consumer_task() for _ in range(6)))
+    assert sum(r for task in results for r in task) == 3  # True once per event
+    assert runs == {e.id: 1 for e in events}
+    effects = Counter(d["event"] for d in await db.effects.find().to_list(None))
+    assert effects == {e.id: 1 for e in events}
+
+
+@pytest.mark.parametrize("transactional", MODES)
+async def test_transient_failures_retry_with_growing_attempts(db: Any, transactional: bool) -> None:
+    inbox = Inbox(db, consumer="billing", transactional=transactional)
+    attempts_seen: list[int] = []
+
+    @inbox_guard(inbox, backoff=Backoff(initial=1, maximum=4))
+    async def flaky(event: Event, session: Any, *, attempt: int) -> None:
+        attempts_seen.append(attempt)
+        await db.effects.insert_one({"attempt": attempt}, session=session)
+        if attempt < 3:
+            raise ConnectionError("payment gateway timed out")
+
+    event = order_event()
+    for attempt in (1, 2):
+        with pytest.raises(RetryLater) as caught:
+            await flaky(event)
+        assert caught.value.attempt == attempt
+        assert 0 <= caught.value.delay <= 2 ** (attempt - 1)
+        record = await db.inbox.find_one({"message_id": event.id})
+        assert record["status"] == "retrying" and "timed out" in record["last_error"]
+    assert await flaky(event) is True
+    assert attempts_seen == [1, 2, 3]
+    record = await db.inbox.find_one({"message_id": event.id})
+    assert record["status"] == "done" and record["attempts"] == 3
+    written = [d["attempt"] for d in await db.effects.find().to_list(None)]
+    # Transactions roll back the failed attempts' writes; without them, they stay.
+    assert written == ([3] if transactional else [1, 2, 3])
+
+
+@pytest.mark.parametrize("transactional", MODES)
+async def test_poison_is_dead_lettered_once_and_never_retried(db: Any, transactional: bool) -> None:
+    inbox = Inbox(db, consumer="billing", transactional=transactional)
+    dead: list[tuple[str, str]] = []
+
+    async def dead_letter(event: Event, reason: str) -> None:
+        dead.append((event.id, reason))
+
+    @inbox_guard(inbox, max_attempts=2, backoff=FAST, dead_letter=dead_letter)
+    async def handler(event: Event, session: Any) -> None:
+        if event.payload["total"] == 1:
+            raise PoisonMessage("total 1 is not a price")
+        raise ValueError("always broken")
+
+    poison, broken = order_event(1), order_event(2)
+    result = await handler.handle(poison)
+    assert (result.outcome, result.attempt) == (Outcome.DEAD_LETTERED, 1)
+    with pytest.raises(RetryLater):
+        await handler(broken)
+    with pytest.raises(DeadLettered) as caught:
+        await handler(broken)
+    assert caught.value.attempt == 2
+    assert await handler(poison) is False and await handler(broken) is False
+    assert [d[0] for d in dead] == [poison.id, broken.id]
+    assert "not a price" in dead[0][1] and "gave up after 2" in dead[1][1]
+    failed = {r["message_id"]: r for r in await inbox.failed()}
+    assert set(failed) == {poison.id, broken.id}
+    assert failed[broken.id]["event"]["payload"] == {"total": 2}
+
+
+async def test_a_failing_dead_letter_means_retry_not_loss(db: Any) -> None:
+    async def unreachable(event: Event, reason: str) -> None:
+        raise ConnectionError("DLQ down")
+
+    @inbox_guard(Inbox(db, consumer="c", transactional=True), dead_letter=unreachable, backoff=FAST)
+    async def handler(event: Event, session: Any) -> None:
+        raise PoisonMessage("bad")
+
+    result = await handler.handle(order_event())
+    assert result.outcome is Outcome.RETRY and "DLQ down" in (result.error or "")
+    assert await db.inbox.count_documents({"status": "failed"}) == 0
+
+
+async def test_leased_claim_of_a_crashed_handler_is_retried_after_the_lease(db: Any) -> None:
+    inbox = Inbox(db, consumer="mailer", transactional=False, lease=timedelta(seconds=0.5))
+    await inbox.ensure_indexes()
+    attempts: list[int] = []
+
+    @inbox_guard(inbox)
+    async def send_mail(event: Event, session: Any, *, attempt: int) -> None:
+        attempts.append(attempt)
+        if attempt == 1:
+            raise asyncio.CancelledError  # the process dies inside the handler
+
+    event = order_event()
+    with pytest.raises(asyncio.CancelledError):
+        await send_mail(event)
+    # The ghost: a record in "processing" that nobody will finish.
+    assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "processing"
+    with pytest.raises(RetryLater) as caught:  # a redelivery while the lease holds waits
+        await send_mail(event)
+    assert 0 < caught.value.delay <= 0.5
+    await asyncio.sleep(caught.value.delay + 0.05)
+    assert await send_mail(event) is True
+    assert attempts == [1, 2]
+    assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "done"
+
+
+async def test_records_expire_through_the_ttl_index(db: Any) -> None:
+    inbox = Inbox(db, consumer="c", transactional=True, retention=timedelta(seconds=1))
+    await inbox.ensure_indexes()
+
+    @inbox_guard(inbox)
+    async def handler(event: Event, session: Any) -> None:
+        pass
+
+    assert await handler(order_event())
+    for _ in range(150):  # a real server's TTL monitor runs every 60 s; the emulator's sooner
+        if await db.inbox.count_documents({}) == 0:
+            break
+        await asyncio.sleep(0.5)
+    assert await db.inbox.count_documents({}) == 0
+
+
+async def test_transactional_mode_is_detected_from_the_server(db: Any, mongo: Any) -> None:
+    inbox = Inbox(db, consumer="c")
+    hello = await db.client.admin.command("hello")
+    expected = "setName" in hello or hello.get("msg") == "isdbgrid"
+    assert await inbox.uses_transactions() is expected
+    assert expected is (mongo.kind == "replica-set")
