@@ -1,0 +1,179 @@
+"""Guarded handlers behind the RabbitMQ and NATS consumer helpers, fed by the relay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import aio_pika
+
+from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guard
+from mongo_outbox.consumers import consume_nats, consume_rabbitmq
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
+from tests.servers import NATS_URL, RABBITMQ_URL
+
+
+def concurrency(mongo: Any) -> int:
+    """Messages handled at once. The emulator lets a transaction that failed at commit leave
+    its writes visible to later transactions, so concurrent transactional handlers could see a
+    "done" record that never committed and ack a message as a duplicate. A replica set reads
+    committed snapshots and raises conflicts at write time: there, several at once."""
+    return 8 if mongo.kind == "replica-set" else 1
+
+
+async def save_orders(db: Any, count: int) -> list[Event]:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    saved: list[Event] = []
+    for n in range(count):
+        result = await outbox.save_with_events(
+            None, db.orders, {"_id": n, "total": n}, [Event(type="order.placed", payload={"n": n})]
+        )
+        saved += result.events
+    return saved
+
+
+async def relay_twice(db: Any, publisher: Any) -> None:
+    """Publish every event, then all of them again, as a relay crash would."""
+    outbox = Outbox(db)
+    assert await PollingRelay(outbox, publisher).drain() > 0
+    await asyncio.sleep(0.2)  # past a JetStream duplicate window of 0.1 s
+    await db.outbox.update_many({}, {"$set": {"status": "pending", "available_at": _epoch()}})
+    assert await PollingRelay(outbox, publisher).drain() > 0
+    await publisher.aclose()
+
+
+def _epoch() -> Any:
+    from datetime import datetime, timezone
+
+    return datetime(2000, 1, 1, tzinfo=timezone.utc)
+
+
+def guarded_billing(db: Any, *, flaky: set[str] | None = None) -> Any:
+    """A handler writing one invoice per order; events in ``flaky`` fail on their first try."""
+
+    @inbox_guard(
+        Inbox(db, consumer="billing", transactional=True),
+        backoff=Backoff(initial=0.05, maximum=0.1),
+    )
+    async def bill(event: Event, session: Any, *, attempt: int) -> None:
+        if flaky and event.id in flaky and attempt == 1:
+            raise ConnectionError("ledger busy")
+        await db.invoices.insert_one({"event": event.id}, session=session)
+
+    return bill
+
+
+async def wait_for_invoices(db: Any, count: int) -> Counter[str]:
+    for _ in range(200):
+        if await db.invoices.count_documents({}) >= count:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # anything extra would have arrived by now
+    return Counter(d["event"] for d in await db.invoices.find().to_list(None))
+
+
+async def test_rabbitmq_end_to_end_each_effect_once(
+    db: Any, mongo: Any, amqp_connection: Any, unique: str
+) -> None:
+    saved = await save_orders(db, 12)
+    channel = await amqp_connection.channel()
+    await channel.set_qos(prefetch_count=concurrency(mongo))
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(exclusive=True)
+    await queue.bind(exchange, "#")
+    await relay_twice(db, await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique))
+    # A message that cannot be handled: its body is not an Event. (One without a message_id
+    # cannot be sent through aio-pika: aiormq gives every message a random id; see below.)
+    await exchange.publish(aio_pika.Message(b"not json", message_id="m-1"), routing_key="x")
+    rejected: list[str] = []
+
+    async def on_rejected(body: bytes, reason: str) -> None:
+        rejected.append(reason)
+
+    flaky = {saved[0].id, saved[5].id}
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        consume_rabbitmq(queue, guarded_billing(db, flaky=flaky), rejected=on_rejected, stop=stop)
+    )
+    invoices = await wait_for_invoices(db, len(saved))
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert invoices == {e.id: 1 for e in saved}
+    assert len(rejected) == 1 and "m-1 is not an Event" in rejected[0]
+    assert await queue.get(fail=False, timeout=1) is None  # everything settled, nothing requeued
+    await exchange.delete()
+    await channel.close()
+
+
+async def test_nats_end_to_end_each_effect_once(
+    db: Any, mongo: Any, nats_client: Any, unique: str
+) -> None:
+    saved = await save_orders(db, 12)
+    js = nats_client.jetstream()
+    # A short duplicate window: the broker must not hide the republished copies from the inbox.
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"], duplicate_window=0.1)
+    try:
+        await relay_twice(db, await NatsPublisher.connect(NATS_URL, subject=f"{unique}.{{type}}"))
+        assert (await js.stream_info(unique)).state.messages == 2 * len(saved)
+        await nats_client.publish(f"{unique}.raw", b"{}")  # core publish: no Nats-Msg-Id
+        rejected: list[str] = []
+
+        async def on_rejected(body: bytes, reason: str) -> None:
+            rejected.append(reason)
+
+        stop = asyncio.Event()
+        flaky = {saved[3].id}
+        task = asyncio.create_task(
+            consume_nats(
+                js,
+                f"{unique}.>",
+                "billing",
+                guarded_billing(db, flaky=flaky),
+                stream=unique,
+                batch=concurrency(mongo),
+                rejected=on_rejected,
+                stop=stop,
+            )
+        )
+        invoices = await wait_for_invoices(db, len(saved))
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert invoices == {e.id: 1 for e in saved}
+        assert len(rejected) == 1 and "no id" in rejected[0]
+        info = await js.consumer_info(unique, "billing")
+        assert info.num_pending == 0 and info.num_ack_pending == 0
+    finally:
+        await js.delete_stream(unique)
+
+
+class FakeRabbitMQMessage:
+    """Stands in for an aio-pika IncomingMessage without a message_id, which other AMQP clients
+    can send but aio-pika cannot produce for a real broker to deliver."""
+
+    def __init__(self, body: bytes) -> None:
+        self.message_id: str | None = None
+        self.body = body
+        self.settled: list[str] = []
+
+    async def reject(self, requeue: bool = False) -> None:
+        self.settled.append(f"reject(requeue={requeue})")
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+
+async def test_rabbitmq_message_without_id_is_rejected_not_processed(db: Any) -> None:
+    from mongo_outbox.consumers import handle_rabbitmq_message
+
+    reasons: list[str] = []
+
+    async def on_rejected(body: bytes, reason: str) -> None:
+        reasons.append(reason)
+
+    message = FakeRabbitMQMessage(Event(type="order.placed").model_dump_json().encode())
+    assert await handle_rabbitmq_message(message, guarded_billing(db), rejected=on_rejected) is None
+    assert message.settled == ["reject(requeue=False)"]
+    assert len(reasons) == 1 and "no id" in reasons[0]
+    assert await db.invoices.count_documents({}) == 0
