@@ -88,17 +88,20 @@ async def consume_rabbitmq(
     Messages are handled concurrently, up to the channel's prefetch count."""
     stop = stop or asyncio.Event()
     tasks: set[asyncio.Task[Any]] = set()
-    async with queue.iterator() as messages:
-        while not stop.is_set():
-            try:
-                message = await asyncio.wait_for(messages.__anext__(), 0.5)
-            except asyncio.TimeoutError:
-                continue
-            task = asyncio.create_task(
-                handle_rabbitmq_message(message, guarded, source=source, rejected=rejected)
-            )
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+
+    async def on_message(message: Any) -> None:
+        task = asyncio.create_task(
+            handle_rabbitmq_message(message, guarded, source=source, rejected=rejected)
+        )
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    tag = await queue.consume(on_message)
+    try:
+        await stop.wait()
+    finally:
+        await queue.cancel(tag)
+        # Messages being handled finish and settle; unsettled ones return to the queue.
         await asyncio.gather(*tasks)
 
 

@@ -1,0 +1,89 @@
+"""A RabbitMQ consumer running a guarded handler that SIGKILLs itself at a chosen point on the
+third message it sees.
+
+Usage: python -m tests.crash.consumer_process URI DB QUEUE TRANSACTIONAL POINT
+POINT: "before_write" (inside the handler), "after_write" (handler done, not committed),
+"before_ack" (handled and committed, not yet acknowledged to the broker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from datetime import timedelta
+from typing import Any
+
+import aio_pika
+from pymongo import AsyncMongoClient
+
+from mongo_outbox import Event, Inbox, inbox_guard
+from mongo_outbox.consumers import handle_rabbitmq_message
+from tests.servers import RABBITMQ_URL
+
+CRASH_ON = 3
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def billing(db: Any, transactional: bool, point: str) -> Any:
+    seen = 0
+    inbox = Inbox(db, consumer="billing", transactional=transactional, lease=timedelta(seconds=1))
+
+    @inbox_guard(inbox)
+    async def bill(event: Event, session: Any, *, attempt: int) -> None:
+        nonlocal seen
+        seen += 1
+        if point == "before_write" and seen == CRASH_ON:
+            die()
+        # Idempotent on the event id, as a handler without transactions must be.
+        await db.invoices.update_one(
+            {"_id": event.id},
+            {"$setOnInsert": {"attempt": attempt}},
+            upsert=True,
+            session=session,
+        )
+        if point == "after_write" and seen == CRASH_ON:
+            die()
+
+    return bill
+
+
+class DieOnAck:
+    """The delivered message, except that acknowledging the n-th one kills the process."""
+
+    count = 0
+
+    def __init__(self, message: Any, point: str) -> None:
+        self._message = message
+        self._point = point
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._message, name)
+
+    async def ack(self) -> None:
+        DieOnAck.count += 1
+        if self._point == "before_ack" and DieOnAck.count == CRASH_ON:
+            die()
+        await self._message.ack()
+
+
+async def main(uri: str, db_name: str, queue_name: str, transactional: bool, point: str) -> None:
+    client: Any = AsyncMongoClient(uri, tz_aware=True)
+    guarded = billing(client[db_name], transactional, point)
+    connection = await aio_pika.connect_robust(RABBITMQ_URL)
+    channel = await connection.channel()
+    await channel.set_qos(prefetch_count=1)
+    queue = await channel.get_queue(queue_name)
+    async with queue.iterator() as messages:
+        async for message in messages:
+            await handle_rabbitmq_message(DieOnAck(message, point), guarded)
+    raise SystemExit("the consumer finished without reaching its crash point")
+
+
+if __name__ == "__main__":
+    uri, db_name, queue_name, transactional, point = sys.argv[1:]
+    asyncio.run(main(uri, db_name, queue_name, transactional == "1", point))

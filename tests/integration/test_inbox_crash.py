@@ -1,0 +1,89 @@
+"""A consumer process SIGKILLed inside the handler, after it, or before the ack: after a
+restart, every event's effect exists exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+
+from mongo_outbox import Event
+from mongo_outbox.consumers import consume_rabbitmq
+from mongo_outbox.publishers import RabbitMQPublisher
+from tests.crash.consumer_process import billing
+from tests.servers import RABBITMQ_URL, MongoServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("point", ["before_write", "after_write", "before_ack"])
+@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "leased"])
+async def test_killed_consumer_applies_each_effect_once(
+    mongo: MongoServer,
+    db: Any,
+    amqp_connection: Any,
+    unique: str,
+    transactional: bool,
+    point: str,
+) -> None:
+    channel = await amqp_connection.channel()
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(unique, durable=True)
+    await queue.bind(exchange, "#")
+    events = [Event(type="order.placed", aggregate_type="orders", aggregate_id=n) for n in range(6)]
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    for event in events:
+        await publisher.publish(event)
+    await publisher.aclose()
+
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.crash.consumer_process",
+        mongo.uri,
+        db.name,
+        unique,
+        "1" if transactional else "0",
+        point,
+        cwd=ROOT,
+    )
+    assert await asyncio.wait_for(process.wait(), 60) == -signal.SIGKILL
+    before = await db.invoices.count_documents({})
+    # Killed on the third message: two were done; the third is done only if it died before
+    # the ack (or, without transactions, after its write).
+    assert before == (
+        3 if point == "before_ack" or (point == "after_write" and not transactional) else 2
+    )
+
+    await channel.set_qos(prefetch_count=8 if mongo.kind == "replica-set" else 1)  # see
+    # test_inbox_consumers.concurrency: the emulator cannot run these transactions side by side
+    stop = asyncio.Event()
+    restarted = asyncio.create_task(
+        consume_rabbitmq(queue, billing(db, transactional, "none"), stop=stop)
+    )
+    for _ in range(200):
+        if await db.invoices.count_documents({}) == len(events):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # a duplicate effect would have landed by now
+    stop.set()
+    await asyncio.wait_for(restarted, 10)
+
+    invoices = await db.invoices.find().to_list(None)
+    assert Counter(i["_id"] for i in invoices) == {e.id: 1 for e in events}
+    records = {r["message_id"]: r for r in await db.inbox.find().to_list(None)}
+    assert {r["status"] for r in records.values()} == {"done"}
+    crashed = events[2].id
+    if not transactional and point != "before_ack":
+        # The ghost claim ran out its lease and the handler ran again, told it was attempt 2.
+        assert records[crashed]["attempts"] == 2
+    assert await queue.get(fail=False, timeout=1) is None
+    await queue.delete()
+    await exchange.delete()
+    await channel.close()
