@@ -2,10 +2,13 @@
 # emulator needs it), create .venv and install the project with its dev extras.
 PYTHON ?= $(shell for p in python3.13 python3.14 "$$(pyenv root 2>/dev/null)/versions/3.13"*/bin/python3 /root/.pyenv/versions/3.13*/bin/python3; do \
 	command -v "$$p" >/dev/null 2>&1 && "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 13))' 2>/dev/null && { echo "$$p"; break; }; done)
+# The oldest Python the library supports, for `make test-oldest`.
+OLDEST ?= $(shell for p in python3.10 "$$(pyenv root 2>/dev/null)/versions/3.10"*/bin/python3 /root/.pyenv/versions/3.10*/bin/python3; do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null && { echo "$$p"; break; }; done)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo bench lint typecheck check clean
+.PHONY: test test-oldest demo bench lint typecheck check clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.13 not found (set PYTHON=...)" >&2; exit 1; }
@@ -16,6 +19,13 @@ $(BIN)/.installed: pyproject.toml
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv.
+test-oldest: $(BIN)/.installed
+	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
+	test -x .venv-oldest/bin/python || $(OLDEST) -m venv .venv-oldest
+	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats]' pytest pytest-asyncio pytest-timeout motor
+	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check mongo_outbox tests examples benchmarks
@@ -33,4 +43,4 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-oldest .pytest_cache .mypy_cache .ruff_cache
