@@ -33,6 +33,7 @@ lint: $(BIN)/.installed
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
+	$(BIN)/mypy --strict --explicit-package-bases examples benchmarks
 
 check: lint typecheck test
 

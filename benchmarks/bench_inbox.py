@@ -11,7 +11,6 @@ side faithfully.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ from benchmarks.common import (
     header,
     median,
     say,
-    start_backend,
+    standalone,
     timed,
 )
 from mongo_outbox import Event, Inbox, inbox_guard
@@ -143,14 +142,5 @@ async def run(uri: str) -> list[str]:
     return [line for transactional in (True, False) for line in await measure(uri, transactional)]
 
 
-async def main() -> None:
-    server = start_backend()
-    say(f"MongoDB: {server.description}")
-    try:
-        await run(server.uri)
-    finally:
-        server.stop()
-
-
 if __name__ == "__main__":
-    asyncio.run(main())
+    standalone(run)

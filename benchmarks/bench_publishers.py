@@ -24,7 +24,7 @@ from benchmarks.common import (
     header,
     median,
     say,
-    start_backend,
+    standalone,
     unique,
 )
 from mongo_outbox import Event, Outbox, PollingRelay
@@ -382,14 +382,5 @@ async def run(uri: str) -> list[str]:
     return lines
 
 
-async def main() -> None:
-    server = start_backend()
-    say(f"MongoDB: {server.description}")
-    try:
-        await run(server.uri)
-    finally:
-        server.stop()
-
-
 if __name__ == "__main__":
-    asyncio.run(main())
+    standalone(run)

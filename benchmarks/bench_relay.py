@@ -6,10 +6,9 @@ by name. The goal is a small constant number of commands per batch, whatever the
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from benchmarks.common import CommandCounter, client, fresh_db, header, say, start_backend
+from benchmarks.common import CommandCounter, client, fresh_db, header, say, standalone
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher
 
@@ -80,14 +79,5 @@ async def run(uri: str) -> list[str]:
     return [await measure(uri, mode, size) for mode in MODES for size in BATCH_SIZES]
 
 
-async def main() -> None:
-    server = start_backend()
-    say(f"MongoDB: {server.description}")
-    try:
-        await run(server.uri)
-    finally:
-        server.stop()
-
-
 if __name__ == "__main__":
-    asyncio.run(main())
+    standalone(run)

@@ -12,14 +12,13 @@ so drift hits all sides alike.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pymongo import ReturnDocument
 
-from benchmarks.common import client, fresh_db, header, median, say, start_backend
+from benchmarks.common import client, fresh_db, header, median, say, standalone
 from mongo_outbox import Event, Outbox
 
 SAVES = 200
@@ -204,14 +203,5 @@ async def run(uri: str) -> list[str]:
         await mongo.close()
 
 
-async def main() -> None:
-    server = start_backend()
-    say(f"MongoDB: {server.description}")
-    try:
-        await run(server.uri)
-    finally:
-        server.stop()
-
-
 if __name__ == "__main__":
-    asyncio.run(main())
+    standalone(run)

@@ -6,6 +6,7 @@ timings, because the machine they run on (often shared, often the emulator) deci
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import sys
@@ -107,3 +108,17 @@ def header(title: str) -> None:
 
 def say(line: str) -> None:
     print(line, flush=True)
+
+
+def standalone(run: Callable[[str], Awaitable[list[str]]]) -> None:
+    """Run one benchmark module on its own: ``python -m benchmarks.bench_x``."""
+
+    async def main() -> None:
+        server = start_backend()
+        say(f"MongoDB: {server.description}")
+        try:
+            await run(server.uri)
+        finally:
+            server.stop()
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ import os
 import sys
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,60 +70,72 @@ async def place_orders(client: Any, outbox: Outbox, orders: int) -> tuple[list[E
     return committed, aborted
 
 
-async def connect_broker(run: str) -> tuple[str, Publisher, Any]:
-    """The first broker that answers, and a function that reads back what it received."""
+Broker = tuple[str, Publisher, Callable[[], Awaitable[list[Event]]]]
+"""The broker's name, a publisher to it, and a function reading back what it received."""
+
+
+async def nats_broker(run: str) -> Broker | None:
+    import nats
+
+    async def quiet(error: Exception) -> None:
+        pass  # nats-py would log every refused attempt; absence is an expected answer here
+
     try:
-        import nats
-
-        async def quiet(error: Exception) -> None:
-            pass  # nats-py would log every refused attempt; absence is an expected answer here
-
         # nats-py keeps retrying a refused first connection, so bound the attempt here.
         nc = await asyncio.wait_for(
             nats.connect(NATS_URL, connect_timeout=1, max_reconnect_attempts=1, error_cb=quiet), 3
         )
     except Exception:  # noqa: BLE001 - any failure means "NATS is not there"
-        pass
-    else:
-        from mongo_outbox.publishers import NatsPublisher
+        return None
+    from mongo_outbox.publishers import NatsPublisher
 
-        js = nc.jetstream()
-        await js.add_stream(name=run, subjects=[f"{run}.>"])
+    js = nc.jetstream()
+    await js.add_stream(name=run, subjects=[f"{run}.>"])
 
-        async def received() -> list[Event]:
-            sub = await js.subscribe(f"{run}.>", ordered_consumer=True)
-            count = (await js.stream_info(run)).state.messages
-            events = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(count)]
-            await js.delete_stream(run)
-            await nc.close()
-            return events
+    async def received() -> list[Event]:
+        sub = await js.subscribe(f"{run}.>", ordered_consumer=True)
+        count = (await js.stream_info(run)).state.messages
+        events = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(count)]
+        await js.delete_stream(run)
+        await nc.close()
+        return events
 
-        return "NATS JetStream", NatsPublisher(js, subject=f"{run}.{{type}}"), received
+    return "NATS JetStream", NatsPublisher(js, subject=f"{run}.{{type}}"), received
+
+
+async def rabbitmq_broker(run: str) -> Broker | None:
+    import aio_pika
+
     try:
-        import aio_pika
-
         connection = await aio_pika.connect_robust(RABBITMQ_URL, timeout=2)
     except Exception:  # noqa: BLE001 - any failure means "RabbitMQ is not there"
-        pass
-    else:
-        from mongo_outbox.publishers import RabbitMQPublisher
+        return None
+    from mongo_outbox.publishers import RabbitMQPublisher
 
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        exchange = await channel.declare_exchange(run, aio_pika.ExchangeType.TOPIC)
-        queue = await channel.declare_queue(run, auto_delete=False)
-        await queue.bind(exchange, "#")
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    exchange = await channel.declare_exchange(run, aio_pika.ExchangeType.TOPIC)
+    queue = await channel.declare_queue(run, auto_delete=False)
+    await queue.bind(exchange, "#")
 
-        async def received() -> list[Event]:
-            events = []
-            while (message := await queue.get(fail=False, timeout=2)) is not None:
-                await message.ack()
-                events.append(Event.from_json(message.body))
-            await queue.delete()
-            await exchange.delete()
-            await connection.close()
-            return events
+    async def received() -> list[Event]:
+        events = []
+        while (message := await queue.get(fail=False, timeout=2)) is not None:
+            await message.ack()
+            events.append(Event.from_json(message.body))
+        await queue.delete()
+        await exchange.delete()
+        await connection.close()
+        return events
 
-        return "RabbitMQ", RabbitMQPublisher(exchange), received
+    return "RabbitMQ", RabbitMQPublisher(exchange), received
+
+
+async def connect_broker(run: str) -> Broker:
+    """NATS if it answers, else RabbitMQ, else an in-memory publisher."""
+    for connect in (nats_broker, rabbitmq_broker):
+        broker = await connect(run)
+        if broker is not None:
+            return broker
     memory = MemoryPublisher()
 
     async def received() -> list[Event]:
