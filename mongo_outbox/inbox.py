@@ -25,10 +25,10 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
+from mongo_outbox._driver import start_session
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.errors import InboxError, MessageIdentityError, PoisonMessage
 from mongo_outbox.events import Event, utc_now
-from mongo_outbox.outbox import _start_session
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Inbox:
         self.retention = retention
         self.transactional = transactional
         self.lease = lease
-        self._ready = False
+        self._indexed = False
 
     async def ensure_indexes(self) -> None:
         """Create the unique identity index and the TTL index. Idempotent."""
@@ -114,15 +114,18 @@ class Inbox:
         await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
 
     async def uses_transactions(self) -> bool:
-        """Whether guarded handlers run in transactions; on first use this also creates the
-        indexes, since without the unique one nothing would be deduplicated."""
-        if not self._ready:
-            await self.ensure_indexes()
-            self._ready = True
+        """Whether guarded handlers run in transactions (asks the server once if not told)."""
         if self.transactional is None:
             hello = await self.db.client.admin.command("hello")
             self.transactional = "setName" in hello or hello.get("msg") == "isdbgrid"
         return self.transactional
+
+    async def _prepare(self) -> bool:
+        # Without the unique index nothing would be deduplicated: never run without it.
+        if not self._indexed:
+            await self.ensure_indexes()
+            self._indexed = True
+        return await self.uses_transactions()
 
     async def failed(self) -> list[dict[str, Any]]:
         """The records of messages dead-lettered by this consumer."""
@@ -206,7 +209,7 @@ class Guarded:
         busy.users += 1
         try:
             async with busy.lock:
-                if await self.inbox.uses_transactions():
+                if await self.inbox._prepare():
                     return await self._transactional(event, source, message_id)
                 return await self._leased(event, source, message_id)
         finally:
@@ -252,7 +255,7 @@ class Guarded:
             await self._run(event, session, _attempts(before) + 1)
 
         try:
-            async with await _start_session(self.inbox.db.client) as session:
+            async with await start_session(self.inbox.db.client) as session:
                 await session.with_transaction(attempt_in_transaction)
         except _Duplicate:
             return Result(Outcome.DUPLICATE, _attempts(before))

@@ -11,7 +11,6 @@ counters on the document: ``_version`` (one step per save, for ``expected_versio
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
+from mongo_outbox._driver import start_session
 from mongo_outbox.errors import (
     ConcurrencyError,
     DuplicateEventError,
@@ -126,7 +126,7 @@ class Outbox:
             return await self._write(plan, session)
         if session is not None:
             return await _with_transaction(session, lambda s: self._write(plan, s))
-        async with await _start_session(collection.database.client) as own:
+        async with await start_session(collection.database.client) as own:
             return await _with_transaction(own, lambda s: self._write(plan, s))
 
     def _plan(
@@ -289,12 +289,6 @@ def _entry(event: Event, id_key: str) -> dict[str, Any]:
     data = event.model_dump()
     data[id_key] = data.pop("id")
     return data
-
-
-async def _start_session(client: Any) -> Any:
-    session = client.start_session()
-    # Motor's start_session is a coroutine, PyMongo's returns the session.
-    return await session if inspect.isawaitable(session) else session
 
 
 async def _with_transaction(session: Any, write: Callable[[Any], Awaitable[Saved]]) -> Saved:

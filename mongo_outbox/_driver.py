@@ -1,0 +1,13 @@
+"""What differs between PyMongo's async API and Motor, in one place."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+async def start_session(client: Any) -> Any:
+    """A new session of ``client``, to be used with ``async with``."""
+    session = client.start_session()
+    # Motor's start_session is a coroutine, PyMongo's returns the session.
+    return await session if inspect.isawaitable(session) else session
