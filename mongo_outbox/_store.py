@@ -23,6 +23,7 @@ from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
 
 _EVENT_FIELDS = frozenset(Event.model_fields)
+_RECHECK = timedelta(seconds=1)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Failure:
     event: Event
     error: str
     retry_at: datetime
+    park: bool = False  # out of attempts: set aside as dead-lettered, not retried
 
 
 class Store(Protocol):
@@ -80,13 +82,33 @@ class CollectionStore:
         )
         if not candidates:
             return [], False
+        groups, claimed = await self._claim(candidates, now, lease)
+        return groups, len(candidates) == limit or claimed < len(candidates)
+
+    async def claim_entries(
+        self, entries: Sequence[dict[str, Any]], lease: timedelta
+    ) -> list[list[Event]]:
+        """Lease these entries (``_id``, ``aggregate_type``, ``aggregate_id``), e.g. just seen on
+        a change stream, under the same order rule as ``claim``."""
+        self.token = uuid.uuid4().hex
+        self.attempts = {}
+        groups, _ = await self._claim(entries, utc_now(), lease)
+        return groups
+
+    async def _claim(
+        self, candidates: Sequence[dict[str, Any]], now: datetime, lease: timedelta
+    ) -> tuple[list[list[Event]], int]:
         claimed = await self.coll.update_many(
-            {"_id": {"$in": [c["_id"] for c in candidates]}, **due},
+            {
+                "_id": {"$in": [c["_id"] for c in candidates]},
+                "status": "pending",
+                # A fresh entry is claimable whatever the writer's clock said; others when due.
+                "$or": [{"available_at": {"$lte": now}}, {"claim": None, "attempts": 0}],
+            },
             {"$set": {"available_at": now + lease, "claim": self.token}},
         )
-        more = len(candidates) == limit or claimed.modified_count < len(candidates)
         if not claimed.modified_count:
-            return [], more
+            return [], 0
         aggregates = {(c["aggregate_type"], c["aggregate_id"]) for c in candidates}
         # Every pending entry of the claimed aggregates, to find entries that must go first.
         pending = (
@@ -116,7 +138,10 @@ class CollectionStore:
                     group.append(decode(entry, "_id"))
                     self.attempts[entry["_id"]] = entry.get("attempts", 0)
                 else:
-                    blocked[max(_aware(blocker["available_at"]), now)].append(entry["_id"])
+                    # Until the blocker's lease or backoff ends, but at most a second: a
+                    # blocker held by a live relay is usually published within milliseconds.
+                    again = min(max(_aware(blocker["available_at"]), now), now + _RECHECK)
+                    blocked[again].append(entry["_id"])
             if group:
                 groups.append(group)
         if blocked:
@@ -130,7 +155,7 @@ class CollectionStore:
                 ],
                 ordered=False,
             )
-        return groups, more
+        return groups, claimed.modified_count
 
     async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
         now = utc_now()
@@ -151,6 +176,20 @@ class CollectionStore:
             )
         for failure in failed:
             event = failure.event
+            if failure.park:
+                # Parked: kept with its error for an operator, and no longer holding its
+                # aggregate back.
+                ops.append(
+                    UpdateOne(
+                        {"_id": event.id, "status": "pending", "claim": self.token},
+                        {
+                            "$set": {"status": "parked", "last_error": failure.error},
+                            "$inc": {"attempts": 1},
+                            "$unset": {"claim": ""},
+                        },
+                    )
+                )
+                continue
             ops.append(
                 # Conditional on our claim: a relay whose lease ran out must not move another's.
                 UpdateOne(

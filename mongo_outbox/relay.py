@@ -8,10 +8,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._store import Failure, store_for
+from mongo_outbox._store import CollectionStore, Failure, store_for
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
@@ -44,6 +45,8 @@ class PollingRelay:
         publish_timeout: seconds to wait for one broker confirmation.
         max_in_flight: messages awaiting confirmation at once.
         backoff: delays between retries of a failed entry.
+        max_attempts: attempts after which an entry is parked (``status: "parked"``, with its
+            last error) instead of retried; ``None`` retries for ever. Collection mode only.
     """
 
     def __init__(
@@ -57,7 +60,10 @@ class PollingRelay:
         publish_timeout: float = 10.0,
         max_in_flight: int = 256,
         backoff: Backoff | None = None,
+        max_attempts: int | None = None,
     ) -> None:
+        if max_attempts is not None and (max_attempts < 1 or outbox.mode != "collection"):
+            raise ValueError("max_attempts needs collection mode and a value of at least 1")
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be at least 1")
         if not 0 < publish_timeout < lease:
@@ -69,6 +75,7 @@ class PollingRelay:
         self.lease = timedelta(seconds=lease)
         self.publish_timeout = publish_timeout
         self.backoff = backoff or Backoff()
+        self.max_attempts = max_attempts
         self.stats = RelayStats()
         self._store = store_for(outbox)
         self.max_in_flight = max_in_flight
@@ -110,11 +117,23 @@ class PollingRelay:
         groups, more = await self._store.claim(self.batch_size, self.lease)
         if not groups:
             return 0, more
+        published = await self._publish_and_settle(groups)
+        return published, more or bool(published)
+
+    async def publish_entries(self, entries: Sequence[dict[str, Any]]) -> int:
+        """Claim and publish these outbox entries now (e.g. just seen on a change stream),
+        under the same lease and order rules as a batch. Returns how many were published."""
+        if not isinstance(self._store, CollectionStore):
+            raise ValueError("publish_entries needs a collection-mode outbox")
+        groups = await self._store.claim_entries(entries, self.lease)
+        return await self._publish_and_settle(groups) if groups else 0
+
+    async def _publish_and_settle(self, groups: Sequence[Sequence[Event]]) -> int:
         published, failed = await self._publish(groups)
         await self._store.settle(published, failed)
         self.stats.published += len(published)
         self.stats.failed += len(failed)
-        return len(published), more or bool(published)
+        return len(published)
 
     async def _publish(
         self, groups: Sequence[Sequence[Event]]
@@ -179,10 +198,18 @@ class PollingRelay:
         self.stats.last_error = text
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
-        log.warning(
-            "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
-        )
-        return Failure(event, text, utc_now() + timedelta(seconds=delay))
+        park = self.max_attempts is not None and attempt >= self.max_attempts
+        if park:
+            log.error("parking %s after %d failed attempts: %s", event.id, attempt, text)
+        else:
+            log.warning(
+                "publishing %s failed (attempt %d), retry in %.1fs: %s",
+                event.id,
+                attempt,
+                delay,
+                text,
+            )
+        return Failure(event, text, utc_now() + timedelta(seconds=delay), park)
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
