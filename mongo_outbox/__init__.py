@@ -5,7 +5,9 @@ at least once and in order per aggregate (``PollingRelay``), and consume them ef
 """
 
 from mongo_outbox.backoff import Backoff
+from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
+    ChangeStreamError,
     ConcurrencyError,
     DuplicateEventError,
     InboxError,
@@ -31,6 +33,8 @@ from mongo_outbox.relay import PollingRelay, RelayStats
 
 __all__ = [
     "Backoff",
+    "ChangeStreamError",
+    "ChangeStreamRelay",
     "ConcurrencyError",
     "DeadLettered",
     "DuplicateEventError",
@@ -48,6 +52,7 @@ __all__ = [
     "PollingRelay",
     "PublishError",
     "RelayStats",
+    "RelayStatus",
     "Result",
     "RetryLater",
     "Saved",

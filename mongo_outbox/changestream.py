@@ -31,7 +31,7 @@ from pymongo.errors import (
 
 from mongo_outbox._store import _aware
 from mongo_outbox.backoff import Backoff
-from mongo_outbox.errors import OutboxError
+from mongo_outbox.errors import ChangeStreamError
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
@@ -43,10 +43,6 @@ HISTORY_LOST = 286
 INVALID_RESUME_TOKEN = 260
 _RECOVERABLE_CODES = {HISTORY_LOST, INVALID_RESUME_TOKEN}
 _ENDS_STREAM = {"invalidate", "drop", "rename", "dropDatabase"}
-
-
-class ChangeStreamError(OutboxError):
-    """The change stream failed in a way that resuming cannot fix."""
 
 
 class ChangeBatch(NamedTuple):
@@ -140,6 +136,8 @@ class ChangeStreamRelay:
         max_attempts: publish attempts before an entry is parked as dead-lettered.
         sweep_interval: seconds between sweeps of the collection (requeued entries, anything the
             stream missed).
+        claim_lease, publish_timeout: as for PollingRelay: entries being published are claimed
+            for ``claim_lease``; a crashed relay's claims are published again after it.
     """
 
     def __init__(
@@ -155,6 +153,8 @@ class ChangeStreamRelay:
         max_attempts: int = 10,
         sweep_interval: float = 30.0,
         backoff: Backoff | None = None,
+        claim_lease: float = 30.0,
+        publish_timeout: float = 10.0,
         checkpoints: str = "outbox_relays",
     ) -> None:
         if outbox.mode != "collection":
@@ -172,7 +172,6 @@ class ChangeStreamRelay:
         self.checkpoints = outbox.db[checkpoints]
         self.owner = uuid.uuid4().hex
         self.fence: int | None = None
-        self.publish_failures = 0
         # The sweep and the publishing path are the polling relay's: one implementation.
         self._poller = PollingRelay(
             outbox,
@@ -180,8 +179,11 @@ class ChangeStreamRelay:
             batch_size=batch_size,
             backoff=self.backoff,
             max_attempts=max_attempts,
+            lease=claim_lease,
+            publish_timeout=publish_timeout,
         )
         self._sweep_due = 0.0
+        self._renew_at = utc_now()
         self._stopping = asyncio.Event()
 
     # -- public API ---------------------------------------------------------------------------
@@ -231,7 +233,7 @@ class ChangeStreamRelay:
             pending=await self.outbox.collection.count_documents({"status": "pending"}),
             oldest_pending_age=utc_now() - _aware(oldest["occurred_at"]) if oldest else None,
             parked=await self.outbox.collection.count_documents({"status": "parked"}),
-            publish_failures=self.publish_failures,
+            publish_failures=self._poller.stats.failed,
         )
 
     async def parked(self) -> list[dict[str, Any]]:
@@ -252,12 +254,15 @@ class ChangeStreamRelay:
         """Renew our lease, or take it over once the holder's ran out. A takeover increments
         the fence, so the previous holder's checkpoint writes fail from then on."""
         now = utc_now()
+        if self.fence is not None and now < self._renew_at:
+            return True
         if self.fence is not None:
             renewed = await self.checkpoints.update_one(
                 {"_id": self.name, "owner": self.owner, "fence": self.fence},
                 {"$set": {"lease_until": now + self.lease}},
             )
             if renewed.matched_count:
+                self._renew_at = now + self.lease / 3
                 return True
             self.fence = None
             log.warning("relay %s: lost the lease; standby", self.name)
@@ -274,6 +279,7 @@ class ChangeStreamRelay:
         except DuplicateKeyError:  # another process holds a live lease: stay standby
             return False
         self.fence = doc["fence"]
+        self._renew_at = now + self.lease / 3
         log.info("relay %s: active (fence %d)", self.name, self.fence)
         return True
 
@@ -288,6 +294,7 @@ class ChangeStreamRelay:
         if not result.matched_count:
             self.fence = None
             raise _Resumable("lost the lease to another relay")
+        self._renew_at = now + self.lease / 3
 
     # -- following ----------------------------------------------------------------------------
 
@@ -354,7 +361,6 @@ class ChangeStreamRelay:
         failures = self._poller.stats.failed
         published = await self._poller.publish_entries(entries)
         if self._poller.stats.failed > failures:
-            self.publish_failures = self._poller.stats.failed
             self._sweep_due = 0.0  # retries are the sweep's: run it soon
         return published
 

@@ -8,6 +8,7 @@
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
     ├── DuplicateEventError      an event id is already in the outbox
     ├── PublishError             the broker did not confirm a message
+    ├── ChangeStreamError        a change stream failed in a way resuming cannot fix
     └── InboxError
         ├── MessageIdentityError a message arrived without an id to deduplicate on
         └── PoisonMessage        raise it from a handler: never retry this message
@@ -57,6 +58,10 @@ class PublishError(OutboxError):
     def __init__(self, message: str, *, event_id: str) -> None:
         super().__init__(message)
         self.event_id = event_id
+
+
+class ChangeStreamError(OutboxError):
+    """The change stream failed in a way that resuming cannot fix (e.g. not authorized)."""
 
 
 class InboxError(OutboxError):

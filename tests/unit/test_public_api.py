@@ -7,7 +7,18 @@ import inspect
 import mongo_outbox
 import mongo_outbox.publishers
 
-EXTRA = {"DeadLettered", "Guarded", "Inbox", "Outcome", "Result", "RetryLater", "inbox_guard"}
+EXTRA = {
+    "ChangeStreamError",
+    "ChangeStreamRelay",
+    "DeadLettered",
+    "Guarded",
+    "Inbox",
+    "Outcome",
+    "RelayStatus",
+    "Result",
+    "RetryLater",
+    "inbox_guard",
+}
 PUBLIC = {
     "Backoff",
     "ConcurrencyError",
