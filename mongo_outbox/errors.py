@@ -63,6 +63,11 @@ class PublishError(OutboxError):
 class ChangeStreamError(OutboxError):
     """The change stream failed in a way that resuming cannot fix (e.g. not authorized)."""
 
+    def __init__(self, message: str, *, relay: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.relay = relay
+        self.code = code
+
 
 class InboxError(OutboxError):
     pass

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from mongoeco.errors import OperationFailure as EcoOperationFailure
+from pymongo.errors import OperationFailure
+
 from mongo_outbox.changestream import ChangeBatch, ChangeStream
 
 
@@ -62,23 +65,58 @@ def inserts(entries: list[dict[str, Any]], token: str) -> ChangeBatch:
 
 
 class MongoEcoSource:
-    """Real change streams from mongoeco's in-process client. Its cursor has no
-    ``resume_token`` (the last change's ``_id`` is the token) and a ``close`` that is not
-    awaitable; it does not know cluster times, so recovery watches from "now"."""
+    """Real change streams from mongoeco's in-process client, adapted to the relay's
+    ChangeSource: its cursor has no ``resume_token`` (the last change's ``_id`` is the token),
+    its ``close`` is not awaitable, its errors carry no codes (a lost or bad token becomes
+    286 or 260 here, as a server would say), and its cluster time is the hub's next token.
 
-    def __init__(self, collection: Any) -> None:
-        self.collection = collection
+    ``target`` is a mongoeco collection or database. mongoeco records changes only while
+    someone watches; ``hold_history`` keeps a watcher open for the source's life, as an oplog
+    would keep history, so that a recovery's cluster time stays usable."""
+
+    def __init__(
+        self,
+        target: Any,
+        pipeline: list[dict[str, Any]] | None = None,
+        *,
+        full_document: str = "default",
+        hold_history: bool = True,
+    ) -> None:
+        self.target = target
+        self.client = getattr(target, "database", target).client
+        self.pipeline = pipeline or [{"$match": {"operationType": "insert"}}]
+        self.full_document = full_document
+        self.holder = self.target.watch([{"$match": {"_never": True}}]) if hold_history else None
 
     async def open(self, *, resume_after: Any = None, start_at: Any = None) -> ChangeStream:
-        cursor = self.collection.watch(
-            [{"$match": {"operationType": "insert"}}],
-            resume_after=resume_after,
-            max_await_time_ms=20,
-        )
+        try:
+            cursor = self.target.watch(
+                self.pipeline,
+                resume_after=resume_after,
+                start_at_operation_time=start_at,
+                full_document=self.full_document,
+                max_await_time_ms=20,
+            )
+        except EcoOperationFailure as error:  # mongoeco's errors are not PyMongo's
+            raise _as_server_error(error) from error
         return _MongoEcoStream(cursor)
 
     async def cluster_time(self) -> Any:
-        return None
+        return self.client.change_stream_state()["nextToken"]
+
+    def close(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
+
+
+def _as_server_error(error: Exception) -> Exception:
+    """The error a server would have answered with."""
+    text = str(error)
+    if "no longer available" in text:
+        return OperationFailure(text, code=286, details={"code": 286, "errmsg": text})
+    if "resume token" in text:
+        return OperationFailure(text, code=260, details={"code": 260, "errmsg": text})
+    return error
 
 
 class _MongoEcoStream:
@@ -86,12 +124,21 @@ class _MongoEcoStream:
         self.cursor = cursor
 
     async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
+        # Its try_next answers at once when idle; wait like a server-side max_await would,
+        # or a relay would spin and starve the writers of this very event loop.
+        deadline = asyncio.get_running_loop().time() + max_wait
         changes: list[dict[str, Any]] = []
         while len(changes) < max_size:
-            change = await self.cursor.try_next()
-            if change is None:
+            try:
+                change = await self.cursor.try_next()
+            except EcoOperationFailure as error:  # mongoeco's errors are not PyMongo's
+                raise _as_server_error(error) from error
+            if change is not None:
+                changes.append(change)
+            elif changes or asyncio.get_running_loop().time() >= deadline:
                 break
-            changes.append(change)
+            else:
+                await asyncio.sleep(0.001)
         return ChangeBatch(changes, changes[-1]["_id"] if changes else None)
 
     async def aclose(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.errors import InvalidEventError, PublishError
 from mongo_outbox.events import Event
 
 
@@ -43,11 +43,14 @@ Naming = str | Callable[[Event], str]
 def render(naming: Naming, event: Event) -> str:
     if callable(naming):
         return naming(event)
+    # An unset field is missing, not the text "None": "events.None.placed" would be routed.
+    fields = {name: value for name, value in event.__dict__.items() if value is not None}
     try:
-        return naming.format_map(event.__dict__)
-    except (KeyError, IndexError, ValueError) as error:
+        return naming.format_map(fields)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as error:
         raise InvalidEventError(
-            f"cannot render {naming!r} for event {event.id}: {error}", event_id=event.id
+            f"cannot render {naming!r} for event {event.id}: {type(error).__name__}: {error}",
+            event_id=event.id,
         ) from error
 
 
@@ -62,3 +65,7 @@ def message_headers(event: Event) -> dict[str, str]:
     if event.sequence is not None:
         headers["sequence"] = str(event.sequence)
     return headers
+
+
+def closed_error(publisher: object, event: Event) -> PublishError:
+    return PublishError(f"{type(publisher).__name__} is closed", event_id=event.id)

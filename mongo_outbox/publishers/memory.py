@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from mongo_outbox.events import Event
+from mongo_outbox.publishers.base import closed_error
 
 
 class MemoryPublisher:
@@ -24,7 +25,7 @@ class MemoryPublisher:
 
     async def publish(self, event: Event) -> None:
         if self.closed:
-            raise RuntimeError("MemoryPublisher is closed")
+            raise closed_error(self, event)
         error = self.fail(event) if self.fail else None
         if error is not None:
             raise error

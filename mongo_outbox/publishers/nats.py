@@ -7,9 +7,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mongo_outbox.errors import InvalidEventError, PublishError
+from mongo_outbox.errors import InvalidEventError
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import Naming, message_headers, render
+from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
 
 try:
     import nats
@@ -26,14 +26,15 @@ class NatsPublisher:
     """Publishes each event to a JetStream subject and waits for the stream's ack.
 
     The event id travels as ``Nats-Msg-Id``, so JetStream drops a republished event that falls
-    within the stream's duplicate window. A subject must be bound to a stream, or the publish
-    fails and the relay retries it.
+    within the stream's duplicate window (the ack then says ``duplicate``, and that counts as
+    published). A subject must be bound to a stream, or the publish fails and the relay
+    retries it.
 
     Parameters:
-        js: a ``JetStreamContext`` (``nc.jetstream()``).
+        js: a ``JetStreamContext`` (``nc.jetstream()``); its connection stays the caller's.
         subject: template or function giving the subject; default
             ``"events.{aggregate_type}.{type}"``.
-        timeout: seconds to wait for the ack.
+        timeout: seconds to wait for each ack.
     """
 
     def __init__(
@@ -42,12 +43,12 @@ class NatsPublisher:
         *,
         subject: Naming = "events.{aggregate_type}.{type}",
         timeout: float = 5.0,
-        connection: Any = None,
     ) -> None:
         self.js = js
         self.subject = subject
         self.timeout = timeout
-        self._connection = connection
+        self.closed = False
+        self._connection: Any = None  # set by connect(): the one aclose() closes
 
     @classmethod
     async def connect(
@@ -76,55 +77,48 @@ class NatsPublisher:
             )
         except asyncio.TimeoutError as error:
             raise ConnectionError(f"NATS at {url} did not answer within {2 * timeout}s") from error
-        return cls(nc.jetstream(), subject=subject, timeout=timeout, connection=nc)
+        publisher = cls(nc.jetstream(), subject=subject, timeout=timeout)
+        publisher._connection = nc
+        return publisher
 
     def subject_for(self, event: Event) -> str:
         subject = render(self.subject, event)
-        tokens = subject.split(".")
-        if not subject or any(
-            not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens
+        # Wildcards and empty tokens are not publishable; whitespace would split the protocol line.
+        if any(
+            not token or "*" in token or ">" in token or any(c.isspace() for c in token)
+            for token in subject.split(".")
         ):
             raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
         return subject
 
     async def publish(self, event: Event) -> None:
-        [error] = await self.publish_many([event])
-        if error is not None:
-            raise error
+        if self.closed:
+            raise closed_error(self, event)
+        headers = message_headers(event)
+        headers["Nats-Msg-Id"] = event.id
+        headers["Content-Type"] = "application/json"
+        # js.publish rather than publish_async: nats-py 2.16 leaves a publish_async ack future
+        # pending for ever when the stream answers with an error (nats.py#985), so a refused
+        # message would cost a whole timeout and hide the broker's reason.
+        await self.js.publish(
+            self.subject_for(event),
+            event.model_dump_json().encode(),
+            timeout=self.timeout,
+            headers=headers,
+        )
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
-        results: list[BaseException | None] = [None] * len(events)
-        pending: dict[asyncio.Future[Any], int] = {}
-        for index, event in enumerate(events):
-            headers = message_headers(event)
-            headers["Nats-Msg-Id"] = event.id
-            headers["Content-Type"] = "application/json"
-            try:
-                # publish_async only sends; every ack is awaited together below.
-                future = await self.js.publish_async(
-                    self.subject_for(event), event.model_dump_json().encode(), headers=headers
-                )
-            except Exception as error:  # noqa: BLE001 - reported per event, like a nack
-                results[index] = error
-            else:
-                pending[future] = index
-        if pending:
-            await asyncio.wait(pending, timeout=self.timeout)
-        for future, index in pending.items():
-            event = events[index]
-            if not future.done():
-                future.cancel()
-                results[index] = PublishError(
-                    f"no ack for event {event.id} within {self.timeout}s", event_id=event.id
-                )
-            elif future.exception() is not None:
-                results[index] = future.exception()
-            elif not future.result().stream:
-                results[index] = PublishError(
-                    f"no stream acknowledged event {event.id}", event_id=event.id
-                )
-        return results
+        # Every request goes out before any ack is awaited: one round trip for the lot.
+        results = await asyncio.gather(*map(self.publish, events), return_exceptions=True)
+        return [result if isinstance(result, BaseException) else None for result in results]
 
     async def aclose(self) -> None:
-        if self._connection is not None and not self._connection.is_closed:
-            await self._connection.drain()
+        self.closed = True
+        nc = self._connection
+        if nc is None or nc.is_closed or nc.is_draining:
+            return
+        if nc.is_connected:
+            await nc.drain()
+        else:
+            # drain() refuses a connection that is (re)connecting; close it as it is.
+            await nc.close()

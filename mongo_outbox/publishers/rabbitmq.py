@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mongo_outbox.errors import InvalidEventError, PublishError
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import Naming, message_headers, render
+from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
 
 try:
     import aio_pika
+    import aiormq
     from aio_pika.abc import AbstractExchange
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -19,15 +21,15 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
-    The exchange's channel must have publisher confirms and ``on_return_raises`` on (``connect``
-    does that). Messages are ``mandatory``: one that no queue is bound for comes back as an
-    error and is retried, rather than confirmed and dropped.
+    The exchange's channel must have publisher confirms on (``connect`` does that, with
+    ``on_return_raises``). Messages are ``mandatory``: one that no queue is bound for comes
+    back as an error and is retried, rather than confirmed and dropped.
 
     Parameters:
-        exchange: an aio-pika exchange on a channel with publisher confirms.
+        exchange: an aio-pika exchange on a channel with publisher confirms; its connection
+            stays the caller's.
         routing_key: template or function giving the routing key; default ``"{type}"``.
-        timeout: seconds to wait for the connection (``connect``). A publish waits for its
-            confirm without a timeout of its own: the relay bounds it with ``publish_timeout``.
+        timeout: seconds to wait for each confirm (and for the connection, in ``connect``).
     """
 
     def __init__(
@@ -36,12 +38,12 @@ class RabbitMQPublisher:
         *,
         routing_key: Naming = "{type}",
         timeout: float = 5.0,
-        connection: Any = None,
     ) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
         self.timeout = timeout
-        self._connection = connection
+        self.closed = False
+        self._connection: Any = None  # set by connect(): the one aclose() closes
 
     @classmethod
     async def connect(
@@ -54,13 +56,27 @@ class RabbitMQPublisher:
     ) -> RabbitMQPublisher:
         """Open a connection of its own and declare ``exchange`` as a durable topic exchange."""
         connection = await aio_pika.connect_robust(url, timeout=timeout)
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        declared = await channel.declare_exchange(
-            exchange, aio_pika.ExchangeType.TOPIC, durable=True
-        )
-        return cls(declared, routing_key=routing_key, timeout=timeout, connection=connection)
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            declared = await channel.declare_exchange(
+                exchange, aio_pika.ExchangeType.TOPIC, durable=True, timeout=timeout
+            )
+        except BaseException:
+            await connection.close()
+            raise
+        publisher = cls(declared, routing_key=routing_key, timeout=timeout)
+        publisher._connection = connection
+        return publisher
+
+    def routing_key_for(self, event: Event) -> str:
+        key = render(self.routing_key, event)
+        if len(key.encode()) > 255:  # an AMQP short string
+            raise InvalidEventError(f"routing key {key[:40]!r}... is too long", event_id=event.id)
+        return key
 
     async def publish(self, event: Event) -> None:
+        if self.closed:
+            raise closed_error(self, event)
         message = aio_pika.Message(
             event.model_dump_json().encode(),
             message_id=event.id,
@@ -71,12 +87,17 @@ class RabbitMQPublisher:
             correlation_id=event.correlation_id,
             headers=dict(message_headers(event)),
         )
-        await self.exchange.publish(
-            message,
-            routing_key=render(self.routing_key, event),
-            mandatory=True,
+        confirm = await self.exchange.publish(
+            message, routing_key=self.routing_key_for(event), mandatory=True, timeout=self.timeout
         )
+        # Without confirms the result is None, and without on_return_raises a returned
+        # message comes back as the result: neither means the broker has the message.
+        if not isinstance(confirm, aiormq.spec.Basic.Ack):
+            raise PublishError(
+                f"RabbitMQ did not confirm event {event.id}: {confirm!r}", event_id=event.id
+            )
 
     async def aclose(self) -> None:
+        self.closed = True
         if self._connection is not None and not self._connection.is_closed:
             await self._connection.close()

@@ -296,3 +296,172 @@ async def test_real_change_stream_publishes_committed_not_aborted() -> None:
         assert (await stream.next_batch(10, 0.05)).changes == []
         await stream.aclose()
         await client.close()
+
+
+async def test_quiet_stream_keeps_its_position_fresh(db: Any, outbox: Outbox) -> None:
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    source = ScriptedSource()
+    r = relay(outbox, MemoryPublisher(), source)
+    task = await running(r)
+    # No outbox inserts, but the server's post-batch token moved past other writes.
+    source.play(ChangeBatch([], {"_data": "pb1"}))
+
+    async def moved() -> bool:
+        return (await checkpoint(db)).get("token") == {"_data": "pb1"}
+
+    await until(moved)
+    await stopped(r, task)
+
+
+async def test_order_per_aggregate_holds_across_a_failure_and_a_recovery(
+    db: Any, outbox: Outbox
+) -> None:
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    saved = await outbox.save_with_events(
+        None, db.orders, {"_id": 1}, [Event(type="placed"), Event(type="paid"), Event(type="sent")]
+    )
+    other = await save(outbox, db, 1, start=2)
+    first = saved.events[0].id
+    failures = iter([True, True])  # the aggregate's first event fails twice
+    publisher = MemoryPublisher(
+        fail=lambda e: (
+            ConnectionError("broker away") if e.id == first and next(failures, False) else None
+        )
+    )
+    entries = list(await db.outbox.find({"aggregate_id": 1}).sort("sequence", 1).to_list(None))
+    source = ScriptedSource()
+    r = relay(outbox, publisher, source, sweep_interval=0.05)
+    task = await running(r)
+    # The stream delivers the aggregate's last events first, then loses its history.
+    source.play(
+        inserts(entries[1:] + other, "t1"),
+        inserts(entries[:1], "t2"),
+        OperationFailure("history lost", code=286),
+    )
+    await publisher.wait_for(4)
+    await stopped(r, task)
+    mine = [e.id for e in publisher.events if e.aggregate_id == 1]
+    assert mine == [e.id for e in saved.events]
+    assert r.recoveries == 1 and (await r.status()).publish_failures == 2
+
+
+async def test_a_deposed_leader_cannot_move_the_checkpoint(db: Any) -> None:
+    from datetime import timedelta
+
+    from mongo_outbox._checkpoint import Checkpoint, LeaseLost
+
+    old = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=0.2))
+    new = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=30))
+    assert await old.acquire()
+    assert not await new.acquire()  # the lease is live
+    await asyncio.sleep(0.3)  # the old leader stalls past its lease
+    assert await new.acquire()
+    assert (new.fence or 0) > (old.fence or 0)
+    with pytest.raises(LeaseLost):
+        await old.save({"_data": "stale"})
+    await new.save({"_data": "fresh"})
+    assert not await old.acquire()
+    doc = await db.outbox_relays.find_one({"_id": "orders-relay"})
+    assert doc["token"] == {"_data": "fresh"} and doc["owner"] == new.owner
+
+
+@pytest.fixture
+async def eco() -> Any:
+    """mongoeco's in-process client (it serves change streams) behind its own wire server, and a
+    real PyMongo client writing through that server."""
+    import mongoeco
+    from mongoeco.wire import AsyncMongoEcoProxyServer
+    from pymongo import AsyncMongoClient
+
+    server_side = mongoeco.AsyncMongoClient()
+    async with AsyncMongoEcoProxyServer(client=server_side) as server:
+        client: Any = AsyncMongoClient(
+            f"mongodb://127.0.0.1:{server.address.port}/?directConnection=true", tz_aware=True
+        )
+        yield server_side, client
+        await client.close()
+
+
+async def test_history_lost_on_a_real_stream_recovers_by_sweeping(
+    eco: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server_side, client = eco
+    db = client.shop
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    publisher = MemoryPublisher()
+    # Without a held watcher mongoeco keeps no history while nobody watches, like an oplog
+    # that rolled over while the relay was down.
+    source = MongoEcoSource(server_side.shop.outbox, hold_history=False)
+    first = relay(outbox, publisher, source, max_wait=0.02)
+    task = await running(first)
+    await until(lambda: _active(first))
+    before = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
+    await publisher.wait_for(1)
+    await stopped(first, task)
+    token = (await db.outbox_relays.find_one({"_id": "orders-relay"}))["token"]
+    missed = await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="placed")])
+
+    second = relay(outbox, publisher, source, max_wait=0.02)
+    with caplog.at_level("WARNING", logger="mongo_outbox.changestream"):
+        task = await running(second)
+        await publisher.wait_for(2)  # the recovery's sweep found it
+        await until(lambda: _active(second))
+    assert second.recoveries == 1
+    assert any(
+        "recovering" in r.message and "no longer available" in r.message for r in caplog.records
+    )
+    after = await outbox.save_with_events(None, db.orders, {"_id": 3}, [Event(type="placed")])
+    await publisher.wait_for(3)  # and the stream watched from the captured time
+
+    async def moved() -> bool:
+        doc = await db.outbox_relays.find_one({"_id": "orders-relay"})
+        return bool(doc.get("token")) and doc["token"] != token
+
+    await until(moved)
+    await stopped(second, task)
+    assert [e.id for e in publisher.events] == [s.events[0].id for s in (before, missed, after)]
+    source.close()
+
+
+async def test_embedded_mode_on_a_real_stream(eco: Any) -> None:
+    from mongo_outbox.changestream import WatchSource
+
+    server_side, client = eco
+    db = client.shop
+    outbox = Outbox(db, mode="embedded", collections=["orders", "carts"])
+    await outbox.ensure_indexes()
+    pipeline = WatchSource.for_outbox(outbox).pipeline
+    source = MongoEcoSource(server_side.shop, pipeline, full_document="updateLookup")
+    publisher = MemoryPublisher()
+    r = relay(outbox, publisher, source, max_wait=0.02)
+    task = await running(r)
+    await until(lambda: _active(r))
+    saves = [
+        await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")]),
+        await outbox.save_with_events(None, db.carts, {"_id": "c"}, [Event(type="filled")]),
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 1}, [Event(type="paid"), Event(type="sent")]
+        ),
+    ]
+    async with client.start_session() as session:
+        with pytest.raises(RuntimeError):
+            async with await session.start_transaction():
+                await outbox.save_with_events(session, db.orders, {"_id": 2}, [Event(type="x")])
+                raise RuntimeError("abort on purpose")
+    await db.orders.update_one({"_id": 1}, {"$set": {"note": "no events"}})
+    await publisher.wait_for(4)
+    await asyncio.sleep(0.2)  # room for a wrong extra publication to show up
+    await stopped(r, task)
+    expected = [e.id for s in saves for e in s.events]
+    assert sorted(e.id for e in publisher.events) == sorted(expected)
+    assert [e.type for e in publisher.events if e.aggregate_id == 1] == ["placed", "paid", "sent"]
+    assert await db.orders.find_one({"_id": 2}) is None
+    assert (await db.orders.find_one({"_id": 1}))["_outbox"] == []
+    status = await r.status()
+    assert status.pending == 0 and status.last_checkpoint_at is not None
+    source.close()
+
+
+async def _active(r: ChangeStreamRelay) -> bool:
+    return (await r.status()).active
