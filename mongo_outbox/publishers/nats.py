@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from mongo_outbox.errors import InvalidEventError
 from mongo_outbox.events import Event
@@ -13,6 +12,7 @@ from mongo_outbox.publishers.base import Naming, closed_error, message_headers, 
 
 try:
     import nats
+    from nats.aio.client import Client
     from nats.js import JetStreamContext
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -48,7 +48,8 @@ class NatsPublisher:
         self.subject = subject
         self.timeout = timeout
         self.closed = False
-        self._connection: Any = None  # set by connect(): the one aclose() closes
+        self.connection: Client | None = None
+        """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
 
     @classmethod
     async def connect(
@@ -78,7 +79,7 @@ class NatsPublisher:
         except asyncio.TimeoutError as error:
             raise ConnectionError(f"NATS at {url} did not answer within {2 * timeout}s") from error
         publisher = cls(nc.jetstream(), subject=subject, timeout=timeout)
-        publisher._connection = nc
+        publisher.connection = nc
         return publisher
 
     def subject_for(self, event: Event) -> str:
@@ -114,7 +115,7 @@ class NatsPublisher:
 
     async def aclose(self) -> None:
         self.closed = True
-        nc = self._connection
+        nc = self.connection
         if nc is None or nc.is_closed or nc.is_draining:
             return
         if nc.is_connected:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from mongo_outbox.errors import InvalidEventError, PublishError
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
@@ -11,7 +9,7 @@ from mongo_outbox.publishers.base import Naming, closed_error, message_headers, 
 try:
     import aio_pika
     import aiormq
-    from aio_pika.abc import AbstractExchange
+    from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "RabbitMQPublisher needs the rabbitmq extra: pip install 'mongo-outbox[rabbitmq]'"
@@ -43,7 +41,8 @@ class RabbitMQPublisher:
         self.routing_key = routing_key
         self.timeout = timeout
         self.closed = False
-        self._connection: Any = None  # set by connect(): the one aclose() closes
+        self.connection: AbstractRobustConnection | None = None
+        """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
 
     @classmethod
     async def connect(
@@ -65,7 +64,7 @@ class RabbitMQPublisher:
             await connection.close()
             raise
         publisher = cls(declared, routing_key=routing_key, timeout=timeout)
-        publisher._connection = connection
+        publisher.connection = connection
         return publisher
 
     def routing_key_for(self, event: Event) -> str:
@@ -99,5 +98,5 @@ class RabbitMQPublisher:
 
     async def aclose(self) -> None:
         self.closed = True
-        if self._connection is not None and not self._connection.is_closed:
-            await self._connection.close()
+        if self.connection is not None and not self.connection.is_closed:
+            await self.connection.close()

@@ -1,0 +1,432 @@
+"""Each publisher against its real broker: what a message carries, what the broker refuses,
+and many messages in flight at once. The relay end to end is in test_relay_brokers.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aio_pika
+import aiormq
+import nats.js.errors
+import pytest
+
+from mongo_outbox import Event, InvalidEventError, PublishError
+from mongo_outbox.publishers import (
+    BatchPublisher,
+    MemoryPublisher,
+    NatsPublisher,
+    Publisher,
+    RabbitMQPublisher,
+)
+from tests.servers import NATS_URL, RABBITMQ_URL
+
+
+def event(**fields: Any) -> Event:
+    base: dict[str, Any] = {
+        "type": "order.placed",
+        "payload": {"total": 12.5, "items": [1, 2], "note": "café"},
+        "aggregate_type": "orders",
+        "aggregate_id": 7,
+        "sequence": 3,
+        "headers": {"tenant": "acme", "trace": "t-1"},
+        "correlation_id": "corr-1",
+    }
+    return Event(**(base | fields))
+
+
+def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
+    """The relay's pattern: wave k holds the k-th event of every aggregate."""
+    return [
+        [event(aggregate_id=a, sequence=s) for a in range(aggregates)]
+        for s in range(1, per_aggregate + 1)
+    ]
+
+
+def assert_in_aggregate_order(received: Sequence[Event], sent: Sequence[Event]) -> None:
+    assert len(received) == len(sent)
+    assert {e.id: e for e in received} == {e.id: e for e in sent}
+    # Same events; and each aggregate's arrive in sequence order.
+    for aggregate in {e.aggregate_id for e in sent}:
+        sequences = [e.sequence or 0 for e in received if e.aggregate_id == aggregate]
+        assert sequences == sorted(sequences), f"aggregate {aggregate}: {sequences}"
+
+
+async def read_stream(nats_client: Any, stream: str, count: int) -> list[Any]:
+    """Every message in ``stream``, in stream order, which must hold exactly ``count``."""
+    js = nats_client.jetstream()
+    info = await js.stream_info(stream)
+    assert info.state.messages == count
+    sub = await js.subscribe(f"{stream}.>", ordered_consumer=True)
+    try:
+        return [await sub.next_msg(timeout=5) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+
+
+async def bind_queue(channel: Any, exchange: str, pattern: str = "#") -> Any:
+    """An exclusive queue bound to ``exchange`` (declared durable topic if it is not yet)."""
+    declared = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(exclusive=True)
+    await queue.bind(declared, pattern)
+    return queue
+
+
+async def drain_queue(queue: Any, count: int) -> list[Any]:
+    """``count`` messages from ``queue``, acked; and then nothing more is there.
+
+    Every message was confirmed before this runs, and RabbitMQ confirms a routed message
+    only once its queue holds it, so ``get`` need not wait."""
+    messages = []
+    for _ in range(count):
+        message = await queue.get(timeout=5)
+        await message.ack()
+        messages.append(message)
+    assert await queue.get(fail=False, timeout=5) is None
+    return messages
+
+
+@pytest.fixture
+async def channel(amqp_connection: Any, unique: str) -> AsyncIterator[Any]:
+    """A channel for the test's own queues; the exchange named ``unique`` is deleted after."""
+    channel = await amqp_connection.channel()
+    yield channel
+    await channel.exchange_delete(unique)
+    await channel.close()
+
+
+class InFlight:
+    """A counting proxy over a real broker client: how many publishes overlapped at most."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.now = 0
+        self.peak = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def publish(self, *args: Any, **kwargs: Any) -> Any:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            return await self.inner.publish(*args, **kwargs)
+        finally:
+            self.now -= 1
+
+
+# --- the contract ------------------------------------------------------------------------
+
+
+async def test_every_publisher_satisfies_the_protocol(nats_client: Any, channel: Any) -> None:
+    exchange = await channel.get_exchange("amq.topic")
+    publishers = [
+        MemoryPublisher(),
+        NatsPublisher(nats_client.jetstream()),
+        RabbitMQPublisher(exchange),
+    ]
+    assert all(isinstance(p, Publisher) for p in publishers)
+    # NATS pipelines a whole wave itself; the others get one relay task per event.
+    assert [isinstance(p, BatchPublisher) for p in publishers] == [False, True, False]
+
+
+async def test_memory_publisher_records_rehearses_failures_and_closes() -> None:
+    broken = event(type="broken")
+    publisher = MemoryPublisher(fail=lambda e: RuntimeError("no") if e.type == "broken" else None)
+    first, second = event(sequence=1), event(sequence=2)
+    await asyncio.gather(publisher.publish(first), publisher.publish(second))
+    with pytest.raises(RuntimeError, match="no"):
+        await publisher.publish(broken)
+    assert await publisher.wait_for(2, timeout=1) == [first, second]
+    with pytest.raises(asyncio.TimeoutError):
+        await publisher.wait_for(3, timeout=0.05)
+    await publisher.aclose()
+    await publisher.aclose()
+    with pytest.raises(PublishError) as closed:
+        await publisher.publish(event())
+    assert publisher.events == [first, second]
+    assert closed.value.event_id is not None
+
+
+def test_names_render_from_the_event_and_refuse_what_they_cannot_render() -> None:
+    js: Any = None  # subject_for and routing_key_for never touch the broker
+    assert NatsPublisher(js).subject_for(event()) == "events.orders.order.placed"
+    assert RabbitMQPublisher(js).routing_key_for(event()) == "order.placed"
+    custom = NatsPublisher(js, subject=lambda e: f"x.{e.headers['tenant']}.{e.aggregate_id}")
+    assert custom.subject_for(event()) == "x.acme.7"
+    templated = RabbitMQPublisher(js, routing_key="{aggregate_type}.{headers[tenant]}")
+    assert templated.routing_key_for(event()) == "orders.acme"
+    unsaved = Event(type="t")  # never went through save_with_events: no aggregate_type
+    for template in ("events.{aggregate_type}.{type}", "{nope}", "{type.nope}", "{headers[x]}"):
+        with pytest.raises(InvalidEventError) as error:
+            NatsPublisher(js, subject=template).subject_for(unsaved)
+        assert error.value.event_id == unsaved.id
+    with pytest.raises(InvalidEventError):
+        RabbitMQPublisher(js).routing_key_for(event(type="é" * 128))  # 256 bytes in UTF-8
+    assert RabbitMQPublisher(js).routing_key_for(event(type="e" * 200)) == "e" * 200
+
+
+# --- NATS JetStream ----------------------------------------------------------------------
+
+
+async def test_nats_message_carries_the_event_its_id_and_headers(
+    nats_client: Any, nats_stream: str
+) -> None:
+    publisher = await NatsPublisher.connect(
+        NATS_URL, subject=f"{nats_stream}.{{aggregate_type}}.{{type}}"
+    )
+    sent = event()
+    await publisher.publish(sent)
+    [message] = await read_stream(nats_client, nats_stream, 1)
+    assert message.subject == f"{nats_stream}.orders.order.placed"
+    assert Event.from_json(message.data) == sent
+    assert message.headers == {
+        "Nats-Msg-Id": sent.id,
+        "Content-Type": "application/json",
+        "event-type": "order.placed",
+        "aggregate-type": "orders",
+        "aggregate-id": "7",
+        "sequence": "3",
+        "tenant": "acme",
+        "trace": "t-1",
+    }
+    await publisher.aclose()
+
+
+async def test_nats_deduplicates_a_republished_event(nats_client: Any, nats_stream: str) -> None:
+    js = nats_client.jetstream()
+    publisher = NatsPublisher(js, subject=lambda e: f"{nats_stream}.{e.type}")
+    sent, other = event(), event()
+    await publisher.publish(sent)
+    await publisher.publish(sent)  # a relay retrying after a lost ack
+    await publisher.publish_many([sent, other, sent])
+    messages = await read_stream(nats_client, nats_stream, 2)
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [sent.id, other.id]
+    # The stream keys on the header: the same id once more is acked as a duplicate of seq 1.
+    ack = await js.publish(f"{nats_stream}.x", b"{}", headers={"Nats-Msg-Id": sent.id})
+    assert (ack.duplicate, ack.seq, ack.stream) == (True, 1, nats_stream)
+
+
+async def test_nats_raises_when_no_stream_takes_the_subject(nats_client: Any, unique: str) -> None:
+    publisher = NatsPublisher(nats_client.jetstream(), subject=f"{unique}.nowhere", timeout=5)
+    with pytest.raises(nats.js.errors.NoStreamResponseError):
+        await publisher.publish(event())
+
+
+async def test_nats_raises_the_streams_own_refusal(nats_client: Any, unique: str) -> None:
+    js = nats_client.jetstream()
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"], max_msg_size=64)
+    try:
+        # A long timeout: the refusal must come back as the stream's error, not as a timeout.
+        publisher = NatsPublisher(js, subject=f"{unique}.{{type}}", timeout=60)
+        with pytest.raises(nats.js.errors.BadRequestError, match="size exceeds"):
+            await publisher.publish(event())
+        [result] = await publisher.publish_many([event()])
+        assert isinstance(result, nats.js.errors.BadRequestError)
+        assert (await js.stream_info(unique)).state.messages == 0
+    finally:
+        await js.delete_stream(unique)
+
+
+@pytest.mark.parametrize(
+    "subject", ["{u}.has space", "{u}..empty", "{u}.*", "{u}.>", "{u}.a*b", "{u}.", ".{u}", ""]
+)
+async def test_nats_refuses_an_invalid_subject(
+    nats_client: Any, nats_stream: str, subject: str
+) -> None:
+    publisher = NatsPublisher(nats_client.jetstream(), subject=subject.format(u=nats_stream))
+    sent = event()
+    with pytest.raises(InvalidEventError) as error:
+        await publisher.publish(sent)
+    assert error.value.event_id == sent.id
+    assert (await nats_client.jetstream().stream_info(nats_stream)).state.messages == 0
+
+
+async def test_nats_publish_many_reports_each_event_in_order(
+    nats_client: Any, nats_stream: str
+) -> None:
+    publisher = NatsPublisher(nats_client.jetstream(), subject=lambda e: e.headers["to"])
+    good, bad, lost, also_good = (
+        event(headers={"to": f"{nats_stream}.ok"}),
+        event(headers={"to": f"{nats_stream}.not valid"}),
+        event(headers={"to": f"{nats_stream}x.nobody"}),
+        event(headers={"to": f"{nats_stream}.ok"}),
+    )
+    results = await publisher.publish_many([good, bad, lost, also_good])
+    assert results[0] is None and results[3] is None
+    assert isinstance(results[1], InvalidEventError)
+    assert isinstance(results[2], nats.js.errors.NoStreamResponseError)
+    messages = await read_stream(nats_client, nats_stream, 2)
+    assert {m.headers["Nats-Msg-Id"] for m in messages} == {good.id, also_good.id}
+
+
+async def test_nats_aclose_closes_only_what_connect_opened(
+    nats_client: Any, nats_stream: str
+) -> None:
+    owned = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    borrowed = NatsPublisher(nats_client.jetstream(), subject=f"{nats_stream}.{{type}}")
+    await owned.publish(event())
+    await borrowed.publish(event())
+    assert owned.connection is not None and owned.connection.is_connected
+    assert borrowed.connection is None
+    for publisher in (owned, borrowed):
+        await publisher.aclose()
+        await publisher.aclose()  # idempotent
+        with pytest.raises(PublishError, match="closed"):
+            await publisher.publish(event())
+        [result] = await publisher.publish_many([event()])
+        assert isinstance(result, PublishError)
+    assert owned.connection.is_closed
+    assert nats_client.is_connected  # the caller's connection is the caller's to close
+    await read_stream(nats_client, nats_stream, 2)
+
+
+async def test_nats_publishes_overlap_and_keep_per_aggregate_order(
+    nats_client: Any, nats_stream: str
+) -> None:
+    js = InFlight(nats_client.jetstream())
+    publisher = NatsPublisher(js, subject=f"{nats_stream}.{{aggregate_type}}")  # type: ignore[arg-type]
+    sent = waves(aggregates=100, per_aggregate=5)
+    for wave in sent:  # as the relay drives a BatchPublisher
+        assert await publisher.publish_many(wave) == [None] * len(wave)
+    assert js.peak > 1  # the acks were awaited together, not one round trip each
+    js.peak = 0
+    for wave in sent:  # the same events again, through publish: the stream drops them
+        await asyncio.gather(*(publisher.publish(e) for e in wave))
+    assert js.peak > 1
+    messages = await read_stream(nats_client, nats_stream, 500)
+    received = [Event.from_json(m.data) for m in messages]
+    assert_in_aggregate_order(received, [e for wave in sent for e in wave])
+
+
+async def test_nats_connect_fails_loudly_when_the_server_is_not_there() -> None:
+    with pytest.raises(ConnectionError):
+        await NatsPublisher.connect("nats://127.0.0.1:1", timeout=0.5)
+
+
+# --- RabbitMQ ----------------------------------------------------------------------------
+
+
+async def test_rabbitmq_message_is_persistent_json_and_carries_the_id(
+    channel: Any, unique: str
+) -> None:
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    queue = await bind_queue(channel, unique)
+    sent = event()
+    await publisher.publish(sent)
+    await publisher.aclose()
+    [message] = await drain_queue(queue, 1)
+    assert Event.from_json(message.body) == sent
+    assert message.message_id == sent.id
+    assert message.routing_key == "order.placed"
+    assert message.exchange == unique
+    assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+    assert message.content_type == "application/json"
+    assert message.type == "order.placed"
+    assert message.correlation_id == "corr-1"
+    assert message.timestamp == sent.occurred_at.replace(microsecond=0)
+    assert message.headers == {
+        "event-type": "order.placed",
+        "aggregate-type": "orders",
+        "aggregate-id": "7",
+        "sequence": "3",
+        "tenant": "acme",
+        "trace": "t-1",
+    }
+
+
+async def test_rabbitmq_connect_declares_a_durable_topic_exchange(
+    channel: Any, unique: str
+) -> None:
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    await publisher.aclose()
+    # Redeclaring with the same settings is accepted; any other settings are refused.
+    await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+        await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=False)
+
+
+async def test_rabbitmq_routes_by_the_configured_key(channel: Any, unique: str) -> None:
+    publisher = await RabbitMQPublisher.connect(
+        RABBITMQ_URL, exchange=unique, routing_key="{aggregate_type}.{type}"
+    )
+    orders = await bind_queue(channel, unique, "orders.#")
+    placed, paid = event(), event(type="order.paid")
+    await publisher.publish(placed)
+    await publisher.publish(paid)
+    await publisher.aclose()
+    messages = await drain_queue(orders, 2)
+    assert [m.routing_key for m in messages] == ["orders.order.placed", "orders.order.paid"]
+    assert [m.message_id for m in messages] == [placed.id, paid.id]
+
+
+async def test_rabbitmq_unroutable_message_is_an_error_not_a_drop(
+    channel: Any, unique: str
+) -> None:
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    lost = event()
+    with pytest.raises(aio_pika.exceptions.DeliveryError):  # no queue bound
+        await publisher.publish(lost)
+    # The channel survives a returned message: once a queue is bound the retry goes through.
+    queue = await bind_queue(channel, unique)
+    await publisher.publish(lost)
+    await publisher.aclose()
+    [message] = await drain_queue(queue, 1)
+    assert message.message_id == lost.id
+
+
+async def test_rabbitmq_without_a_confirm_is_an_error(amqp_connection: Any, unique: str) -> None:
+    unconfirmed = await amqp_connection.channel(publisher_confirms=False)
+    confirms_only = await amqp_connection.channel(publisher_confirms=True, on_return_raises=False)
+    try:
+        for ch in (unconfirmed, confirms_only):
+            exchange = await ch.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+            with pytest.raises(PublishError, match="did not confirm"):
+                await RabbitMQPublisher(exchange).publish(event())  # unroutable, so never kept
+    finally:
+        await confirms_only.exchange_delete(unique)
+        await unconfirmed.close()
+        await confirms_only.close()
+
+
+async def test_rabbitmq_aclose_closes_only_what_connect_opened(
+    amqp_connection: Any, channel: Any, unique: str
+) -> None:
+    owned = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    queue = await bind_queue(channel, unique)
+    confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
+    borrowed = RabbitMQPublisher(await confirming.get_exchange(unique))
+    await owned.publish(event())
+    await borrowed.publish(event())
+    assert borrowed.connection is None
+    for publisher in (owned, borrowed):
+        await publisher.aclose()
+        await publisher.aclose()  # idempotent
+        with pytest.raises(PublishError, match="closed"):
+            await publisher.publish(event())
+    assert owned.connection is not None and owned.connection.is_closed
+    assert not confirming.is_closed and not amqp_connection.is_closed
+    await confirming.close()
+    await drain_queue(queue, 2)
+
+
+async def test_rabbitmq_publishes_overlap_and_keep_per_aggregate_order(
+    amqp_connection: Any, channel: Any, unique: str
+) -> None:
+    queue = await bind_queue(channel, unique)
+    confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
+    exchange = InFlight(await confirming.get_exchange(unique))
+    publisher = RabbitMQPublisher(exchange)  # type: ignore[arg-type]
+    sent = waves(aggregates=100, per_aggregate=5)
+    for wave in sent:  # as the relay does: one event per aggregate at a time
+        await asyncio.gather(*(publisher.publish(e) for e in wave))
+    assert exchange.peak > 1  # confirms were awaited together, not one round trip each
+    await confirming.close()
+    received = [Event.from_json(m.body) for m in await drain_queue(queue, 500)]
+    assert_in_aggregate_order(received, [e for wave in sent for e in wave])
+
+
+async def test_rabbitmq_connect_fails_loudly_when_the_server_is_not_there() -> None:
+    with pytest.raises(ConnectionError):  # aio-pika's AMQPConnectionError is a ConnectionError
+        await RabbitMQPublisher.connect("amqp://guest:guest@127.0.0.1:1/", timeout=0.5)
