@@ -58,7 +58,7 @@ async def server() -> tuple[Any, Any, Any]:
         from mongo_outbox.changestream import WatchSource
 
         client: Any = AsyncMongoClient(uri, tz_aware=True)
-        return client, lambda db: WatchSource(db.outbox), client.close
+        return client, WatchSource.for_outbox, client.close
     import mongoeco
     from mongoeco.wire import AsyncMongoEcoProxyServer
 
@@ -75,7 +75,7 @@ async def server() -> tuple[Any, Any, Any]:
         await client.close()
         await proxy.close()
 
-    return client, lambda db: MongoEcoSource(eco[db.name].outbox), close
+    return client, lambda outbox: MongoEcoSource(eco[outbox.db.name].outbox), close
 
 
 async def commit(outbox: Outbox, orders: Any, n: int) -> Any:
@@ -102,7 +102,9 @@ async def latency(client: Any, source_for: Any, kind: str) -> list[float]:
     clock = AckClock(NatsPublisher(js, subject=f"{name}.{{type}}"))
     relay: Any
     if kind == "change stream":
-        relay = ChangeStreamRelay(outbox, clock, name=name, source=source_for(db), max_wait=0.005)
+        relay = ChangeStreamRelay(
+            outbox, clock, name=name, source=source_for(outbox), max_wait=0.005
+        )
     else:
         relay = PollingRelay(outbox, clock)  # default interval: 1 s
     task = asyncio.create_task(relay.run())
@@ -165,7 +167,7 @@ async def sustained(client: Any, source_for: Any, broker: str) -> float:
             await exchange.delete()
             await connection.close()
 
-    relay = ChangeStreamRelay(outbox, publisher, name=name, source=source_for(db))
+    relay = ChangeStreamRelay(outbox, publisher, name=name, source=source_for(outbox))
     start = time.perf_counter()
     published = await relay.drain()
     elapsed = time.perf_counter() - start

@@ -148,9 +148,13 @@ class WatchSource:
         return _WatchStream(await stream if inspect.isawaitable(stream) else stream)
 
     async def cluster_time(self) -> Any:
-        database = getattr(self.target, "database", self.target)
-        reply = await database.command("ping")
+        reply = await _database(self.target).command("ping")
         return reply.get("operationTime") or reply.get("$clusterTime", {}).get("clusterTime")
+
+
+def _database(target: Any) -> Any:
+    # Asked on the class: a database's attribute lookup would answer with a collection.
+    return target if callable(getattr(type(target), "command", None)) else target.database
 
 
 class _WatchStream:
@@ -165,6 +169,11 @@ class _WatchStream:
         while len(changes) < max_size:
             change = await self.stream.try_next()
             if change is None:
+                if not self.stream.alive:
+                    # The server ended the stream without a word (its invalidate went by
+                    # unseen): treat it as the invalidate it stands for.
+                    changes.append({"operationType": "invalidate"})
+                    break
                 if changes or loop.time() >= deadline:
                     break
                 continue
@@ -208,7 +217,7 @@ class ChangeStreamRelay:
         source: where changes come from; default ``WatchSource.for_outbox(outbox)``.
         batch_size, max_wait: a batch closes at ``batch_size`` changes or after ``max_wait`` s.
         lease: seconds the active relay holds its lease without renewing it; a standby takes
-            over within ``lease * 1.25`` after the active relay died, at once after ``stop()``.
+            over within ``lease * 1.25`` after it died, ``lease / 4`` after its ``stop()``.
         max_attempts: publish attempts before an entry is parked as dead-lettered (collection
             mode; embedded-mode entries are retried for ever).
         sweep_interval: most seconds between sweeps of the collections (for requeued entries,
@@ -277,6 +286,22 @@ class ChangeStreamRelay:
         then follow the stream. Resumable errors resume from the checkpoint with backoff; an
         error no retry can fix raises ChangeStreamError. ``stop()`` gives the lease up."""
         self._stopping.clear()
+        # Cancellation stands for a crash (the lease runs out); anything else gives it up.
+        cancelled = False
+        try:
+            await self._relay()
+        except asyncio.CancelledError:
+            cancelled = True
+            self.checkpoint.fence = None  # no more writes; the lease in the database runs out
+            self._enter("stopped", "cancelled")
+            raise
+        finally:
+            if not cancelled:
+                with contextlib.suppress(PyMongoError):
+                    await self.checkpoint.release()
+        self._enter("stopped", "stop() was called")
+
+    async def _relay(self) -> None:
         failures = 0
         while not self._stopping.is_set():
             try:
@@ -304,9 +329,6 @@ class ChangeStreamRelay:
                     delay,
                 )
                 await self._sleep(delay)
-        with contextlib.suppress(PyMongoError):
-            await self.checkpoint.release()
-        self._enter("stopped", "stop() was called")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -352,11 +374,11 @@ class ChangeStreamRelay:
     # -- following ----------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        token = (await self.checkpoint.load()).get("token")
-        stream = await self._open(token)
         loop = asyncio.get_running_loop()
+        # Resuming leaves the sweep to its interval; a recovery's sweep reschedules it.
         self._sweep_due = loop.time() + self.sweep_interval
         self._saved_at = float("-inf")
+        stream = await self._open((await self.checkpoint.load()).get("token"))
         try:
             while not self._stopping.is_set():
                 try:
@@ -419,14 +441,23 @@ class ChangeStreamRelay:
             reason,
         )
         start_at = await self.source.cluster_time()
-        await self._sweep()
+        if start_at is not None:
+            await self._sweep()
         try:
             stream = await self.source.open(start_at=start_at)
         except PyMongoError as error:
             if triage(error) == "fatal":
                 self._fail_unless_recoverable(error)
             raise  # run() backs off and starts over from the checkpoint
-        log.info("relay %s: watching from %s", self.name, start_at)
+        if start_at is None:
+            # No cluster time to watch from: watch from now first, then sweep, which leaves no
+            # gap either (what commits after the open is on the stream, the rest is swept).
+            try:
+                await self._sweep()
+            except BaseException:
+                await _close(stream)
+                raise
+        log.info("relay %s: watching from %s", self.name, start_at or "now")
         return stream
 
     async def _handle(self, changes: list[dict[str, Any]]) -> None:

@@ -71,8 +71,9 @@ class MongoEcoSource:
     286 or 260 here, as a server would say), and its cluster time is the hub's next token.
 
     ``target`` is a mongoeco collection or database. mongoeco records changes only while
-    someone watches; ``hold_history`` keeps a watcher open for the source's life, as an oplog
-    would keep history, so that a recovery's cluster time stays usable."""
+    someone watches, so the source holds a watcher open, as an oplog keeps history;
+    ``forget_history()`` lets go of it, so writes until the next ``cluster_time()`` leave a gap
+    that no resume token can cross, like an oplog that rolled over."""
 
     def __init__(
         self,
@@ -80,13 +81,15 @@ class MongoEcoSource:
         pipeline: list[dict[str, Any]] | None = None,
         *,
         full_document: str = "default",
-        hold_history: bool = True,
     ) -> None:
         self.target = target
-        self.client = getattr(target, "database", target).client
+        # Asked on the class: a database's attribute lookup would answer with a collection.
+        database = target if callable(getattr(type(target), "command", None)) else target.database
+        self.client = database.client
         self.pipeline = pipeline or [{"$match": {"operationType": "insert"}}]
         self.full_document = full_document
-        self.holder = self.target.watch([{"$match": {"_never": True}}]) if hold_history else None
+        self.holder: Any = None
+        self._hold()
 
     async def open(self, *, resume_after: Any = None, start_at: Any = None) -> ChangeStream:
         try:
@@ -102,11 +105,19 @@ class MongoEcoSource:
         return _MongoEcoStream(cursor)
 
     async def cluster_time(self) -> Any:
+        self._hold()
         return self.client.change_stream_state()["nextToken"]
 
-    def close(self) -> None:
+    def forget_history(self) -> None:
         if self.holder is not None:
             self.holder.close()
+            self.holder = None
+
+    close = forget_history
+
+    def _hold(self) -> None:
+        if self.holder is None:
+            self.holder = self.target.watch([{"$match": {"_never": True}}])
 
 
 def _as_server_error(error: Exception) -> Exception:

@@ -4,6 +4,11 @@ with a scripted change source, and against real change streams (mongoeco in proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import random
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,10 +16,12 @@ from pymongo.errors import AutoReconnect, OperationFailure
 
 from mongo_outbox import Backoff, ChangeStreamError, ChangeStreamRelay, Event, Outbox
 from mongo_outbox.changestream import ChangeBatch
-from mongo_outbox.publishers import MemoryPublisher
+from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.changestream_sources import MongoEcoSource, ScriptedSource, inserts
+from tests.servers import NATS_URL
 
 FAST = Backoff(initial=0.01, maximum=0.05)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def save(outbox: Outbox, db: Any, count: int, start: int = 0) -> list[dict[str, Any]]:
@@ -217,9 +224,12 @@ async def test_one_active_relay_and_a_standby_takes_over(db: Any, outbox: Outbox
     standby_task = await running(standby)
     await asyncio.sleep(0.6)
     assert not (await standby.status()).active and standby_source.opens == []
+    assert standby.state == "standby" and leader.state == "active"
     leader_task.cancel()  # the leader dies without a word
     with pytest.raises(asyncio.CancelledError):
         await leader_task
+    status = await leader.status()
+    assert status.state == "stopped" and not status.active
 
     async def took_over() -> bool:
         return (await standby.status()).active
@@ -390,9 +400,7 @@ async def test_history_lost_on_a_real_stream_recovers_by_sweeping(
     outbox = Outbox(db)
     await outbox.ensure_indexes()
     publisher = MemoryPublisher()
-    # Without a held watcher mongoeco keeps no history while nobody watches, like an oplog
-    # that rolled over while the relay was down.
-    source = MongoEcoSource(server_side.shop.outbox, hold_history=False)
+    source = MongoEcoSource(server_side.shop.outbox)
     first = relay(outbox, publisher, source, max_wait=0.02)
     task = await running(first)
     await until(lambda: _active(first))
@@ -400,6 +408,7 @@ async def test_history_lost_on_a_real_stream_recovers_by_sweeping(
     await publisher.wait_for(1)
     await stopped(first, task)
     token = (await db.outbox_relays.find_one({"_id": "orders-relay"}))["token"]
+    source.forget_history()  # the oplog rolls over while the relay is down
     missed = await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="placed")])
 
     second = relay(outbox, publisher, source, max_wait=0.02)
@@ -463,5 +472,326 @@ async def test_embedded_mode_on_a_real_stream(eco: Any) -> None:
     source.close()
 
 
+async def test_broker_outage_on_a_real_stream_and_real_nats(
+    eco: Any, nats_client: Any, unique: str
+) -> None:
+    """JetStream refuses every message until the stream exists (as when the broker is down):
+    entries back off, their aggregates wait, and once it is back everything arrives once, in
+    order per aggregate."""
+    server_side, client = eco
+    db = client.shop
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    source = MongoEcoSource(server_side.shop.outbox)
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{unique}.{{type}}", timeout=1.0)
+    r = relay(outbox, publisher, source, max_wait=0.02, max_attempts=1000, sweep_interval=0.2)
+    task = await running(r)
+    await until(lambda: _active(r))
+    saved = [
+        await outbox.save_with_events(
+            None, db.orders, {"_id": n % 2}, [Event(type="placed"), Event(type="paid")]
+        )
+        for n in range(4)
+    ]
+
+    async def failing() -> bool:
+        return (await r.status()).publish_failures >= 3
+
+    await until(failing)
+    js = nats_client.jetstream()
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"])
+    try:
+
+        async def all_published() -> bool:
+            return (await r.status()).pending == 0
+
+        await until(all_published, timeout=20)
+        await stopped(r, task)
+        assert (await js.stream_info(unique)).state.messages == 8
+        sub = await js.subscribe(f"{unique}.>", ordered_consumer=True)
+        received = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(8)]
+        await sub.unsubscribe()
+    finally:
+        await js.delete_stream(unique)
+        await publisher.aclose()
+        source.close()
+    for order in (0, 1):
+        expected = [e.id for s in saved for e in s.events if e.aggregate_id == order]
+        assert [e.id for e in received if e.aggregate_id == order] == expected
+
+
+class KillSwitch:
+    """Publishes into ``inner``; right after the ``after``-th confirm it cancels ``task``: the
+    process dies between the broker's confirm and the relay's next write."""
+
+    def __init__(self, inner: MemoryPublisher, after: int) -> None:
+        self.inner = inner
+        self.after = after
+        self.confirmed = 0
+        self.fired = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def publish(self, event: Event) -> None:
+        await self.inner.publish(event)
+        self.confirmed += 1
+        if self.confirmed == self.after and self.task is not None:
+            self.fired = 1
+            self.task.cancel()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: str) -> None:
+    """In-process stand-in for the SIGKILL test below (it needs a replica set): rounds of
+    committed and aborted saves, each followed by a relay cancelled at a random point (mid-batch,
+    after a confirm and before settling or checkpointing, mid-sweep...), then a last relay. Every
+    committed event is published at least once, no aborted one, and first publications keep
+    sequence order per aggregate. (Saves run while no relay writes: the emulator's transactions
+    conflict per collection, see docs/testing.md.)"""
+    from mongo_outbox.changestream import WatchSource
+
+    server_side, client = eco
+    db = client.shop
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    if mode == "collection":
+        source = MongoEcoSource(server_side.shop.outbox)
+    else:
+        pipeline = WatchSource.for_outbox(outbox).pipeline
+        source = MongoEcoSource(server_side.shop, pipeline, full_document="updateLookup")
+    publisher = MemoryPublisher()
+    chance = random.Random(7)
+    committed: list[str] = []
+    aborted: list[str] = []
+    options: dict[str, Any] = {"max_wait": 0.01, "lease": 0.3, "claim_lease": 0.5}
+    options |= {"publish_timeout": 0.2, "sweep_interval": 0.3, "batch_size": 7}
+    kills_after_confirm = 0
+    # A first relay gets a checkpoint, so that the crashing ones resume the stream.
+    first = relay(outbox, publisher, source, **options)
+    task = await running(first)
+    await until(lambda: _active(first))
+    saved = await outbox.save_with_events(None, db.orders, {"_id": 0}, [Event(type="step")])
+    committed += [e.id for e in saved.events]
+    await until(lambda: _has_token(db))
+    await stopped(first, task)
+    for _ in range(8):
+        for _ in range(25):
+            order = chance.randrange(6)
+            if chance.random() < 0.1:
+                async with client.start_session() as session:
+                    with pytest.raises(RuntimeError):
+                        async with await session.start_transaction():
+                            doomed = Event(type="doomed")
+                            aborted.append(doomed.id)
+                            await outbox.save_with_events(
+                                session, db.orders, {"_id": order}, [doomed]
+                            )
+                            raise RuntimeError("abort on purpose")
+                continue
+            saved = await outbox.save_with_events(
+                None, db.orders, {"_id": order}, [Event(type="step")]
+            )
+            committed += [e.id for e in saved.events]
+        switch = KillSwitch(publisher, after=chance.randint(1, 12))
+        crashing = relay(outbox, switch, source, **options)
+        task = switch.task = await running(crashing)
+        # Active once the last one's lease ran out (or already dead after a confirm).
+        await until(functools.partial(_active_or_done, crashing, task))
+        # It dies right after a confirm, before settling, or else at a random time.
+        await asyncio.wait({task}, timeout=chance.uniform(0.0, 0.3))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        kills_after_confirm += switch.fired
+    last = relay(outbox, publisher, source, **options)
+    task = await running(last)
+
+    async def all_published() -> bool:
+        return (await last.status()).pending == 0
+
+    await until(all_published, timeout=30)
+    await stopped(last, task)
+    source.close()
+    ids = [e.id for e in publisher.events]
+    assert set(ids) == set(committed) and not set(ids) & set(aborted)
+    seen: set[str] = set()
+    sequences: dict[Any, list[int]] = {}
+    for event in publisher.events:
+        if event.id not in seen:
+            seen.add(event.id)
+            sequences.setdefault(event.aggregate_id, []).append(event.sequence or 0)
+    assert all(s == list(range(1, len(s) + 1)) for s in sequences.values()), sequences
+    # Nothing is marked published that the broker did not confirm, nor left behind.
+    if mode == "collection":
+        marked = await db.outbox.distinct("_id", {"status": "published"})
+        assert set(marked) == set(committed)
+    else:
+        assert all(d["_outbox"] == [] for d in await db.orders.find().to_list(None))
+    # The rounds did crash between a confirm and the relay's next write, and that republished.
+    assert kills_after_confirm > 0 and len(ids) > len(set(ids))
+
+
 async def _active(r: ChangeStreamRelay) -> bool:
     return (await r.status()).active
+
+
+async def _active_or_done(r: ChangeStreamRelay, task: asyncio.Task[None]) -> bool:
+    return task.done() or await _active(r)
+
+
+@pytest.mark.replica_set
+async def test_watch_source_on_a_replica_set(db: Any, outbox: Outbox) -> None:
+    """PyMongo's own watch(): runs where MONGODB_URI or Docker gives a real replica set."""
+    publisher = MemoryPublisher()
+    r = ChangeStreamRelay(outbox, publisher, name="orders-relay", backoff=FAST)
+    task = await running(r)
+
+    async def watching() -> bool:
+        return (await checkpoint(db)).get("fence") is not None
+
+    await until(watching)
+    await asyncio.sleep(0.5)  # past the recovery sweep: what follows comes from the stream
+    saved = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
+    await publisher.wait_for(1)
+    await until(lambda: _has_token(db))
+    await stopped(r, task)
+    assert [e.id for e in publisher.events] == [e.id for e in saved.events]
+
+
+async def _has_token(db: Any) -> bool:
+    return (await checkpoint(db)).get("token") is not None
+
+
+async def test_stop_hands_the_lease_over_at_once(db: Any, outbox: Outbox) -> None:
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    # A lease far longer than the test's timeout: only stop()'s release lets the standby in.
+    leader = relay(outbox, MemoryPublisher(), ScriptedSource(), lease=60.0)
+    standby = relay(outbox, MemoryPublisher(), ScriptedSource(), lease=0.4)
+    leader_task = await running(leader)
+    await until(lambda: _active(leader))
+    standby_task = await running(standby)
+    await stopped(leader, leader_task)
+    assert leader.state == "stopped"
+    await until(lambda: _active(standby), timeout=5)
+    assert standby.state == "active"
+    await stopped(standby, standby_task)
+
+
+@pytest.mark.replica_set
+async def test_embedded_mode_on_a_replica_set(db: Any) -> None:
+    """PyMongo's watch() of the database, with post-images looked up."""
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.ensure_indexes()
+    publisher = MemoryPublisher()
+    r = ChangeStreamRelay(outbox, publisher, name="orders-relay", backoff=FAST)
+    task = await running(r)
+    await until(lambda: _has_token(db))
+    saved = await outbox.save_with_events(
+        None, db.orders, {"_id": 1}, [Event(type="placed"), Event(type="paid")]
+    )
+    await publisher.wait_for(2)
+    await stopped(r, task)
+    assert [e.id for e in publisher.events] == [e.id for e in saved.events]
+    assert (await db.orders.find_one({"_id": 1}))["_outbox"] == []
+
+
+@pytest.mark.replica_set
+async def test_dropped_outbox_collection_recovers_on_a_replica_set(db: Any, outbox: Outbox) -> None:
+    """A real invalidate: the watched collection is dropped and created again."""
+    publisher = MemoryPublisher()
+    r = ChangeStreamRelay(outbox, publisher, name="orders-relay", backoff=FAST)
+    task = await running(r)
+    await until(lambda: _has_token(db))
+    await db.outbox.drop()
+    await outbox.ensure_indexes()
+
+    async def recovered() -> bool:
+        return r.recoveries >= 2  # the first start, then the drop
+
+    await until(recovered)
+    await asyncio.sleep(0.5)  # watching again from the captured time
+    saved = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
+    await publisher.wait_for(1)
+    await stopped(r, task)
+    assert [e.id for e in publisher.events] == [e.id for e in saved.events]
+
+
+@pytest.mark.replica_set
+async def test_relay_processes_killed_at_random_lose_nothing(
+    mongo: Any, db: Any, outbox: Outbox, nats_client: Any, nats_stream: str
+) -> None:
+    """Two relay processes of one name, each SIGKILLed at a random point and restarted, while
+    a writer commits (and sometimes aborts) a couple of thousand events: every committed event
+    reaches JetStream at least once (deduplicated there by event id), none of the aborted, in
+    sequence order per aggregate."""
+    committed: list[Event] = []
+    aborted: list[str] = []
+    writing = True
+
+    async def write() -> None:
+        nonlocal writing
+        chance = random.Random(1)
+        for n in range(2000):
+            order = chance.randrange(50)
+            if n % 10 == 9:
+                async with db.client.start_session() as session:
+                    with pytest.raises(RuntimeError):
+                        async with await session.start_transaction():
+                            doomed = Event(type="doomed")
+                            aborted.append(doomed.id)
+                            await outbox.save_with_events(
+                                session, db.orders, {"_id": order}, [doomed]
+                            )
+                            raise RuntimeError("abort on purpose")
+                continue
+            saved = await outbox.save_with_events(
+                None, db.orders, {"_id": order}, [Event(type="step")]
+            )
+            committed.extend(saved.events)
+        writing = False
+
+    async def relay_process(seed: int) -> None:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.crash.changestream_process",
+            mongo.uri,
+            db.name,
+            nats_stream,
+            "orders-relay",
+            str(seed),
+            cwd=ROOT,
+        )
+        assert await asyncio.wait_for(process.wait(), 60) == -9  # only ever killed
+
+    async def keep_two_relays_dying() -> None:
+        seed = 0
+        while writing:
+            seed += 2
+            await asyncio.gather(relay_process(seed), relay_process(seed + 1))
+
+    await asyncio.wait_for(asyncio.gather(write(), keep_two_relays_dying()), 110)
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    last = ChangeStreamRelay(outbox, publisher, name="orders-relay", lease=1.0, claim_lease=2.0)
+    task = await running(last)
+
+    async def all_published() -> bool:
+        return (await last.status()).pending == 0
+
+    await until(all_published, timeout=30)
+    await stopped(last, task)
+    await publisher.aclose()
+    js = nats_client.jetstream()
+    count = (await js.stream_info(nats_stream)).state.messages
+    assert count == len(committed)
+    sub = await js.subscribe(f"{nats_stream}.>", ordered_consumer=True)
+    received = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(count)]
+    await sub.unsubscribe()
+    assert {e.id for e in received} == {e.id for e in committed}
+    assert not {e.id for e in received} & set(aborted)
+    sequences: dict[Any, list[int]] = {}
+    for event in received:
+        sequences.setdefault(event.aggregate_id, []).append(event.sequence or 0)
+    assert all(s == sorted(s) for s in sequences.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pymongo import AsyncMongoClient
 from pymongo.errors import (
     AutoReconnect,
     ConfigurationError,
@@ -16,7 +17,7 @@ from pymongo.errors import (
     OperationFailure,
 )
 
-from mongo_outbox.changestream import WatchSource, touches_outbox, triage
+from mongo_outbox.changestream import WatchSource, _database, touches_outbox, triage
 
 
 @pytest.mark.parametrize(
@@ -93,6 +94,7 @@ class FakeDriverStream:
         self.changes = list(changes)
         self.resume_token: Any = None
         self.closed = False
+        self.alive = True
 
     async def try_next(self) -> dict[str, Any] | None:
         if not self.changes:
@@ -153,3 +155,20 @@ async def test_watch_source_starts_at_a_cluster_time_with_post_images() -> None:
             },
         )
     ]
+
+
+async def test_a_stream_the_server_ended_reads_as_an_invalidate() -> None:
+    driver = FakeDriverStream([change(1)])
+    stream = await WatchSource(FakeWatchable(driver)).open()
+    assert [c["_id"] for c in (await stream.next_batch(10, 0.01)).changes] == [{"_data": "t1"}]
+    driver.alive = False  # closed by the server, e.g. after an invalidate a filter dropped
+    batch = await stream.next_batch(10, 1.0)
+    assert [c["operationType"] for c in batch.changes] == ["invalidate"]
+
+
+async def test_cluster_time_is_asked_of_the_database_of_a_collection_or_of_itself() -> None:
+    # A database answers any attribute with a collection, ``db.database`` included.
+    client: Any = AsyncMongoClient("mongodb://127.0.0.1:1", connect=False)
+    assert _database(client.shop) == client.shop
+    assert _database(client.shop.outbox) == client.shop
+    await client.close()

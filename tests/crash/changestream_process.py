@@ -1,0 +1,70 @@
+"""A ChangeStreamRelay process that SIGKILLs itself at a random point: right after a broker
+confirmed an event (before it is marked published or checkpointed), or after a random time
+(anywhere: mid-batch, mid-checkpoint, mid-sweep, while standing by).
+
+Usage: python -m tests.crash.changestream_process URI DB STREAM RELAY_NAME SEED
+Publishes to the JetStream stream STREAM (subjects ``STREAM.<type>``). Needs a server that
+serves change streams (a replica set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox
+from mongo_outbox.publishers import NatsPublisher, Publisher
+from tests.servers import NATS_URL
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAfterConfirms:
+    """Publishes through ``inner``; dies on the spot once ``limit`` events are confirmed."""
+
+    def __init__(self, inner: Publisher, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.confirmed = 0
+
+    async def publish(self, event: Event) -> None:
+        await self.inner.publish(event)
+        self.confirmed += 1
+        if self.confirmed >= self.limit:
+            die()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def main(uri: str, db_name: str, stream: str, name: str, seed: int) -> None:
+    chance = random.Random(seed)
+    client: Any = AsyncMongoClient(uri, tz_aware=True)
+    outbox = Outbox(client[db_name])
+    inner = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
+    relay = ChangeStreamRelay(
+        outbox,
+        KillAfterConfirms(inner, chance.randint(1, 60)),
+        name=name,
+        lease=1.0,
+        claim_lease=2.0,
+        publish_timeout=1.0,
+        sweep_interval=1.0,
+        batch_size=chance.choice([1, 10, 100]),
+        backoff=Backoff(initial=0.05, maximum=0.5),
+    )
+    asyncio.get_running_loop().call_later(chance.uniform(0.2, 3.0), die)
+    await relay.run()
+
+
+if __name__ == "__main__":
+    uri, db_name, stream, name, seed = sys.argv[1:]
+    asyncio.run(main(uri, db_name, stream, name, int(seed)))
