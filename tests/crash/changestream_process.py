@@ -10,39 +10,16 @@ serves change streams (a replica set).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox
-from mongo_outbox.publishers import NatsPublisher, Publisher
+from mongo_outbox import Backoff, ChangeStreamRelay, Outbox
+from mongo_outbox.publishers import NatsPublisher
+from tests.crash.relay_process import KillAfter, die
 from tests.servers import NATS_URL
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillAfterConfirms:
-    """Publishes through ``inner``; dies on the spot once ``limit`` events are confirmed."""
-
-    def __init__(self, inner: Publisher, limit: int) -> None:
-        self.inner = inner
-        self.limit = limit
-        self.confirmed = 0
-
-    async def publish(self, event: Event) -> None:
-        await self.inner.publish(event)
-        self.confirmed += 1
-        if self.confirmed >= self.limit:
-            die()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def main(uri: str, db_name: str, stream: str, name: str, seed: int) -> None:
@@ -52,7 +29,7 @@ async def main(uri: str, db_name: str, stream: str, name: str, seed: int) -> Non
     inner = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
     relay = ChangeStreamRelay(
         outbox,
-        KillAfterConfirms(inner, chance.randint(1, 60)),
+        KillAfter(inner, chance.randint(1, 60)),
         name=name,
         lease=1.0,
         claim_lease=2.0,

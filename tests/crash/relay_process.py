@@ -20,6 +20,10 @@ from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 from tests.servers import NATS_URL, RABBITMQ_URL
 
 
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class KillAfter:
     """Publishes through ``inner``; once ``limit`` events are confirmed, dies on the spot."""
 
@@ -32,7 +36,7 @@ class KillAfter:
         await self.inner.publish(event)
         self.confirmed += 1
         if self.confirmed >= self.limit:
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
 
     async def aclose(self) -> None:
         await self.inner.aclose()
