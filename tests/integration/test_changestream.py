@@ -268,7 +268,7 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, outbox: Outbo
 
 
 async def test_real_change_stream_publishes_committed_not_aborted() -> None:
-    import mongoeco
+    mongoeco = pytest.importorskip("mongoeco", reason="mongoeco needs Python >= 3.13")
     from mongoeco.wire import AsyncMongoEcoProxyServer
     from pymongo import AsyncMongoClient
 
@@ -379,7 +379,7 @@ async def test_a_deposed_leader_cannot_move_the_checkpoint(db: Any) -> None:
 async def eco() -> Any:
     """mongoeco's in-process client (it serves change streams) behind its own wire server, and a
     real PyMongo client writing through that server."""
-    import mongoeco
+    mongoeco = pytest.importorskip("mongoeco", reason="mongoeco needs Python >= 3.13")
     from mongoeco.wire import AsyncMongoEcoProxyServer
     from pymongo import AsyncMongoClient
 
