@@ -112,6 +112,7 @@ class Inbox:
             [("consumer", 1), ("source", 1), ("message_id", 1)], unique=True, name="identity"
         )
         await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
+        self._indexed = True
 
     async def uses_transactions(self) -> bool:
         """Whether guarded handlers run in transactions (asks the server once if not told)."""
