@@ -125,7 +125,6 @@ class Inbox:
         # Without the unique index nothing would be deduplicated: never run without it.
         if not self._indexed:
             await self.ensure_indexes()
-            self._indexed = True
         return await self.uses_transactions()
 
     async def failed(self) -> list[dict[str, Any]]:
