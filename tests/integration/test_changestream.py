@@ -36,6 +36,17 @@ async def save(outbox: Outbox, db: Any, count: int, start: int = 0) -> list[dict
     return list(await db.outbox.find({"_id": {"$in": ids}}).sort("_id", 1).to_list(None))
 
 
+async def save_aborted(outbox: Outbox, db: Any, order: int) -> str:
+    """Save an event in a transaction aborted on purpose; return the id that must never appear."""
+    doomed = Event(type="doomed")
+    async with db.client.start_session() as session:
+        with pytest.raises(RuntimeError):
+            async with await session.start_transaction():
+                await outbox.save_with_events(session, db.orders, {"_id": order}, [doomed])
+                raise RuntimeError("abort on purpose")
+    return doomed.id
+
+
 def relay(outbox: Outbox, publisher: Any, source: Any, **options: Any) -> ChangeStreamRelay:
     return ChangeStreamRelay(
         outbox,
@@ -580,15 +591,7 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
         for _ in range(25):
             order = chance.randrange(6)
             if chance.random() < 0.1:
-                async with client.start_session() as session:
-                    with pytest.raises(RuntimeError):
-                        async with await session.start_transaction():
-                            doomed = Event(type="doomed")
-                            aborted.append(doomed.id)
-                            await outbox.save_with_events(
-                                session, db.orders, {"_id": order}, [doomed]
-                            )
-                            raise RuntimeError("abort on purpose")
+                aborted.append(await save_aborted(outbox, db, order))
                 continue
             saved = await outbox.save_with_events(
                 None, db.orders, {"_id": order}, [Event(type="step")]
@@ -736,15 +739,7 @@ async def test_relay_processes_killed_at_random_lose_nothing(
         for n in range(2000):
             order = chance.randrange(50)
             if n % 10 == 9:
-                async with db.client.start_session() as session:
-                    with pytest.raises(RuntimeError):
-                        async with await session.start_transaction():
-                            doomed = Event(type="doomed")
-                            aborted.append(doomed.id)
-                            await outbox.save_with_events(
-                                session, db.orders, {"_id": order}, [doomed]
-                            )
-                            raise RuntimeError("abort on purpose")
+                aborted.append(await save_aborted(outbox, db, order))
                 continue
             saved = await outbox.save_with_events(
                 None, db.orders, {"_id": order}, [Event(type="step")]
