@@ -23,7 +23,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from pymongo import ReturnDocument
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from mongo_outbox._driver import start_session
 from mongo_outbox.backoff import Backoff
@@ -117,7 +117,14 @@ class Inbox:
     async def uses_transactions(self) -> bool:
         """Whether guarded handlers run in transactions (asks the server once if not told)."""
         if self.transactional is None:
-            hello = await self.db.client.admin.command("hello")
+            admin = self.db.client.admin
+            try:
+                hello = await admin.command("hello")
+            except OperationFailure:  # servers before 4.4.2 only know the legacy name
+                hello = await admin.command("isMaster")
+            # Only replica set members and mongos run transactions. A server that emulates
+            # transactions while reporting itself standalone (the mongoeco emulator) gets the
+            # leased mode unless told otherwise: ``transactional=True``.
             self.transactional = "setName" in hello or hello.get("msg") == "isdbgrid"
         return self.transactional
 
@@ -212,6 +219,11 @@ class Guarded:
                 if await self.inbox._prepare():
                     return await self._transactional(event, source, message_id)
                 return await self._leased(event, source, message_id)
+        except PyMongoError as error:
+            # The inbox itself could not be read or written (MongoDB unreachable, say): not the
+            # message's fault, so not an attempt, and no reason to stop the consumer.
+            log.warning("inbox of %s unavailable, retry later: %s", self.inbox.consumer, error)
+            return Result(Outcome.RETRY, 0, self.backoff.delay(1), f"inbox unavailable: {error}")
         finally:
             busy.users -= 1
             if not busy.users:
@@ -235,21 +247,26 @@ class Guarded:
             nonlocal before
             now = utc_now()
             # The one write the inbox adds: done, in the handler's transaction.
-            before = await coll.find_one_and_update(
-                identity,
-                {
-                    "$set": {
-                        "status": "done",
-                        "event_type": event.type,
-                        "processed_at": now,
-                        "expire_at": now + self.inbox.retention,
+            try:
+                before = await coll.find_one_and_update(
+                    identity,
+                    {
+                        "$set": {
+                            "status": "done",
+                            "event_type": event.type,
+                            "processed_at": now,
+                            "expire_at": now + self.inbox.retention,
+                        },
+                        "$inc": {"attempts": 1},
                     },
-                    "$inc": {"attempts": 1},
-                },
-                upsert=True,
-                return_document=ReturnDocument.BEFORE,
-                session=session,
-            )
+                    upsert=True,
+                    return_document=ReturnDocument.BEFORE,
+                    session=session,
+                )
+            except DuplicateKeyError as error:
+                # Two first deliveries raced to create the record. Only this write's duplicate
+                # key means that: the handler's own DuplicateKeyError is a handler failure.
+                raise _Racing from error
             if before is not None and before.get("status") in ("done", "failed"):
                 raise _Duplicate  # abort: a duplicate leaves the record as it was
             await self._run(event, session, _attempts(before) + 1)
@@ -261,10 +278,17 @@ class Guarded:
             return Result(Outcome.DUPLICATE, _attempts(before))
         except PoisonMessage as error:
             return await self._poison(event, identity, _attempts(before) + 1, str(error))
-        except DuplicateKeyError:
-            # Two first deliveries raced to create the record; whichever lost tries again.
-            return Result(Outcome.RETRY, _attempts(before) + 1, self.backoff.delay(1), "racing")
+        except _Racing:
+            # Whichever lost tries again, and will find the winner's record.
+            return Result(Outcome.RETRY, _attempts(before), self.backoff.delay(1), "racing")
         except Exception as error:  # noqa: BLE001 - any handler failure is retried or poisoned
+            if _is_conflict(error) or isinstance(error, ConnectionFailure):
+                # Another transaction won, or MongoDB was out of reach: not the message's fault,
+                # so not an attempt that counts towards max_attempts (a duplicate, or every
+                # message during an outage, would be dead-lettered). The transaction rolled
+                # back the record's count too.
+                text = f"{type(error).__name__}: {error}"
+                return Result(Outcome.RETRY, _attempts(before), self.backoff.delay(1), text)
             return await self._failed(event, identity, _attempts(before) + 1, error)
         return Result(Outcome.HANDLED, _attempts(before) + 1)
 
@@ -383,6 +407,29 @@ class Guarded:
 
 class _Duplicate(Exception):
     pass
+
+
+class _Racing(Exception):
+    pass
+
+
+def _is_conflict(error: BaseException) -> bool:
+    """Whether a transaction failed because another one touched the same documents.
+
+    ``with_transaction`` retries labelled conflicts (and commits of unknown outcome) for up to
+    two minutes; a labelled one that still reaches us ran out of that time, and the redelivery
+    will find out whether it committed. The mongoeco emulator reports a conflict at commit with
+    neither the code (112) nor the label, only its message.
+    """
+    if not isinstance(error, PyMongoError):
+        return False
+    if error.has_error_label("TransientTransactionError") or error.has_error_label(
+        "UnknownTransactionCommitResult"
+    ):
+        return True
+    if isinstance(error, OperationFailure) and error.code == 112:
+        return True
+    return "write conflict" in str(error).lower()
 
 
 class _Busy:
