@@ -38,9 +38,11 @@ class Store(Protocol):
     attempts: dict[str, int]
     """Earlier failed attempts of each claimed event, by event id."""
 
-    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
-        """Lease up to ``limit`` entries. Returns them grouped per aggregate in sequence order,
-        and whether more may be claimable right now."""
+    async def claim(
+        self, limit: int, lease: timedelta, until: datetime | None = None
+    ) -> tuple[list[list[Event]], bool]:
+        """Lease up to ``limit`` entries due by ``until`` (default: now). Returns them grouped per
+        aggregate in sequence order, and whether more may be claimable right now."""
 
     async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
         """Mark ``published`` as published and push ``failed`` (and what queues behind them in
@@ -69,11 +71,13 @@ class CollectionStore:
         self.token = ""
         self.attempts: dict[str, int] = {}
 
-    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
+    async def claim(
+        self, limit: int, lease: timedelta, until: datetime | None = None
+    ) -> tuple[list[list[Event]], bool]:
         now = utc_now()
         self.token = uuid.uuid4().hex
         self.attempts = {}
-        due = {"status": "pending", "available_at": {"$lte": now}}
+        due = {"status": "pending", "available_at": {"$lte": min(now, until or now)}}
         candidates = (
             await self.coll.find(due, projection={"aggregate_type": 1, "aggregate_id": 1})
             .sort("available_at", 1)
@@ -236,7 +240,9 @@ class EmbeddedStore:
         self.docs: list[tuple[str, Any]] = []
         self.owners: dict[str, tuple[str, Any]] = {}
 
-    async def claim(self, limit: int, lease: timedelta) -> tuple[list[list[Event]], bool]:
+    async def claim(
+        self, limit: int, lease: timedelta, until: datetime | None = None
+    ) -> tuple[list[list[Event]], bool]:
         now = utc_now()
         self.token = uuid.uuid4().hex
         self.docs, self.owners, self.attempts = [], {}, {}
@@ -244,7 +250,7 @@ class EmbeddedStore:
         more = False
         for name in self.outbox.collections:
             coll = self.outbox.db[name]
-            due = {self.due: {"$lte": now}}
+            due = {self.due: {"$lte": min(now, until or now)}}
             ids = [
                 d["_id"]
                 for d in await coll.find(due, projection={"_id": 1})

@@ -166,7 +166,9 @@ class _WatchStream:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait
         # Each try_next is one getMore that the server holds open up to max_await_ms when idle.
-        while len(changes) < max_size:
+        # The deadline is checked between changes too: a steady trickle never leaves try_next
+        # empty-handed, and must not hold a batch until max_size.
+        while len(changes) < max_size and not (changes and loop.time() >= deadline):
             change = await self.stream.try_next()
             if change is None:
                 if not self.stream.alive:
@@ -246,6 +248,9 @@ class ChangeStreamRelay:
     ) -> None:
         if min(max_wait, sweep_interval, lease) <= 0:
             raise ValueError("max_wait, sweep_interval and lease must be positive")
+        if not 0 < publish_timeout < claim_lease:
+            # Else a sweep could take an entry over while its first publish may still succeed.
+            raise ValueError("publish_timeout must be positive and shorter than claim_lease")
         self.outbox = outbox
         self.publisher = publisher
         self.name = name
@@ -485,8 +490,11 @@ class ChangeStreamRelay:
         """Publish what is due in the collections, renewing the lease between rounds; then
         schedule the next sweep for when the earliest entry left behind comes due."""
         total = 0
+        # Only what was due when the sweep began: later entries are on the stream, and a sweep
+        # chasing a busy writer would never hand over to it.
+        until = utc_now()
         while True:
-            published, more = await self._poller.publish_batch()
+            published, more = await self._poller.publish_batch(until)
             total += published
             if not more or self._stopping.is_set():
                 break

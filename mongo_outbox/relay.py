@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo.errors import PyMongoError
@@ -112,9 +112,10 @@ class PollingRelay:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def publish_batch(self) -> tuple[int, bool]:
-        """One round: claim, publish, settle. Returns (published, more may be waiting)."""
-        groups, more = await self._store.claim(self.batch_size, self.lease)
+    async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:
+        """One round: claim (what is due by ``until``, default now), publish, settle. Returns
+        (published, more may be waiting)."""
+        groups, more = await self._store.claim(self.batch_size, self.lease, until)
         if not groups:
             return 0, more
         published = await self._publish_and_settle(groups)

@@ -127,14 +127,22 @@ class MongoEcoSource:
             self.holder = self.target.watch([{"$match": {"_never": True}}])
 
 
-def _as_server_error(error: Exception) -> Exception:
-    """The error a server would have answered with."""
+def server_error_code(error: Exception) -> int | None:
+    """The code a server would have answered mongoeco's uncoded error with:
+    ChangeStreamHistoryLost (286) or InvalidResumeToken (260)."""
     text = str(error)
     if "no longer available" in text:
-        return OperationFailure(text, code=286, details={"code": 286, "errmsg": text})
+        return 286
     if "resume token" in text:
-        return OperationFailure(text, code=260, details={"code": 260, "errmsg": text})
-    return error
+        return 260
+    return None
+
+
+def _as_server_error(error: Exception) -> Exception:
+    code = server_error_code(error)
+    if code is None:
+        return error
+    return OperationFailure(str(error), code=code, details={"code": code, "errmsg": str(error)})
 
 
 class _MongoEcoStream:

@@ -30,16 +30,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    assert MONGO is not None
-    if MONGO.change_streams:
-        return
-    skip = pytest.mark.skip(reason=f"needs a real replica set; running on {MONGO.kind}")
-    for item in items:
-        if "replica_set" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def mongo() -> MongoServer:
     assert MONGO is not None

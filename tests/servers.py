@@ -2,7 +2,8 @@
 
 MongoDB, most faithful first: ``MONGODB_URI`` (a real replica set); a single-node replica set in
 Docker through testcontainers, when a Docker engine answers; else the mongoeco wire-protocol
-emulator in a subprocess (real transactions, unique and TTL indexes; no change streams).
+emulator in a subprocess (real transactions, unique and TTL indexes; change streams through the
+shim in ``tests/mongo_emulator.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ class MongoServer:
     uri: str
     kind: str  # "replica-set" | "emulator"
     description: str
-    change_streams: bool
     _stop: list[Any] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -34,7 +34,7 @@ class MongoServer:
 def start_mongo() -> MongoServer:
     uri = os.environ.get("MONGODB_URI")
     if uri:
-        return MongoServer(uri, "replica-set", f"MONGODB_URI ({_redact(uri)})", True)
+        return MongoServer(uri, "replica-set", f"MONGODB_URI ({_redact(uri)})")
     if _docker_answers():
         return _start_container()
     return start_emulator()
@@ -65,8 +65,7 @@ def start_emulator() -> MongoServer:
     return MongoServer(
         f"mongodb://127.0.0.1:{line[1]}/?directConnection=true",
         "emulator",
-        f"mongoeco {line[2]} wire emulator on port {line[1]} (no change streams)",
-        False,
+        f"mongoeco {line[2]} wire emulator on port {line[1]} (change streams through a test shim)",
         [stop],
     )
 
@@ -104,7 +103,6 @@ def _start_container() -> MongoServer:
         f"mongodb://127.0.0.1:{port}/?directConnection=true",
         "replica-set",
         f"{image} single-node replica set in Docker (testcontainers)",
-        True,
         [container.stop],
     )
 

@@ -114,6 +114,32 @@ async def test_first_start_sweeps_then_follows_and_checkpoints(db: Any, outbox: 
     assert status.pending == 0 and status.parked == 0 and status.last_checkpoint_at is not None
 
 
+async def test_a_busy_writer_cannot_keep_the_recovery_sweeping(db: Any, outbox: Outbox) -> None:
+    """A commit follows every broker confirm while the recovery sweeps. The sweep takes what was
+    due when it began, then hands over to the stream, which has everything committed later."""
+    await save(outbox, db, 3)
+    source = ScriptedSource()
+    written: list[dict[str, Any]] = []
+
+    one_at_a_time = asyncio.Lock()  # the emulator's transactions conflict per collection
+
+    class BusyWriter(MemoryPublisher):
+        async def publish(self, event: Event) -> None:
+            await super().publish(event)
+            async with one_at_a_time:
+                if not source.opens and len(written) < 30:
+                    written.extend(await save(outbox, db, 1, start=100 + len(written)))
+
+    async def watching() -> bool:
+        return bool(source.opens)
+
+    r = relay(outbox, BusyWriter(), source)
+    task = await running(r)
+    await until(watching)
+    await stopped(r, task)
+    assert len(written) == 3  # one commit per entry that was due; a chasing sweep makes 30
+
+
 async def test_restart_resumes_from_the_checkpoint_without_a_sweep(db: Any, outbox: Outbox) -> None:
     await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t7"}, "fence": 3})
     entries = await save(outbox, db, 2)
@@ -555,7 +581,7 @@ class KillSwitch:
 
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: str) -> None:
-    """In-process stand-in for the SIGKILL test below (it needs a replica set): rounds of
+    """In-process companion of the SIGKILL test below, with finer-grained kill points: rounds of
     committed and aborted saves, each followed by a relay cancelled at a random point (mid-batch,
     after a confirm and before settling or checkpointing, mid-sweep...), then a last relay. Every
     committed event is published at least once, no aborted one, and first publications keep
@@ -644,9 +670,36 @@ async def _active_or_done(r: ChangeStreamRelay, task: asyncio.Task[None]) -> boo
     return task.done() or await _active(r)
 
 
-@pytest.mark.replica_set
-async def test_watch_source_on_a_replica_set(db: Any, outbox: Outbox) -> None:
-    """PyMongo's own watch(): runs where MONGODB_URI or Docker gives a real replica set."""
+async def test_a_steady_trickle_of_changes_still_closes_batches_at_max_wait(db: Any) -> None:
+    """A change every few milliseconds never leaves a getMore empty-handed: the batch must close
+    at max_wait all the same, not wait for max_size changes."""
+    from mongo_outbox.changestream import WatchSource
+
+    stream = await WatchSource(db.trickle, max_await_ms=200).open(
+        start_at=await WatchSource(db.trickle).cluster_time()
+    )
+    writing = True
+
+    async def trickle() -> None:
+        n = 0
+        while writing:
+            n += 1
+            await db.trickle.insert_one({"_id": n})
+            await asyncio.sleep(0.005)
+
+    writer = asyncio.create_task(trickle())
+    try:
+        # Without the deadline between changes this waits for 10,000 changes: minutes.
+        batch = await asyncio.wait_for(stream.next_batch(max_size=10_000, max_wait=0.05), 10)
+    finally:
+        writing = False
+        await writer
+        await stream.aclose()
+    assert 1 <= len(batch.changes) < 100 and batch.token is not None
+
+
+async def test_watch_source_follows_a_server_stream(db: Any, outbox: Outbox) -> None:
+    """PyMongo's own watch() against the test server (a replica set, or the emulator)."""
     publisher = MemoryPublisher()
     r = ChangeStreamRelay(outbox, publisher, name="orders-relay", backoff=FAST)
     task = await running(r)
@@ -682,8 +735,7 @@ async def test_stop_hands_the_lease_over_at_once(db: Any, outbox: Outbox) -> Non
     await stopped(standby, standby_task)
 
 
-@pytest.mark.replica_set
-async def test_embedded_mode_on_a_replica_set(db: Any) -> None:
+async def test_embedded_mode_follows_a_server_stream(db: Any) -> None:
     """PyMongo's watch() of the database, with post-images looked up."""
     outbox = Outbox(db, mode="embedded", collections=["orders"])
     await outbox.ensure_indexes()
@@ -700,9 +752,8 @@ async def test_embedded_mode_on_a_replica_set(db: Any) -> None:
     assert (await db.orders.find_one({"_id": 1}))["_outbox"] == []
 
 
-@pytest.mark.replica_set
-async def test_dropped_outbox_collection_recovers_on_a_replica_set(db: Any, outbox: Outbox) -> None:
-    """A real invalidate: the watched collection is dropped and created again."""
+async def test_dropped_outbox_collection_recovers(db: Any, outbox: Outbox) -> None:
+    """An invalidate from the server: the watched collection is dropped and created again."""
     publisher = MemoryPublisher()
     r = ChangeStreamRelay(outbox, publisher, name="orders-relay", backoff=FAST)
     task = await running(r)
@@ -721,30 +772,45 @@ async def test_dropped_outbox_collection_recovers_on_a_replica_set(db: Any, outb
     assert [e.id for e in publisher.events] == [e.id for e in saved.events]
 
 
-@pytest.mark.replica_set
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_relay_processes_killed_at_random_lose_nothing(
-    mongo: Any, db: Any, outbox: Outbox, nats_client: Any, nats_stream: str
+    mongo: Any, db: Any, nats_client: Any, nats_stream: str, mode: str
 ) -> None:
     """Two relay processes of one name, each SIGKILLed at a random point and restarted, while
-    a writer commits (and sometimes aborts) a couple of thousand events: every committed event
-    reaches JetStream at least once (deduplicated there by event id), none of the aborted, in
-    sequence order per aggregate."""
-    committed: list[Event] = []
+    a writer commits (and sometimes aborts) events: every committed event reaches JetStream at
+    least once (deduplicated there by event id), none of the aborted, in sequence order per
+    aggregate. A couple of thousand events on a replica set; fewer on the emulator, whose writes
+    cost O(collection size)."""
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    total = 1000 if mongo.kind == "emulator" else 2000
+    committed: list[str] = []
+    uncertain: list[str] = []
     aborted: list[str] = []
     writing = True
+    rounds = 0
 
     async def write() -> None:
         nonlocal writing
         chance = random.Random(1)
-        for n in range(2000):
+        for n in range(total):
             order = chance.randrange(50)
             if n % 10 == 9:
                 aborted.append(await save_aborted(outbox, db, order))
                 continue
-            saved = await outbox.save_with_events(
-                None, db.orders, {"_id": order}, [Event(type="step")]
-            )
-            committed.extend(saved.events)
+            event = Event(type="step")
+            try:
+                await outbox.save_with_events(None, db.orders, {"_id": order}, [event])
+            except OperationFailure:
+                # Only the emulator: its commit conflicts per collection with the relay's writes
+                # and may leave the conflicted writes behind, for a while or for good. The writer
+                # cannot know (as after UnknownTransactionCommitResult): such an event may or
+                # may not be published, but nothing else may be missing.
+                if mongo.kind != "emulator":
+                    raise
+                uncertain.append(event.id)
+                continue
+            committed.append(event.id)
         writing = False
 
     async def relay_process(seed: int) -> None:
@@ -754,6 +820,7 @@ async def test_relay_processes_killed_at_random_lose_nothing(
             "tests.crash.changestream_process",
             mongo.uri,
             db.name,
+            mode,
             nats_stream,
             "orders-relay",
             str(seed),
@@ -762,14 +829,27 @@ async def test_relay_processes_killed_at_random_lose_nothing(
         assert await asyncio.wait_for(process.wait(), 60) == -9  # only ever killed
 
     async def keep_two_relays_dying() -> None:
-        seed = 0
+        nonlocal rounds
         while writing:
-            seed += 2
-            await asyncio.gather(relay_process(seed), relay_process(seed + 1))
+            rounds += 1
+            await asyncio.gather(relay_process(2 * rounds), relay_process(2 * rounds + 1))
 
-    await asyncio.wait_for(asyncio.gather(write(), keep_two_relays_dying()), 110)
+    async def write_once_watched() -> None:
+        # The writer starts once a relay follows the stream: its successors resume from the
+        # checkpointed token (the restart path under test), not from a recovery sweep.
+        await until(lambda: _has_token(db), timeout=30)
+        first_token.append((await checkpoint(db))["token"])
+        await write()
+
+    first_token: list[Any] = []
+    await asyncio.wait_for(asyncio.gather(write_once_watched(), keep_two_relays_dying()), 110)
+    js = nats_client.jetstream()
+    # The killed relays did relay while the writer wrote, and moved the checkpoint on.
+    assert rounds >= 2 and (await js.stream_info(nats_stream)).state.messages > 0
+    assert (await checkpoint(db))["token"] != first_token[0]
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
-    last = ChangeStreamRelay(outbox, publisher, name="orders-relay", lease=1.0, claim_lease=2.0)
+    # Sweeping often: entries the killed relays claimed are due again after their claim lease.
+    last = ChangeStreamRelay(outbox, publisher, name="orders-relay", sweep_interval=1.0)
     task = await running(last)
 
     async def all_published() -> bool:
@@ -778,14 +858,14 @@ async def test_relay_processes_killed_at_random_lose_nothing(
     await until(all_published, timeout=30)
     await stopped(last, task)
     await publisher.aclose()
-    js = nats_client.jetstream()
     count = (await js.stream_info(nats_stream)).state.messages
-    assert count == len(committed)
+    assert len(committed) <= count <= len(committed) + len(uncertain)
     sub = await js.subscribe(f"{nats_stream}.>", ordered_consumer=True)
     received = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(count)]
     await sub.unsubscribe()
-    assert {e.id for e in received} == {e.id for e in committed}
-    assert not {e.id for e in received} & set(aborted)
+    ids = {e.id for e in received}
+    assert len(ids) == count and set(committed) <= ids <= set(committed) | set(uncertain)
+    assert not ids & set(aborted)
     sequences: dict[Any, list[int]] = {}
     for event in received:
         sequences.setdefault(event.aggregate_id, []).append(event.sequence or 0)

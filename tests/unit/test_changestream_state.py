@@ -172,3 +172,22 @@ async def test_cluster_time_is_asked_of_the_database_of_a_collection_or_of_itsel
     assert _database(client.shop) == client.shop
     assert _database(client.shop.outbox) == client.shop
     await client.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lease": 0}, "lease must be positive"),
+        ({"claim_lease": 2.0}, "shorter than claim_lease"),
+        ({"publish_timeout": 0}, "publish_timeout must be positive"),
+    ],
+)
+def test_bad_timings_are_refused_with_the_option_named(
+    options: dict[str, float], message: str
+) -> None:
+    from mongo_outbox import ChangeStreamRelay, Outbox
+    from mongo_outbox.publishers import MemoryPublisher
+
+    outbox = Outbox(AsyncMongoClient[Any](connect=False).shop)
+    with pytest.raises(ValueError, match=message):
+        ChangeStreamRelay(outbox, MemoryPublisher(), name="r", **options)
