@@ -48,6 +48,13 @@ class Store(Protocol):
         """Mark ``published`` as published and push ``failed`` (and what queues behind them in
         their aggregate) back to their retry time; release whatever else this relay claimed."""
 
+    async def parked(self) -> list[dict[str, Any]]:
+        """Entries parked as dead-lettered: ``_id`` (the event id), the event's fields,
+        ``status: "parked"``, ``attempts`` and ``last_error``."""
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        """Make these parked entries due again with no attempts counted; return how many."""
+
 
 def store_for(outbox: Outbox) -> Store:
     if outbox.mode == "embedded":
@@ -228,8 +235,21 @@ class CollectionStore:
         )
         await self.coll.bulk_write(ops, ordered=True)
 
+    async def parked(self) -> list[dict[str, Any]]:
+        return list(await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None))
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        result = await self.coll.update_many(
+            {"_id": {"$in": list(event_ids)}, "status": "parked"},
+            {"$set": {"status": "pending", "available_at": utc_now(), "attempts": 0}},
+        )
+        return int(result.modified_count)
+
 
 class EmbeddedStore:
+    """Parked entries stay in their document, flagged ``parked``: parking is one single-document
+    write like every other, so no crash can lose an entry or leave it in two places."""
+
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
         self.field = outbox.field
@@ -271,7 +291,7 @@ class EmbeddedStore:
                 {self.claim_field: self.token}, projection={self.field: 1}
             ).to_list(None)
             for doc in docs:
-                entries = doc.get(self.field) or []
+                entries = [e for e in doc.get(self.field) or [] if not e.get("parked")]
                 events = [decode(entry, "id") for entry in entries]
                 self.attempts.update((e["id"], e.get("attempts", 0)) for e in entries)
                 self.docs.append((name, doc["_id"]))
@@ -295,7 +315,23 @@ class EmbeddedStore:
                     UpdateOne({"_id": doc_id}, {"$pull": {self.field: {"id": {"$in": ids}}}})
                 )
             failure = failures.get((name, doc_id))
-            if failure is not None:
+            if failure is not None and failure.park:
+                # Out of the way at once: its aggregate's later entries go on without it.
+                ops[name].append(
+                    UpdateOne(
+                        {**mine, f"{self.field}.id": failure.event.id},
+                        {
+                            "$set": {
+                                self.due: now,
+                                f"{self.field}.$.parked": True,
+                                f"{self.field}.$.last_error": failure.error,
+                            },
+                            "$inc": {f"{self.field}.$.attempts": 1},
+                            "$unset": {self.claim_field: ""},
+                        },
+                    )
+                )
+            elif failure is not None:
                 ops[name].append(
                     UpdateOne(
                         {**mine, f"{self.field}.id": failure.event.id},
@@ -313,19 +349,69 @@ class EmbeddedStore:
                 ops[name].append(
                     UpdateOne(mine, {"$set": {self.due: now}, "$unset": {self.claim_field: ""}})
                 )
-            # Only an unclaimed document with nothing left leaves the relay's index.
+            # Only an unclaimed document with nothing left but parked entries leaves the
+            # relay's index.
             ops[name].append(
                 UpdateOne(
-                    {
-                        "_id": doc_id,
-                        self.claim_field: None,
-                        f"{self.field}.0": {"$exists": False},
-                    },
+                    {"_id": doc_id, self.claim_field: None, **self._nothing_due},
                     {"$unset": {self.due: ""}},
                 )
             )
         for name, writes in ops.items():
             await self.outbox.db[name].bulk_write(writes, ordered=True)
+
+    @property
+    def _nothing_due(self) -> dict[str, Any]:
+        return {self.field: {"$not": {"$elemMatch": {"parked": {"$ne": True}}}}}
+
+    async def parked(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        for name in self.outbox.collections:
+            docs = self.outbox.db[name].find(
+                {f"{self.field}.parked": True}, projection={self.field: 1}
+            )
+            async for doc in docs:
+                found += [
+                    {"_id": e["id"], **e, "status": "parked", "collection": name}
+                    for e in doc[self.field]
+                    if e.get("parked")
+                ]
+        for entry in found:
+            del entry["id"], entry["parked"]
+        return sorted(found, key=lambda entry: str(entry["_id"]))
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        requeued = 0
+        for name in self.outbox.collections:
+            for event_id in event_ids:
+                result = await self.outbox.db[name].update_one(
+                    {self.field: {"$elemMatch": {"id": event_id, "parked": True}}},
+                    self._requeue(event_id),
+                )
+                requeued += result.modified_count
+        return requeued
+
+    def _requeue(self, event_id: str) -> list[dict[str, Any]]:
+        # One write: the entry is unparked and its document due at once, unless a relay holds
+        # the document (then that relay's settle makes it due). Two writes could leave an
+        # unparked entry in a document no relay looks at.
+        entry = {"$and": [{"$eq": ["$$e.id", event_id]}, {"$eq": ["$$e.parked", True]}]}
+        fresh = {"$mergeObjects": ["$$e", {"parked": False, "attempts": 0}]}
+        unclaimed = {"$eq": [{"$ifNull": [f"${self.claim_field}", None]}, None]}
+        return [
+            {
+                "$set": {
+                    self.field: {
+                        "$map": {
+                            "input": f"${self.field}",
+                            "as": "e",
+                            "in": {"$cond": [entry, fresh, "$$e"]},
+                        }
+                    },
+                    self.due: {"$cond": [unclaimed, utc_now(), f"${self.due}"]},
+                }
+            }
+        ]
 
 
 def _aware(value: datetime) -> datetime:

@@ -220,8 +220,8 @@ class ChangeStreamRelay:
         batch_size, max_wait: a batch closes at ``batch_size`` changes or after ``max_wait`` s.
         lease: seconds the active relay holds its lease without renewing it; a standby takes
             over within ``lease * 1.25`` after it died, ``lease / 4`` after its ``stop()``.
-        max_attempts: publish attempts before an entry is parked as dead-lettered (collection
-            mode; embedded-mode entries are retried for ever).
+        max_attempts: publish attempts before an entry is parked as dead-lettered (see
+            ``parked()`` and ``requeue()``).
         sweep_interval: most seconds between sweeps of the collections (for requeued entries,
             retries that came due, anything the stream missed).
         claim_lease, publish_timeout, max_in_flight, backoff: as for PollingRelay.
@@ -258,7 +258,7 @@ class ChangeStreamRelay:
         self.batch_size = batch_size
         self.max_wait = max_wait
         self.lease = timedelta(seconds=lease)
-        self.max_attempts = max_attempts if outbox.mode == "collection" else None
+        self.max_attempts = max_attempts
         self.sweep_interval = sweep_interval
         self.backoff = backoff or Backoff()
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.lease)
@@ -348,33 +348,23 @@ class ChangeStreamRelay:
             last_checkpoint_at=doc.get("checkpoint_at"),
             pending=pending,
             oldest_pending_age=utc_now() - _aware(oldest) if oldest else None,
-            parked=(
-                await self.outbox.collection.count_documents({"status": "parked"})
-                if self.outbox.mode == "collection"
-                else 0
-            ),
+            parked=len(await self.parked()),
             publish_failures=self._poller.stats.failed,
             recoveries=self.recoveries,
             last_error=self.last_error or self._poller.stats.last_error,
         )
 
     async def parked(self) -> list[dict[str, Any]]:
-        """Entries parked as dead-lettered, with their ``last_error`` (collection mode)."""
-        self._needs_collection_mode()
-        return list(
-            await self.outbox.collection.find({"status": "parked"}).sort("_id", 1).to_list(None)
-        )
+        """Entries parked as dead-lettered, with their ``last_error``: see
+        ``PollingRelay.parked()``."""
+        return await self._poller.parked()
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make parked entries pending again, with a fresh set of attempts; the active relay's
         next sweep publishes them (this one's at once). Returns how many were requeued."""
-        self._needs_collection_mode()
-        result = await self.outbox.collection.update_many(
-            {"_id": {"$in": list(event_ids)}, "status": "parked"},
-            {"$set": {"status": "pending", "available_at": utc_now(), "attempts": 0}},
-        )
+        requeued = await self._poller.requeue(event_ids)
         self._sweep_due = 0.0
-        return int(result.modified_count)
+        return requeued
 
     # -- following ----------------------------------------------------------------------------
 
@@ -536,14 +526,10 @@ class ChangeStreamRelay:
                 {self.outbox.due_field: {"$exists": True}}, projection={field: 1}
             )
             async for doc in docs:
-                entries = doc.get(field) or []
+                entries = [e for e in doc.get(field) or [] if not e.get("parked")]
                 total += len(entries)
                 times += [e["occurred_at"] for e in entries if "occurred_at" in e]
         return total, min(times, default=None)
-
-    def _needs_collection_mode(self) -> None:
-        if self.outbox.mode != "collection":
-            raise ValueError("parking is for collection-mode outboxes")
 
     def _enter(self, state: State, reason: str) -> None:
         if state == self.state:
@@ -569,7 +555,8 @@ def touches_outbox(change: dict[str, Any], field: str, claim_field: str) -> bool
     if entries remain, and a dead claimer's lease is found by the scheduled sweep."""
     document = change.get("fullDocument")
     if document is not None:
-        return bool(document.get(field)) and document.get(claim_field) is None
+        entries = document.get(field) or []
+        return document.get(claim_field) is None and any(not e.get("parked") for e in entries)
     if change["operationType"] == "update":
         updated = (change.get("updateDescription") or {}).get("updatedFields") or {}
         return any(key == field or key.startswith(f"{field}.") for key in updated)

@@ -101,6 +101,10 @@ class Outbox:
                 await self.db[name].create_index(
                     self.due_field, sparse=True, name=f"{self.field}_relay_due"
                 )
+                # Parked entries stay in their documents; this finds them without a scan.
+                await self.db[name].create_index(
+                    f"{self.field}.parked", sparse=True, name=f"{self.field}_parked"
+                )
 
     async def save_with_events(
         self,

@@ -45,8 +45,8 @@ class PollingRelay:
         publish_timeout: seconds to wait for one broker confirmation.
         max_in_flight: messages awaiting confirmation at once.
         backoff: delays between retries of a failed entry.
-        max_attempts: attempts after which an entry is parked (``status: "parked"``, with its
-            last error) instead of retried; ``None`` retries for ever. Collection mode only.
+        max_attempts: attempts after which an entry is parked as dead-lettered, with its last
+            error, instead of retried; ``None`` retries for ever. See ``parked()``.
     """
 
     def __init__(
@@ -62,8 +62,8 @@ class PollingRelay:
         backoff: Backoff | None = None,
         max_attempts: int | None = None,
     ) -> None:
-        if max_attempts is not None and (max_attempts < 1 or outbox.mode != "collection"):
-            raise ValueError("max_attempts needs collection mode and a value of at least 1")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1 (or None: retry for ever)")
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be at least 1")
         if not 0 < publish_timeout < lease:
@@ -111,6 +111,17 @@ class PollingRelay:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def parked(self) -> list[dict[str, Any]]:
+        """Entries parked as dead-lettered: ``_id`` (the event id), the event's fields,
+        ``status: "parked"``, ``attempts`` and ``last_error``; in embedded mode also
+        ``collection``, as they stay in their aggregate's document."""
+        return await self._store.parked()
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        """Make parked entries due again, with a fresh set of attempts. Returns how many were
+        requeued (ids that are not parked are ignored)."""
+        return await self._store.requeue(event_ids)
 
     async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:
         """One round: claim (what is due by ``until``, default now), publish, settle. Returns

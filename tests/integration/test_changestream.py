@@ -304,6 +304,41 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, outbox: Outbo
     await stopped(r, task)
 
 
+async def test_embedded_poison_entry_is_parked_in_its_document_and_requeued(db: Any) -> None:
+    """Embedded mode on the server's own stream: the poison entry is parked inside its
+    aggregate's document, its aggregate's next event goes out, and a requeue publishes it."""
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.ensure_indexes()
+    saved = await outbox.save_with_events(
+        None, db.orders, {"_id": 1}, [Event(type="poison"), Event(type="next")]
+    )
+    poison, after = saved.events
+    broken = True
+    publisher = MemoryPublisher(
+        fail=lambda e: ValueError("cannot encode") if broken and e.id == poison.id else None
+    )
+    r = ChangeStreamRelay(
+        outbox, publisher, name="orders-relay", backoff=FAST, max_attempts=2, sweep_interval=0.05
+    )
+    task = await running(r)
+
+    async def parked() -> bool:
+        return (await r.status()).parked == 1
+
+    await until(parked)
+    await publisher.wait_for(1)
+    assert [e.id for e in publisher.events] == [after.id]
+    [record] = await r.parked()
+    assert (record["_id"], record["collection"]) == (poison.id, "orders")
+    assert "cannot encode" in record["last_error"] and (await r.status()).pending == 0
+    broken = False
+    assert await r.requeue([poison.id]) == 1
+    await publisher.wait_for(2)
+    await stopped(r, task)
+    assert [e.id for e in publisher.events] == [after.id, poison.id]
+    assert (await db.orders.find_one({"_id": 1}))["_outbox"] == []
+
+
 async def test_real_change_stream_publishes_committed_not_aborted() -> None:
     mongoeco = pytest.importorskip("mongoeco", reason="mongoeco needs Python >= 3.13")
     from mongoeco.wire import AsyncMongoEcoProxyServer

@@ -23,6 +23,13 @@ def make_outbox(db: Any, mode: str, **options: Any) -> Outbox:
     return Outbox(db, mode=mode, collections=["orders"], **options)  # type: ignore[arg-type]
 
 
+async def history(db: Any, mode: str, aggregates: int, saves: int) -> tuple[Outbox, list[Event]]:
+    """An outbox of ``mode`` with its indexes, and ``save_history`` in it."""
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    return outbox, await save_history(outbox, db, aggregates, saves)
+
+
 async def save_history(outbox: Outbox, db: Any, aggregates: int, saves: int) -> list[Event]:
     """``saves`` saves per aggregate, two events each, interleaved across aggregates."""
     events: list[Event] = []
@@ -64,9 +71,7 @@ async def drain_until(relays: list[PollingRelay], count: int, rounds: int = 400)
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str) -> None:
-    outbox = make_outbox(db, mode)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=5, saves=2)
+    outbox, saved = await history(db, mode, aggregates=5, saves=2)
     publisher = MemoryPublisher()
     relay = PollingRelay(outbox, publisher, batch_size=7)
     assert await relay.drain() == len(saved) == 20
@@ -87,9 +92,7 @@ async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_order_holds_through_random_failures(db: Any, mode: str) -> None:
-    outbox = make_outbox(db, mode)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=8, saves=3)
+    outbox, saved = await history(db, mode, aggregates=8, saves=3)
     chaos = random.Random(7)
     publisher = MemoryPublisher(
         fail=lambda e: ConnectionError("broker hiccup") if chaos.random() < 0.3 else None
@@ -125,9 +128,7 @@ class OverlapDetector(MemoryPublisher):
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_relays_side_by_side_never_overlap_and_keep_order(db: Any, mode: str) -> None:
-    outbox = make_outbox(db, mode)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=6, saves=4)
+    outbox, saved = await history(db, mode, aggregates=6, saves=4)
     publisher = OverlapDetector()
     relays = [PollingRelay(outbox, publisher, batch_size=5, interval=0.01) for _ in range(3)]
     tasks = [asyncio.create_task(r.run()) for r in relays]
@@ -143,9 +144,7 @@ async def test_relays_side_by_side_never_overlap_and_keep_order(db: Any, mode: s
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_failing_head_waits_alone(db: Any, mode: str) -> None:
-    outbox = make_outbox(db, mode)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=4, saves=2)
+    outbox, saved = await history(db, mode, aggregates=4, saves=2)
     poisoned = saved[0]  # aggregate 0, sequence 1
     assert (poisoned.aggregate_id, poisoned.sequence) == (0, 1)
     broken = True
@@ -174,6 +173,40 @@ async def test_failing_head_waits_alone(db: Any, mode: str) -> None:
     assert [e.sequence for e in publisher.events if e.aggregate_id == 0] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_poison_entry_is_parked_listed_and_requeued(db: Any, mode: str) -> None:
+    outbox, saved = await history(db, mode, aggregates=2, saves=2)
+    poison = saved[0]  # aggregate 0, sequence 1
+    broken = True
+    publisher = MemoryPublisher(
+        fail=lambda e: RuntimeError("rejected") if broken and e.id == poison.id else None
+    )
+    relay = PollingRelay(outbox, publisher, backoff=FAST, max_attempts=2)
+    for _ in range(4):
+        await relay.drain()
+        await _make_due(db, outbox)
+    # Parked after two attempts, it no longer holds back even its own aggregate.
+    assert poison.id not in {e.id for e in publisher.events} and len(publisher.events) == 7
+    assert [e.sequence for e in publisher.events if e.aggregate_id == 0] == [2, 3, 4]
+    [record] = await relay.parked()
+    assert (record["_id"], record["status"], record["attempts"]) == (poison.id, "parked", 2)
+    assert "RuntimeError: rejected" in record["last_error"]
+    assert (record["type"], record["aggregate_id"], record["sequence"]) == (poison.type, 0, 1)
+    if mode == "embedded":
+        # It stays in its document, which leaves the relay's index until it is requeued.
+        assert record["collection"] == "orders"
+        doc = await db.orders.find_one({"_id": 0})
+        assert [e["id"] for e in doc["_outbox"]] == [poison.id]
+        assert outbox.due_field not in doc
+    broken = False
+    assert await relay.requeue([poison.id, "not-parked"]) == 1
+    assert await relay.drain() == 1
+    assert publisher.events[-1].id == poison.id and await relay.parked() == []
+    if mode == "embedded":
+        doc = await db.orders.find_one({"_id": 0})
+        assert doc["_outbox"] == [] and outbox.due_field not in doc
+
+
 async def _make_due(db: Any, outbox: Outbox) -> None:
     """Skip the remaining backoff, as waiting it out would."""
     from mongo_outbox.events import utc_now
@@ -188,9 +221,7 @@ async def _make_due(db: Any, outbox: Outbox) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_dead_relays_claims_come_back_after_the_lease(db: Any, mode: str) -> None:
-    outbox = make_outbox(db, mode)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=3, saves=1)
+    outbox, saved = await history(db, mode, aggregates=3, saves=1)
     # A relay that claimed and then died: its claim is all that is left of it.
     groups, _ = await store_for(outbox).claim(100, timedelta(seconds=1))
     assert sum(len(g) for g in groups) == len(saved)

@@ -58,6 +58,15 @@ ENTRY = {"id": "e1", "type": "placed"}
         ({"operationType": "update", "fullDocument": {"_outbox": [ENTRY]}}, True),
         ({"operationType": "update", "fullDocument": {"_outbox": []}}, False),
         ({"operationType": "replace", "fullDocument": {"name": "no events"}}, False),
+        # Parked entries wait for an operator, not for the relay.
+        (
+            {"operationType": "update", "fullDocument": {"_outbox": [ENTRY | {"parked": True}]}},
+            False,
+        ),
+        (
+            {"operationType": "update", "fullDocument": {"_outbox": [ENTRY | {"parked": False}]}},
+            True,
+        ),
         # A relay's own claim: its settle writes again if anything is left.
         (
             {"operationType": "update", "fullDocument": {"_outbox": [ENTRY], "_outbox_claim": "c"}},
