@@ -32,6 +32,7 @@ class Failure:
     error: str
     retry_at: datetime
     park: bool = False  # out of attempts: set aside as dead-lettered, not retried
+    counted: bool = True  # False when the broker was unavailable: not an attempt of the event
 
 
 class Store(Protocol):
@@ -207,7 +208,7 @@ class CollectionStore:
                     {"_id": event.id, "status": "pending", "claim": self.token},
                     {
                         "$set": {"available_at": failure.retry_at, "last_error": failure.error},
-                        "$inc": {"attempts": 1},
+                        "$inc": {"attempts": int(failure.counted)},
                         "$unset": {"claim": ""},
                     },
                 )
@@ -290,14 +291,21 @@ class EmbeddedStore:
             docs = await coll.find(
                 {self.claim_field: self.token}, projection={self.field: 1}
             ).to_list(None)
+            idle = []
             for doc in docs:
                 entries = [e for e in doc.get(self.field) or [] if not e.get("parked")]
+                if not entries:
+                    # Nothing but parked entries (another relay settled it meanwhile): no
+                    # settle will come for it, so it must not stay claimed.
+                    idle.append(doc["_id"])
+                    continue
                 events = [decode(entry, "id") for entry in entries]
                 self.attempts.update((e["id"], e.get("attempts", 0)) for e in entries)
                 self.docs.append((name, doc["_id"]))
                 self.owners.update((e.id, (name, doc["_id"])) for e in events)
-                if events:
-                    groups.append(events)
+                groups.append(events)
+            if idle:
+                await coll.bulk_write([self._release(idle, now), self._unindex(idle)], ordered=True)
         return groups, more
 
     async def settle(self, published: Sequence[Event], failed: Sequence[Failure]) -> None:
@@ -340,25 +348,30 @@ class EmbeddedStore:
                                 self.due: failure.retry_at,
                                 f"{self.field}.$.last_error": failure.error,
                             },
-                            "$inc": {f"{self.field}.$.attempts": 1},
+                            "$inc": {f"{self.field}.$.attempts": int(failure.counted)},
                             "$unset": {self.claim_field: ""},
                         },
                     )
                 )
             else:
-                ops[name].append(
-                    UpdateOne(mine, {"$set": {self.due: now}, "$unset": {self.claim_field: ""}})
-                )
-            # Only an unclaimed document with nothing left but parked entries leaves the
-            # relay's index.
-            ops[name].append(
-                UpdateOne(
-                    {"_id": doc_id, self.claim_field: None, **self._nothing_due},
-                    {"$unset": {self.due: ""}},
-                )
-            )
+                ops[name].append(self._release([doc_id], now))
+            ops[name].append(self._unindex([doc_id]))
         for name, writes in ops.items():
             await self.outbox.db[name].bulk_write(writes, ordered=True)
+
+    def _release(self, doc_ids: list[Any], now: datetime) -> UpdateMany:
+        return UpdateMany(
+            {"_id": {"$in": doc_ids}, self.claim_field: self.token},
+            {"$set": {self.due: now}, "$unset": {self.claim_field: ""}},
+        )
+
+    def _unindex(self, doc_ids: list[Any]) -> UpdateMany:
+        # Only an unclaimed document with nothing left but parked entries leaves the relay's
+        # index; a claimer's own settle decides for the one it holds.
+        return UpdateMany(
+            {"_id": {"$in": doc_ids}, self.claim_field: None, **self._nothing_due},
+            {"$unset": {self.due: ""}},
+        )
 
     @property
     def _nothing_due(self) -> dict[str, Any]:

@@ -221,7 +221,7 @@ class ChangeStreamRelay:
         lease: seconds the active relay holds its lease without renewing it; a standby takes
             over within ``lease * 1.25`` after it died, ``lease / 4`` after its ``stop()``.
         max_attempts: publish attempts before an entry is parked as dead-lettered (see
-            ``parked()`` and ``requeue()``).
+            ``parked()`` and ``requeue()``); failures for want of a broker do not count.
         sweep_interval: most seconds between sweeps of the collections (for requeued entries,
             retries that came due, anything the stream missed).
         claim_lease, publish_timeout, max_in_flight, backoff: as for PollingRelay.

@@ -8,6 +8,7 @@
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
     ├── DuplicateEventError      an event id is already in the outbox
     ├── PublishError             the broker did not confirm a message
+    │   └── BrokerUnavailableError  the broker could not be reached: not the message's fault
     ├── ChangeStreamError        a change stream failed in a way resuming cannot fix
     └── InboxError
         ├── MessageIdentityError a message arrived without an id to deduplicate on
@@ -58,6 +59,12 @@ class PublishError(OutboxError):
     def __init__(self, message: str, *, event_id: str) -> None:
         super().__init__(message)
         self.event_id = event_id
+
+
+class BrokerUnavailableError(PublishError):
+    """The broker could not be reached, or refused everything, e.g. while it restarts. The relay
+    retries such a failure without counting it towards ``max_attempts``: an outage must not
+    dead-letter events that did nothing wrong."""
 
 
 class ChangeStreamError(OutboxError):

@@ -16,7 +16,7 @@ from mongo_outbox._store import CollectionStore, Failure, store_for
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import BatchPublisher, Publisher
+from mongo_outbox.publishers.base import BatchPublisher, Publisher, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ class PollingRelay:
         max_in_flight: messages awaiting confirmation at once.
         backoff: delays between retries of a failed entry.
         max_attempts: attempts after which an entry is parked as dead-lettered, with its last
-            error, instead of retried; ``None`` retries for ever. See ``parked()``.
+            error, instead of retried; ``None`` retries for ever. See ``parked()``. Failures
+            for want of a broker (``BrokerUnavailableError``, timeouts, connection errors) are
+            retried without counting: an outage parks nothing.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class PollingRelay:
         self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
         self._stopping = asyncio.Event()
+        self._outage = 0  # rounds in a row in which the broker was unavailable and nothing went
 
     async def drain(self) -> int:
         """Publish everything claimable now; return how many events were published.
@@ -145,6 +148,15 @@ class PollingRelay:
         await self._store.settle(published, failed)
         self.stats.published += len(published)
         self.stats.failed += len(failed)
+        waiting = [f for f in failed if not f.counted]
+        self._outage = 0 if published or not waiting else self._outage + 1
+        if waiting:
+            log.warning(
+                "broker unavailable for %d events (%s); retrying in %.1fs or later",
+                len(waiting),
+                waiting[0].error,
+                (min(f.retry_at for f in waiting) - utc_now()).total_seconds(),
+            )
         return len(published)
 
     async def _publish(
@@ -204,12 +216,17 @@ class PollingRelay:
         return None
 
     def _failure(self, event: Event, error: BaseException) -> Failure:
-        attempt = self._store.attempts.get(event.id, 0) + 1
-        delay = self.backoff.delay(attempt)
         text = f"{type(error).__name__}: {error}"
         self.stats.last_error = text
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
+        if unavailable(error):
+            # Not the event's fault: it keeps its attempts, and waits longer the longer the
+            # outage lasts (one warning per round says so, not one per event).
+            delay = self.backoff.delay(self._outage + 1)
+            return Failure(event, text, utc_now() + timedelta(seconds=delay), counted=False)
+        attempt = self._store.attempts.get(event.id, 0) + 1
+        delay = self.backoff.delay(attempt)
         park = self.max_attempts is not None and attempt >= self.max_attempts
         if park:
             log.error("parking %s after %d failed attempts: %s", event.id, attempt, text)

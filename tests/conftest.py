@@ -84,3 +84,12 @@ async def amqp_connection() -> AsyncIterator[Any]:
     connection = await aio_pika.connect_robust(RABBITMQ_URL, timeout=5)
     yield connection
     await connection.close()
+
+
+@pytest.fixture
+async def channel(amqp_connection: Any, unique: str) -> AsyncIterator[Any]:
+    """A channel for the test's own queues; the exchange named ``unique`` is deleted after."""
+    channel = await amqp_connection.channel()
+    yield channel
+    await channel.exchange_delete(unique)
+    await channel.close()

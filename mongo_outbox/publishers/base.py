@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from mongo_outbox.errors import InvalidEventError, PublishError
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError
 from mongo_outbox.events import Event
 
 
@@ -15,7 +16,9 @@ class Publisher(Protocol):
 
     ``publish`` is called concurrently for many events (at most one per aggregate at a time),
     so an adapter keeps many messages in flight by simply not serialising its calls. It raises
-    on anything short of a confirmation; the relay then retries the event later.
+    on anything short of a confirmation; the relay then retries the event later. When the broker
+    cannot be reached it raises ``BrokerUnavailableError`` (an ``OSError`` or ``TimeoutError``
+    does as well): such a failure does not count towards the relay's ``max_attempts``.
     """
 
     async def publish(self, event: Event) -> None: ...
@@ -67,5 +70,10 @@ def message_headers(event: Event) -> dict[str, str]:
     return headers
 
 
-def closed_error(publisher: object, event: Event) -> PublishError:
-    return PublishError(f"{type(publisher).__name__} is closed", event_id=event.id)
+def unavailable(error: BaseException) -> bool:
+    """Whether a publish failed for want of a broker rather than because of its message."""
+    return isinstance(error, (BrokerUnavailableError, OSError, asyncio.TimeoutError))
+
+
+def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:
+    return BrokerUnavailableError(f"{type(publisher).__name__} is closed", event_id=event.id)

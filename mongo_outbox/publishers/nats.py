@@ -6,12 +6,14 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
 
 try:
     import nats
+    import nats.errors
+    import nats.js.errors
     from nats.aio.client import Client
     from nats.js import JetStreamContext
 except ImportError as error:  # pragma: no cover - exercised only without the extra
@@ -20,6 +22,19 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 log = logging.getLogger(__name__)
+
+# No server to talk to, or no stream answering for the subject (also while JetStream restarts).
+_UNAVAILABLE = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    nats.errors.NoServersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 
 class NatsPublisher:
@@ -101,12 +116,15 @@ class NatsPublisher:
         # js.publish rather than publish_async: nats-py 2.16 leaves a publish_async ack future
         # pending for ever when the stream answers with an error (nats.py#985), so a refused
         # message would cost a whole timeout and hide the broker's reason.
-        await self.js.publish(
-            self.subject_for(event),
-            event.model_dump_json().encode(),
-            timeout=self.timeout,
-            headers=headers,
-        )
+        subject = self.subject_for(event)
+        try:
+            await self.js.publish(
+                subject, event.model_dump_json().encode(), timeout=self.timeout, headers=headers
+            )
+        except _UNAVAILABLE as error:
+            raise BrokerUnavailableError(
+                f"NATS: {type(error).__name__}: {error}", event_id=event.id
+            ) from error
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
         # Every request goes out before any ack is awaited: one round trip for the lot.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mongo_outbox.errors import InvalidEventError, PublishError
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, PublishError
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
 
@@ -15,13 +15,23 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "RabbitMQPublisher needs the rabbitmq extra: pip install 'mongo-outbox[rabbitmq]'"
     ) from error
 
+# The connection is down, its channel is closed while connect_robust reopens it, or no queue is
+# bound for the message yet (returned as unroutable, aiormq's PublishError).
+_UNAVAILABLE = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.PublishError,
+)
+
 
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
     The exchange's channel must have publisher confirms on (``connect`` does that, with
     ``on_return_raises``). Messages are ``mandatory``: one that no queue is bound for comes
-    back as an error and is retried, rather than confirmed and dropped.
+    back as an error and is retried, rather than confirmed and dropped. Connection failures and
+    unroutable messages raise ``BrokerUnavailableError``: the relay waits for the broker, and
+    for a queue, without parking anything.
 
     Parameters:
         exchange: an aio-pika exchange on a channel with publisher confirms; its connection
@@ -86,9 +96,15 @@ class RabbitMQPublisher:
             correlation_id=event.correlation_id,
             headers=dict(message_headers(event)),
         )
-        confirm = await self.exchange.publish(
-            message, routing_key=self.routing_key_for(event), mandatory=True, timeout=self.timeout
-        )
+        key = self.routing_key_for(event)
+        try:
+            confirm = await self.exchange.publish(
+                message, routing_key=key, mandatory=True, timeout=self.timeout
+            )
+        except _UNAVAILABLE as error:
+            raise BrokerUnavailableError(
+                f"RabbitMQ: {type(error).__name__}: {error}", event_id=event.id
+            ) from error
         # Without confirms the result is None, and without on_return_raises a returned
         # message comes back as the result: neither means the broker has the message.
         if not isinstance(confirm, aiormq.spec.Basic.Ack):

@@ -1,21 +1,30 @@
-"""The broker dies mid-run and comes back: both relays deliver every event, once on the stream
-(JetStream dedups republished ids), in order per aggregate. The broker is a nats-server of this
-test's own (its own port and store), SIGKILLed after ten confirms and restarted a second later."""
+"""The broker goes away mid-run and comes back: both relays deliver every event, in order per
+aggregate. NATS: a nats-server of the test's own (its own port and store), SIGKILLed after ten
+confirms and restarted a second later; the stream holds each event once (JetStream dedups
+republished ids). RabbitMQ: the real broker behind a TCP gate of the test's own, which drops
+every connection after ten confirms and lets them in again a second later; republished events
+share their ``message_id``. The relays park after two failed attempts: an outage must park
+nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, PollingRelay
-from mongo_outbox.publishers import NatsPublisher
+from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 from tests.changestream_sources import ScriptedSource, inserts
+from tests.integration.test_publishers import bind_queue
+from tests.servers import RABBITMQ_URL
 
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 HAVE_NATS_SERVER = Path(NATS_SERVER).exists()
@@ -69,11 +78,56 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
         await broker.kill()
 
 
+class Gate:
+    """A TCP proxy in front of the real RabbitMQ: ``kill`` drops every connection through it and
+    refuses new ones until ``start``."""
+
+    def __init__(self) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        target = urlsplit(RABBITMQ_URL)
+        self.target = (target.hostname or "127.0.0.1", target.port or 5672)
+        self.url = urlunsplit(target._replace(netloc=f"guest:guest@127.0.0.1:{self.port}"))
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+
+    async def kill(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream}
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
+        self.writers -= {writer, upstream}
+
+
+class Outage(Protocol):
+    async def start(self) -> None: ...
+
+    async def kill(self) -> None: ...
+
+
 class KillsTheBroker:
     """Publishes through ``inner``; after ``after`` confirms it kills the broker and starts it
     again a second later, while publishing goes on failing and backing off."""
 
-    def __init__(self, inner: NatsPublisher, broker: Broker, after: int) -> None:
+    def __init__(self, inner: Publisher, broker: Outage, after: int) -> None:
         self.inner = inner
         self.broker = broker
         self.after = after
@@ -95,16 +149,8 @@ class KillsTheBroker:
         await self.inner.aclose()
 
 
-@pytest.mark.parametrize("relay_kind", ["polling", "change stream"])
-async def test_broker_killed_and_restarted_mid_run(
-    db: Any, broker: Broker, unique: str, relay_kind: str
-) -> None:
-    import nats
-
-    nc = await nats.connect(broker.url)
-    await nc.jetstream().add_stream(name=unique, subjects=[f"{unique}.>"])
-    await nc.close()
-    outbox = Outbox(db)
+async def save_steps(outbox: Outbox, db: Any) -> list[Event]:
+    """Four saves of each of ten orders, one event each, interleaved across orders."""
     await outbox.ensure_indexes()
     saved: list[Event] = []
     for step in range(4):
@@ -113,9 +159,15 @@ async def test_broker_killed_and_restarted_mid_run(
                 None, db.orders, {"_id": order, "step": step}, [Event(type="step")]
             )
             saved += result.events
-    inner = await NatsPublisher.connect(broker.url, subject=f"{unique}.{{type}}", timeout=0.5)
-    publisher = KillsTheBroker(inner, broker, after=10)
-    relay: Any
+    return saved
+
+
+async def relay_through_outage(
+    db: Any, outbox: Outbox, publisher: KillsTheBroker, relay_kind: str, count: int
+) -> None:
+    """Run a relay of ``relay_kind`` until all ``count`` events are published; check that the
+    outage happened, made publishes fail, and parked nothing."""
+    relay: PollingRelay | ChangeStreamRelay
     if relay_kind == "polling":
         relay = PollingRelay(
             outbox,
@@ -125,6 +177,7 @@ async def test_broker_killed_and_restarted_mid_run(
             lease=2.0,
             publish_timeout=1.0,
             backoff=FAST,
+            max_attempts=2,
         )
     else:
         source = ScriptedSource()
@@ -139,13 +192,14 @@ async def test_broker_killed_and_restarted_mid_run(
             publish_timeout=1.0,
             sweep_interval=0.2,
             backoff=FAST,
+            max_attempts=2,
         )
         entries = await db.outbox.find().sort("_id", 1).to_list(None)
         source.play(inserts(entries, "t1"))
     task = asyncio.create_task(relay.run())
 
     async def everything_published() -> None:
-        while await db.outbox.count_documents({"status": "published"}) < len(saved):  # noqa: ASYNC110
+        while await db.outbox.count_documents({"status": "published"}) < count:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
 
     await asyncio.wait_for(everything_published(), 60)
@@ -153,7 +207,28 @@ async def test_broker_killed_and_restarted_mid_run(
     await asyncio.wait_for(task, 10)
     assert publisher.restarted is not None  # the broker really went away mid-run
     await publisher.restarted
-    await publisher.aclose()
+    failures = relay.stats if isinstance(relay, PollingRelay) else await relay.status()
+    assert (failures.failed if isinstance(relay, PollingRelay) else failures.publish_failures) > 0
+    assert await relay.parked() == []
+
+
+@pytest.mark.parametrize("relay_kind", ["polling", "change stream"])
+async def test_nats_killed_and_restarted_mid_run(
+    db: Any, broker: Broker, unique: str, relay_kind: str
+) -> None:
+    import nats
+
+    nc = await nats.connect(broker.url)
+    await nc.jetstream().add_stream(name=unique, subjects=[f"{unique}.>"])
+    await nc.close()
+    outbox = Outbox(db)
+    saved = await save_steps(outbox, db)
+    inner = await NatsPublisher.connect(broker.url, subject=f"{unique}.{{type}}", timeout=0.5)
+    publisher = KillsTheBroker(inner, broker, after=10)
+    try:
+        await relay_through_outage(db, outbox, publisher, relay_kind, len(saved))
+    finally:
+        await publisher.aclose()
 
     nc = await nats.connect(broker.url)
     js = nc.jetstream()
@@ -164,3 +239,39 @@ async def test_broker_killed_and_restarted_mid_run(
     assert sorted(e.id for e in received) == sorted(e.id for e in saved)
     for order in range(10):
         assert [e.sequence for e in received if e.aggregate_id == order] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11),
+    # Python 3.11 made a dropped StreamWriter close its transport; on 3.10 a socket aiormq
+    # opens around the cut (traced to its transport factory) is left to the garbage collector,
+    # whose ResourceWarning would fail whichever later test it lands in.
+    reason="aio-pika leaves a socket of the cut connection unclosed on Python 3.10",
+)
+@pytest.mark.parametrize("relay_kind", ["polling", "change stream"])
+async def test_rabbitmq_cut_off_and_back_mid_run(
+    db: Any, channel: Any, unique: str, relay_kind: str
+) -> None:
+    queue = await bind_queue(channel, unique)  # straight to the broker, not through the gate
+    gate = Gate()
+    await gate.start()
+    outbox = Outbox(db)
+    saved = await save_steps(outbox, db)
+    inner = await RabbitMQPublisher.connect(gate.url, exchange=unique, timeout=0.5)
+    publisher = KillsTheBroker(inner, gate, after=10)
+    try:
+        await relay_through_outage(db, outbox, publisher, relay_kind, len(saved))
+    finally:
+        await publisher.aclose()
+        await gate.kill()
+
+    received: list[Any] = []
+    while (message := await queue.get(fail=False, timeout=5)) is not None:
+        await message.ack()
+        received.append(message)
+    events = [Event.from_json(m.body) for m in received]
+    assert [m.message_id for m in received] == [e.id for e in events]
+    assert {e.id for e in events} == {e.id for e in saved}  # republished ones share their id
+    for order in range(10):
+        firsts = list(dict.fromkeys(e.sequence for e in events if e.aggregate_id == order))
+        assert firsts == [1, 2, 3, 4]

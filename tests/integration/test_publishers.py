@@ -4,7 +4,7 @@ and many messages in flight at once. The relay end to end is in test_relay_broke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
@@ -12,7 +12,7 @@ import aiormq
 import nats.js.errors
 import pytest
 
-from mongo_outbox import Event, InvalidEventError, PublishError
+from mongo_outbox import BrokerUnavailableError, Event, InvalidEventError, PublishError
 from mongo_outbox.publishers import (
     BatchPublisher,
     MemoryPublisher,
@@ -20,6 +20,7 @@ from mongo_outbox.publishers import (
     Publisher,
     RabbitMQPublisher,
 )
+from mongo_outbox.publishers.base import unavailable
 from tests.servers import NATS_URL, RABBITMQ_URL
 
 
@@ -85,15 +86,6 @@ async def drain_queue(queue: Any, count: int) -> list[Any]:
         messages.append(message)
     assert await queue.get(fail=False, timeout=5) is None
     return messages
-
-
-@pytest.fixture
-async def channel(amqp_connection: Any, unique: str) -> AsyncIterator[Any]:
-    """A channel for the test's own queues; the exchange named ``unique`` is deleted after."""
-    channel = await amqp_connection.channel()
-    yield channel
-    await channel.exchange_delete(unique)
-    await channel.close()
 
 
 class InFlight:
@@ -210,8 +202,11 @@ async def test_nats_deduplicates_a_republished_event(nats_client: Any, nats_stre
 
 async def test_nats_raises_when_no_stream_takes_the_subject(nats_client: Any, unique: str) -> None:
     publisher = NatsPublisher(nats_client.jetstream(), subject=f"{unique}.nowhere", timeout=5)
-    with pytest.raises(nats.js.errors.NoStreamResponseError):
+    # No stream (yet, or JetStream restarting): the relay waits for one, parking nothing.
+    with pytest.raises(BrokerUnavailableError) as raised:
         await publisher.publish(event())
+    assert isinstance(raised.value.__cause__, nats.js.errors.NoStreamResponseError)
+    assert unavailable(raised.value)
 
 
 async def test_nats_raises_the_streams_own_refusal(nats_client: Any, unique: str) -> None:
@@ -224,6 +219,7 @@ async def test_nats_raises_the_streams_own_refusal(nats_client: Any, unique: str
             await publisher.publish(event())
         [result] = await publisher.publish_many([event()])
         assert isinstance(result, nats.js.errors.BadRequestError)
+        assert not unavailable(result)  # the message's own fault: an attempt that counts
         assert (await js.stream_info(unique)).state.messages == 0
     finally:
         await js.delete_stream(unique)
@@ -256,7 +252,8 @@ async def test_nats_publish_many_reports_each_event_in_order(
     results = await publisher.publish_many([good, bad, lost, also_good])
     assert results[0] is None and results[3] is None
     assert isinstance(results[1], InvalidEventError)
-    assert isinstance(results[2], nats.js.errors.NoStreamResponseError)
+    assert isinstance(results[2], BrokerUnavailableError)
+    assert isinstance(results[2].__cause__, nats.js.errors.NoStreamResponseError)
     messages = await read_stream(nats_client, nats_stream, 2)
     assert {m.headers["Nats-Msg-Id"] for m in messages} == {good.id, also_good.id}
 
@@ -366,8 +363,10 @@ async def test_rabbitmq_unroutable_message_is_an_error_not_a_drop(
 ) -> None:
     publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
     lost = event()
-    with pytest.raises(aio_pika.exceptions.DeliveryError):  # no queue bound
+    # No queue bound: waiting for one is the relay's to do, so it parks nothing.
+    with pytest.raises(BrokerUnavailableError, match="NO_ROUTE") as raised:
         await publisher.publish(lost)
+    assert isinstance(raised.value.__cause__, aio_pika.exceptions.DeliveryError)
     # The channel survives a returned message: once a queue is bound the retry goes through.
     queue = await bind_queue(channel, unique)
     await publisher.publish(lost)

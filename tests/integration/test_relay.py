@@ -207,6 +207,36 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, mode: str) ->
         assert doc["_outbox"] == [] and outbox.due_field not in doc
 
 
+async def test_a_document_left_with_only_parked_entries_is_not_held(db: Any) -> None:
+    """Parking an embedded entry is two writes: the park (the document stays due) and then
+    taking the document out of the relay's index. A relay that claims it in between finds
+    nothing to publish, and must let go at once: else its claim stays until the lease ends
+    and the aggregate's next event waits for it."""
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    [poison] = (
+        await outbox.save_with_events(None, db.orders, {"_id": 0}, [Event(type="x")])
+    ).events
+    relay = PollingRelay(
+        outbox,
+        MemoryPublisher(fail=lambda e: RuntimeError("rejected") if e.id == poison.id else None),
+        max_attempts=1,
+    )
+    await relay.drain()
+    assert [e["_id"] for e in await relay.parked()] == [poison.id]
+    # The moment between the two writes: parked, yet still due.
+    await db.orders.update_one({"_id": 0}, {"$set": {outbox.due_field: utc_now()}})
+
+    publisher = MemoryPublisher()
+    other = PollingRelay(outbox, publisher)
+    assert await other.drain() == 0
+    doc = await db.orders.find_one({"_id": 0})
+    assert outbox.claim_field not in doc and outbox.due_field not in doc
+    [later] = (await outbox.save_with_events(None, db.orders, {"_id": 0}, [Event(type="x")])).events
+    assert await other.drain() == 1 and publisher.events == [later]
+    assert [e["_id"] for e in await other.parked()] == [poison.id]
+
+
 async def _make_due(db: Any, outbox: Outbox) -> None:
     """Skip the remaining backoff, as waiting it out would."""
     from mongo_outbox.events import utc_now

@@ -8,6 +8,7 @@ import mongo_outbox
 import mongo_outbox.publishers
 
 EXTRA = {
+    "BrokerUnavailableError",
     "ChangeStreamError",
     "ChangeStreamRelay",
     "DeadLettered",
