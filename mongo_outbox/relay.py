@@ -155,7 +155,7 @@ class PollingRelay:
                 "broker unavailable for %d events (%s); retrying in %.1fs or later",
                 len(waiting),
                 waiting[0].error,
-                (min(f.retry_at for f in waiting) - utc_now()).total_seconds(),
+                max((min(f.retry_at for f in waiting) - utc_now()).total_seconds(), 0.0),
             )
         return len(published)
 

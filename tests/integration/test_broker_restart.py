@@ -1,10 +1,11 @@
-"""The broker goes away mid-run and comes back: both relays deliver every event, in order per
-aggregate. NATS: a nats-server of the test's own (its own port and store), SIGKILLed after ten
-confirms and restarted a second later; the stream holds each event once (JetStream dedups
-republished ids). RabbitMQ: the real broker behind a TCP gate of the test's own, which drops
-every connection after ten confirms and lets them in again a second later; republished events
-share their ``message_id``. The relays park after two failed attempts: an outage must park
-nothing."""
+"""The broker goes away mid-run, while events are being saved, and comes back: both relays (the
+change-stream one on the server's own stream) deliver every event, in order per aggregate.
+
+NATS: a nats-server of the test's own (its own port and store), SIGKILLed after ten confirms and
+restarted a second later; the stream holds each event once (JetStream dedups republished ids).
+RabbitMQ: the real broker behind a TCP gate of the test's own, which drops every connection
+after ten confirms and lets them in again a second later; republished events share their
+``message_id``. The relays park after two failed attempts: an outage must park nothing."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import pytest
 
 from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, PollingRelay
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
-from tests.changestream_sources import ScriptedSource, inserts
 from tests.integration.test_publishers import bind_queue
 from tests.servers import RABBITMQ_URL
 
@@ -151,7 +151,6 @@ class KillsTheBroker:
 
 async def save_steps(outbox: Outbox, db: Any) -> list[Event]:
     """Four saves of each of ten orders, one event each, interleaved across orders."""
-    await outbox.ensure_indexes()
     saved: list[Event] = []
     for step in range(4):
         for order in range(10):
@@ -162,13 +161,19 @@ async def save_steps(outbox: Outbox, db: Any) -> list[Event]:
     return saved
 
 
-async def relay_through_outage(
-    db: Any, outbox: Outbox, publisher: KillsTheBroker, relay_kind: str, count: int
-) -> None:
-    """Run a relay of ``relay_kind`` until all ``count`` events are published; check that the
-    outage happened, made publishes fail, and parked nothing."""
+async def relay_through_outage(db: Any, publisher: KillsTheBroker, relay_kind: str) -> list[Event]:
+    """Relay saved events through the outage until every one is published; check that the
+    outage happened, made publishes fail, and parked nothing. Returns the saved events.
+
+    The polling relay drains a collection-mode outbox saved beforehand. The change-stream
+    relay follows the server's own stream (the emulator's through the test shim, or a replica
+    set's) while the events are saved, in embedded mode: the emulator loses concurrent writes
+    when a transaction's commit conflicts, so transactions stay out of a run with a writer."""
     relay: PollingRelay | ChangeStreamRelay
     if relay_kind == "polling":
+        outbox = Outbox(db)
+        await outbox.ensure_indexes()
+        saved = await save_steps(outbox, db)
         relay = PollingRelay(
             outbox,
             publisher,
@@ -179,14 +184,14 @@ async def relay_through_outage(
             backoff=FAST,
             max_attempts=2,
         )
+        task = asyncio.create_task(relay.run())
     else:
-        source = ScriptedSource()
-        await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+        outbox = Outbox(db, mode="embedded", collections=["orders"])
+        await outbox.ensure_indexes()
         relay = ChangeStreamRelay(
             outbox,
             publisher,
             name="orders-relay",
-            source=source,
             batch_size=10,
             claim_lease=2.0,
             publish_timeout=1.0,
@@ -194,12 +199,18 @@ async def relay_through_outage(
             backoff=FAST,
             max_attempts=2,
         )
-        entries = await db.outbox.find().sort("_id", 1).to_list(None)
-        source.play(inserts(entries, "t1"))
-    task = asyncio.create_task(relay.run())
+        task = asyncio.create_task(relay.run())
+        while not (await relay.status()).active:  # noqa: ASYNC110 - polling the database
+            await asyncio.sleep(0.02)
+        saved = await save_steps(outbox, db)
+
+    async def pending() -> int:
+        if isinstance(relay, ChangeStreamRelay):
+            return (await relay.status()).pending
+        return int(await db.outbox.count_documents({"status": {"$ne": "published"}}))
 
     async def everything_published() -> None:
-        while await db.outbox.count_documents({"status": "published"}) < count:  # noqa: ASYNC110
+        while await pending():  # noqa: ASYNC110 - polling the database, no event to wait on
             await asyncio.sleep(0.1)
 
     await asyncio.wait_for(everything_published(), 60)
@@ -207,9 +218,13 @@ async def relay_through_outage(
     await asyncio.wait_for(task, 10)
     assert publisher.restarted is not None  # the broker really went away mid-run
     await publisher.restarted
-    failures = relay.stats if isinstance(relay, PollingRelay) else await relay.status()
-    assert (failures.failed if isinstance(relay, PollingRelay) else failures.publish_failures) > 0
+    if isinstance(relay, PollingRelay):
+        assert relay.stats.failed > 0
+    else:
+        assert (await relay.status()).publish_failures > 0
+        assert (await db.outbox_relays.find_one({"_id": "orders-relay"}))["token"] is not None
     assert await relay.parked() == []
+    return saved
 
 
 @pytest.mark.parametrize("relay_kind", ["polling", "change stream"])
@@ -221,12 +236,10 @@ async def test_nats_killed_and_restarted_mid_run(
     nc = await nats.connect(broker.url)
     await nc.jetstream().add_stream(name=unique, subjects=[f"{unique}.>"])
     await nc.close()
-    outbox = Outbox(db)
-    saved = await save_steps(outbox, db)
     inner = await NatsPublisher.connect(broker.url, subject=f"{unique}.{{type}}", timeout=0.5)
     publisher = KillsTheBroker(inner, broker, after=10)
     try:
-        await relay_through_outage(db, outbox, publisher, relay_kind, len(saved))
+        saved = await relay_through_outage(db, publisher, relay_kind)
     finally:
         await publisher.aclose()
 
@@ -255,12 +268,10 @@ async def test_rabbitmq_cut_off_and_back_mid_run(
     queue = await bind_queue(channel, unique)  # straight to the broker, not through the gate
     gate = Gate()
     await gate.start()
-    outbox = Outbox(db)
-    saved = await save_steps(outbox, db)
     inner = await RabbitMQPublisher.connect(gate.url, exchange=unique, timeout=0.5)
     publisher = KillsTheBroker(inner, gate, after=10)
     try:
-        await relay_through_outage(db, outbox, publisher, relay_kind, len(saved))
+        saved = await relay_through_outage(db, publisher, relay_kind)
     finally:
         await publisher.aclose()
         await gate.kill()
