@@ -75,5 +75,10 @@ def unavailable(error: BaseException) -> bool:
     return isinstance(error, (BrokerUnavailableError, OSError, asyncio.TimeoutError))
 
 
+def unavailable_error(broker: str, error: BaseException, event: Event) -> BrokerUnavailableError:
+    """A client's own transport error, as the one the relay does not count as an attempt."""
+    return BrokerUnavailableError(f"{broker}: {type(error).__name__}: {error}", event_id=event.id)
+
+
 def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:
     return BrokerUnavailableError(f"{type(publisher).__name__} is closed", event_id=event.id)

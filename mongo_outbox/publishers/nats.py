@@ -6,9 +6,15 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError
+from mongo_outbox.errors import InvalidEventError
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
+from mongo_outbox.publishers.base import (
+    Naming,
+    closed_error,
+    message_headers,
+    render,
+    unavailable_error,
+)
 
 try:
     import nats
@@ -122,9 +128,7 @@ class NatsPublisher:
                 subject, event.model_dump_json().encode(), timeout=self.timeout, headers=headers
             )
         except _UNAVAILABLE as error:
-            raise BrokerUnavailableError(
-                f"NATS: {type(error).__name__}: {error}", event_id=event.id
-            ) from error
+            raise unavailable_error("NATS", error, event) from error
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
         # Every request goes out before any ack is awaited: one round trip for the lot.

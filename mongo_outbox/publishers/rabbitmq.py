@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, PublishError
+from mongo_outbox.errors import InvalidEventError, PublishError
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import Naming, closed_error, message_headers, render
+from mongo_outbox.publishers.base import (
+    Naming,
+    closed_error,
+    message_headers,
+    render,
+    unavailable_error,
+)
 
 try:
     import aio_pika
@@ -102,9 +108,7 @@ class RabbitMQPublisher:
                 message, routing_key=key, mandatory=True, timeout=self.timeout
             )
         except _UNAVAILABLE as error:
-            raise BrokerUnavailableError(
-                f"RabbitMQ: {type(error).__name__}: {error}", event_id=event.id
-            ) from error
+            raise unavailable_error("RabbitMQ", error, event) from error
         # Without confirms the result is None, and without on_return_raises a returned
         # message comes back as the result: neither means the broker has the message.
         if not isinstance(confirm, aiormq.spec.Basic.Ack):

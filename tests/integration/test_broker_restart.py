@@ -31,13 +31,17 @@ HAVE_NATS_SERVER = Path(NATS_SERVER).exists()
 FAST = Backoff(initial=0.05, maximum=0.3)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 class Broker:
     """A nats-server with JetStream that can be killed and started again on the same store."""
 
     def __init__(self, store: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.store = store
         self.process: asyncio.subprocess.Process | None = None
 
@@ -83,9 +87,7 @@ class Gate:
     refuses new ones until ``start``."""
 
     def __init__(self) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         target = urlsplit(RABBITMQ_URL)
         self.target = (target.hostname or "127.0.0.1", target.port or 5672)
         self.url = urlunsplit(target._replace(netloc=f"guest:guest@127.0.0.1:{self.port}"))
