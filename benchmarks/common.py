@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     # The server launcher lives with the tests, which are not part of the installed package.
     sys.path.insert(0, str(ROOT))
 
-from tests.servers import MongoServer, start_mongo  # noqa: E402
+from tests.support.servers import MongoServer, start_mongo  # noqa: E402
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")

@@ -25,7 +25,7 @@ from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher, Publisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.servers import start_emulator
+from tests.support.servers import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")

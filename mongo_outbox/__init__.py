@@ -10,6 +10,8 @@ from mongo_outbox.errors import (
     BrokerUnavailableError,
     ChangeStreamError,
     ConcurrencyError,
+    ConfigurationError,
+    DeadLettered,
     DuplicateEventError,
     InboxError,
     InvalidAggregateError,
@@ -18,15 +20,15 @@ from mongo_outbox.errors import (
     OutboxError,
     PoisonMessage,
     PublishError,
+    RetryLater,
+    UsageError,
 )
 from mongo_outbox.events import Event, new_event_id
 from mongo_outbox.inbox import (
-    DeadLettered,
     Guarded,
     Inbox,
     Outcome,
     Result,
-    RetryLater,
     inbox_guard,
 )
 from mongo_outbox.outbox import Outbox, Saved
@@ -38,6 +40,7 @@ __all__ = [
     "ChangeStreamError",
     "ChangeStreamRelay",
     "ConcurrencyError",
+    "ConfigurationError",
     "DeadLettered",
     "DuplicateEventError",
     "Event",
@@ -58,6 +61,7 @@ __all__ = [
     "Result",
     "RetryLater",
     "Saved",
+    "UsageError",
     "inbox_guard",
     "new_event_id",
 ]

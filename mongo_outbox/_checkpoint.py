@@ -93,13 +93,6 @@ class Checkpoint:
             raise LeaseLost(f"relay {self.name}: another process took the lease over")
         self._renew_at = now + self.lease / 3
 
-    async def forget_token(self) -> None:
-        """Drop a token the server refused, so a restart recovers by sweeping instead of
-        failing on it again."""
-        await self.coll.update_one(
-            {"_id": self.name, "fence": self.fence}, {"$unset": {"token": ""}}
-        )
-
     async def release(self) -> None:
         """Give the lease up at once, so a standby need not wait for it to run out."""
         if self.fence is not None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox.events import Event, utc_now
+from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
 
 _EVENT_FIELDS = frozenset(Event.model_fields)
@@ -152,7 +152,7 @@ class CollectionStore:
                 else:
                     # Until the blocker's lease or backoff ends, but at most a second: a
                     # blocker held by a live relay is usually published within milliseconds.
-                    again = min(max(_aware(blocker["available_at"]), now), now + _RECHECK)
+                    again = min(max(as_utc(blocker["available_at"]), now), now + _RECHECK)
                     blocked[again].append(entry["_id"])
             if group:
                 groups.append(group)
@@ -425,7 +425,3 @@ class EmbeddedStore:
                 }
             }
         ]
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

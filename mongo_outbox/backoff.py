@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from mongo_outbox.errors import ConfigurationError
+from mongo_outbox.settings import seconds
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -17,8 +20,18 @@ class Backoff:
     factor: float = 2.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.initial <= self.maximum or self.factor < 1:
-            raise ValueError("Backoff needs 0 < initial <= maximum and factor >= 1")
+        # Normalised once, so a timedelta works as well as seconds.
+        object.__setattr__(self, "initial", seconds(self.initial, "Backoff.initial"))
+        object.__setattr__(self, "maximum", seconds(self.maximum, "Backoff.maximum"))
+        if self.initial > self.maximum:
+            raise ConfigurationError(
+                "Backoff.initial must not exceed Backoff.maximum", setting="Backoff.initial"
+            )
+        if isinstance(self.factor, bool) or not 1 <= self.factor < float("inf"):
+            raise ConfigurationError(
+                f"Backoff.factor must be a finite number >= 1, not {self.factor!r}",
+                setting="Backoff.factor",
+            )
 
     def delay(self, attempt: int) -> float:
         ceiling = min(self.maximum, self.initial * self.factor ** max(attempt - 1, 0))

@@ -27,10 +27,9 @@ from typing import Any, Literal, NamedTuple, Protocol
 from pymongo.errors import ConnectionFailure, OperationFailure, PyMongoError
 
 from mongo_outbox._checkpoint import Checkpoint, LeaseLost
-from mongo_outbox._store import _aware
 from mongo_outbox.backoff import Backoff
-from mongo_outbox.errors import ChangeStreamError
-from mongo_outbox.events import utc_now
+from mongo_outbox.errors import ChangeStreamError, describe
+from mongo_outbox.events import as_utc, utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.relay import PollingRelay
@@ -326,7 +325,7 @@ class ChangeStreamRelay:
             except PyMongoError as error:
                 failures += 1
                 delay = self.backoff.delay(failures)
-                self.last_error = f"{type(error).__name__}: {error}"
+                self.last_error = describe(error)
                 log.warning(
                     "relay %s: %s; resuming from the checkpoint in %.1fs",
                     self.name,
@@ -347,7 +346,7 @@ class ChangeStreamRelay:
             active=self.checkpoint.held and doc.get("owner") == self.checkpoint.owner,
             last_checkpoint_at=doc.get("checkpoint_at"),
             pending=pending,
-            oldest_pending_age=utc_now() - _aware(oldest) if oldest else None,
+            oldest_pending_age=utc_now() - as_utc(oldest) if oldest else None,
             parked=len(await self.parked()),
             publish_failures=self._poller.stats.failed,
             recoveries=self.recoveries,
@@ -501,7 +500,7 @@ class ChangeStreamRelay:
             doc = await self.outbox.collection.find_one(
                 {"status": "pending"}, sort=[("available_at", 1)], projection={"available_at": 1}
             )
-            return _aware(doc["available_at"]) if doc else None
+            return as_utc(doc["available_at"]) if doc else None
         due = self.outbox.due_field
         times = []
         for name in self.outbox.collections:
@@ -509,7 +508,7 @@ class ChangeStreamRelay:
                 {due: {"$exists": True}}, sort=[(due, 1)], projection={due: 1}
             )
             if doc and isinstance(doc.get(due), datetime):
-                times.append(_aware(doc[due]))
+                times.append(as_utc(doc[due]))
         return min(times, default=None)
 
     async def _pending(self) -> tuple[int, datetime | None]:

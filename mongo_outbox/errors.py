@@ -5,6 +5,8 @@
     OutboxError
     ├── InvalidEventError        an Event or its payload cannot be stored or sent
     ├── InvalidAggregateError    the document, collection or session cannot be saved with events
+    ├── ConfigurationError       a setting is out of range (a duration, a count, a template)
+    ├── UsageError               the API was called in a way it does not support
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
     ├── DuplicateEventError      an event id is already in the outbox
     ├── PublishError             the broker did not confirm a message
@@ -12,7 +14,9 @@
     ├── ChangeStreamError        a change stream failed in a way resuming cannot fix
     └── InboxError
         ├── MessageIdentityError a message arrived without an id to deduplicate on
-        └── PoisonMessage        raise it from a handler: never retry this message
+        ├── PoisonMessage        raise it from a handler: never retry this message
+        ├── RetryLater           a guarded handler failed for now: deliver again after ``delay``
+        └── DeadLettered         a guarded message is poison: recorded and dead-lettered
 
 Every error carries the context it is about as attributes, so a handler can log or route it
 without parsing the message.
@@ -25,6 +29,23 @@ from typing import Any
 
 class OutboxError(Exception):
     """Root of every error mongo-outbox raises on purpose."""
+
+
+def describe(error: BaseException) -> str:
+    """``"TypeName: message"``: how an error is recorded in ``last_error`` fields and logs."""
+    return f"{type(error).__name__}: {error}"
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """A constructor argument is out of range; ``setting`` names it."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+class UsageError(OutboxError, RuntimeError):
+    """The API was used in a way it does not support, e.g. one relay object run twice at once."""
 
 
 class InvalidEventError(OutboxError, ValueError):
@@ -86,3 +107,21 @@ class MessageIdentityError(InboxError, ValueError):
 
 class PoisonMessage(InboxError):
     """Raised by a handler (or by the consumer helpers) for a message that must not be retried."""
+
+
+class RetryLater(InboxError):
+    """The handler failed for now (or another consumer holds the message): deliver it again
+    after ``delay`` seconds."""
+
+    def __init__(self, message: str, *, attempt: int, delay: float) -> None:
+        super().__init__(message)
+        self.attempt = attempt
+        self.delay = delay
+
+
+class DeadLettered(InboxError):
+    """The message is poison: it was recorded as failed and sent to the dead letter."""
+
+    def __init__(self, message: str, *, attempt: int) -> None:
+        super().__init__(message)
+        self.attempt = attempt

@@ -44,6 +44,12 @@ def utc_now() -> datetime:
     return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
 
+def as_utc(value: datetime) -> datetime:
+    """A datetime read back from MongoDB, made aware: a client without ``tz_aware=True``
+    returns naive UTC datetimes."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
 def _check_json(value: Any, path: str) -> None:
     # pydantic's JsonValue admits NaN, unbounded ints and any key; BSON and JSON peers do not.
     if isinstance(value, float) and not math.isfinite(value):

@@ -19,7 +19,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from pymongo import ReturnDocument
@@ -27,8 +27,14 @@ from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailur
 
 from mongo_outbox._driver import start_session
 from mongo_outbox.backoff import Backoff
-from mongo_outbox.errors import InboxError, MessageIdentityError, PoisonMessage
-from mongo_outbox.events import Event, utc_now
+from mongo_outbox.errors import (
+    DeadLettered,
+    MessageIdentityError,
+    PoisonMessage,
+    RetryLater,
+    describe,
+)
+from mongo_outbox.events import Event, as_utc, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +56,6 @@ class Result:
     attempt: int = 0
     delay: float = 0.0
     error: str | None = None
-
-
-class RetryLater(InboxError):
-    """The handler failed for now (or another consumer holds the message): deliver it again
-    after ``delay`` seconds."""
-
-    def __init__(self, message: str, *, attempt: int, delay: float) -> None:
-        super().__init__(message)
-        self.attempt = attempt
-        self.delay = delay
-
-
-class DeadLettered(InboxError):
-    """The message is poison: it was recorded as failed and sent to the dead letter."""
-
-    def __init__(self, message: str, *, attempt: int) -> None:
-        super().__init__(message)
-        self.attempt = attempt
 
 
 class Inbox:
@@ -287,7 +275,7 @@ class Guarded:
                 # so not an attempt that counts towards max_attempts (a duplicate, or every
                 # message during an outage, would be dead-lettered). The transaction rolled
                 # back the record's count too.
-                text = f"{type(error).__name__}: {error}"
+                text = describe(error)
                 return Result(Outcome.RETRY, _attempts(before), self.backoff.delay(1), text)
             return await self._failed(event, identity, _attempts(before) + 1, error)
         return Result(Outcome.HANDLED, _attempts(before) + 1)
@@ -325,7 +313,7 @@ class Guarded:
                 if current["status"] in ("done", "failed"):
                     return Result(Outcome.DUPLICATE, _attempts(current))
                 # Another consumer holds it: come back when its lease ends.
-                left = (_aware(current["lease_until"]) - now).total_seconds()
+                left = (as_utc(current["lease_until"]) - now).total_seconds()
                 return Result(Outcome.RETRY, _attempts(current), max(left, 0.0), "in progress")
             attempt = _attempts(record)
         try:
@@ -351,7 +339,7 @@ class Guarded:
     async def _failed(
         self, event: Event, identity: dict[str, Any], attempt: int, error: BaseException
     ) -> Result:
-        text = f"{type(error).__name__}: {error}"
+        text = describe(error)
         if attempt >= self.max_attempts:
             return await self._poison(event, identity, attempt, f"gave up after {attempt}: {text}")
         delay = self.backoff.delay(attempt)
@@ -374,7 +362,7 @@ class Guarded:
             try:
                 await self.dead_letter(event, reason)
             except Exception as error:  # noqa: BLE001 - retried like a handler failure
-                text = f"dead letter failed: {type(error).__name__}: {error}"
+                text = f"dead letter failed: {describe(error)}"
                 return Result(Outcome.RETRY, attempt, self.backoff.delay(attempt), text)
         await self._record(identity, event, "failed", attempt, reason)
         return Result(Outcome.DEAD_LETTERED, attempt, 0.0, reason)
@@ -442,7 +430,3 @@ class _Busy:
 
 def _attempts(record: dict[str, Any] | None) -> int:
     return int(record.get("attempts", 0)) if record else 0
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

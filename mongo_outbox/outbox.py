@@ -31,7 +31,6 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import AggregateId, Event, utc_now
 
 Mode = Literal["collection", "embedded"]
-EPOCH_FIELDS = ("occurred_at",)
 
 
 @dataclass(frozen=True)

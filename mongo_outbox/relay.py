@@ -14,6 +14,7 @@ from pymongo.errors import PyMongoError
 
 from mongo_outbox._store import CollectionStore, Failure, store_for
 from mongo_outbox.backoff import Backoff
+from mongo_outbox.errors import describe
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import BatchPublisher, Publisher, unavailable
@@ -216,7 +217,7 @@ class PollingRelay:
         return None
 
     def _failure(self, event: Event, error: BaseException) -> Failure:
-        text = f"{type(error).__name__}: {error}"
+        text = describe(error)
         self.stats.last_error = text
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
+from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
 
 MONGO: MongoServer | None = None
 

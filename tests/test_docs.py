@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import NATS_URL
+from tests.support.servers import NATS_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, describe
 from mongo_outbox.events import Event
 
 
@@ -52,7 +52,7 @@ def render(naming: Naming, event: Event) -> str:
         return naming.format_map(fields)
     except (KeyError, IndexError, AttributeError, TypeError, ValueError) as error:
         raise InvalidEventError(
-            f"cannot render {naming!r} for event {event.id}: {type(error).__name__}: {error}",
+            f"cannot render {naming!r} for event {event.id}: {describe(error)}",
             event_id=event.id,
         ) from error
 
@@ -77,7 +77,7 @@ def unavailable(error: BaseException) -> bool:
 
 def unavailable_error(broker: str, error: BaseException, event: Event) -> BrokerUnavailableError:
     """A client's own transport error, as the one the relay does not count as an attempt."""
-    return BrokerUnavailableError(f"{broker}: {type(error).__name__}: {error}", event_id=event.id)
+    return BrokerUnavailableError(f"{broker}: {describe(error)}", event_id=event.id)
 
 
 def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:

@@ -20,7 +20,7 @@ from pymongo import AsyncMongoClient
 from mongo_outbox import Backoff, ChangeStreamRelay, Outbox
 from mongo_outbox.publishers import NatsPublisher
 from tests.crash.relay_process import KillAfter, die
-from tests.servers import NATS_URL
+from tests.support.servers import NATS_URL
 
 
 async def main(uri: str, db_name: str, mode: str, stream: str, name: str, seed: int) -> None:

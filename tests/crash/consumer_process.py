@@ -20,7 +20,7 @@ from pymongo import AsyncMongoClient
 
 from mongo_outbox import Event, Inbox, inbox_guard
 from mongo_outbox.consumers import handle_rabbitmq_message
-from tests.servers import RABBITMQ_URL
+from tests.support.servers import RABBITMQ_URL
 
 CRASH_ON = 3
 

@@ -17,7 +17,7 @@ from pymongo import AsyncMongoClient
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
-from tests.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 
 def die() -> None:

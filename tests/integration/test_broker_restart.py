@@ -24,7 +24,7 @@ import pytest
 from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, PollingRelay
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 from tests.integration.test_publishers import bind_queue
-from tests.servers import RABBITMQ_URL
+from tests.support.servers import RABBITMQ_URL
 
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 HAVE_NATS_SERVER = Path(NATS_SERVER).exists()

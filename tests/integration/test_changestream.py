@@ -17,8 +17,8 @@ from pymongo.errors import AutoReconnect, OperationFailure
 from mongo_outbox import Backoff, ChangeStreamError, ChangeStreamRelay, Event, Outbox
 from mongo_outbox.changestream import ChangeBatch
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
-from tests.changestream_sources import MongoEcoSource, ScriptedSource, inserts
-from tests.servers import NATS_URL
+from tests.support.changestream_sources import MongoEcoSource, ScriptedSource, inserts
+from tests.support.servers import NATS_URL
 
 FAST = Backoff(initial=0.01, maximum=0.05)
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import MongoServer
+from tests.support.servers import MongoServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import aio_pika
 from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guard
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from tests.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 
 def concurrency(mongo: Any) -> int:

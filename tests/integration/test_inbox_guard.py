@@ -21,7 +21,7 @@ from mongo_outbox import (
     RetryLater,
     inbox_guard,
 )
-from tests.servers import MongoServer
+from tests.support.servers import MongoServer
 
 FAST = Backoff(initial=0.01, maximum=0.02)
 MODES = [True, False]  # transactional, leased

@@ -10,7 +10,7 @@ import pytest
 
 from mongo_outbox import Event, InvalidAggregateError, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher
-from tests.servers import MongoServer
+from tests.support.servers import MongoServer
 
 
 @pytest.fixture

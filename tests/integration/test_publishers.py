@@ -21,7 +21,7 @@ from mongo_outbox.publishers import (
     RabbitMQPublisher,
 )
 from mongo_outbox.publishers.base import unavailable
-from tests.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 
 def event(**fields: Any) -> Event:

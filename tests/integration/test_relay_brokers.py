@@ -17,7 +17,7 @@ from tests.integration.test_publishers import (
     drain_queue,
     read_stream,
 )
-from tests.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 MODES = ["collection", "embedded"]
 RETRY_FAST = Backoff(initial=0.01, maximum=0.05)

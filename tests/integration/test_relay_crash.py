@@ -14,7 +14,7 @@ import pytest
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from tests.servers import NATS_URL, RABBITMQ_URL, MongoServer
+from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

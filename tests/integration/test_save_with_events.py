@@ -16,7 +16,7 @@ from mongo_outbox import (
     InvalidEventError,
     Outbox,
 )
-from tests.servers import MongoServer
+from tests.support.servers import MongoServer
 
 MODES = ["collection", "embedded"]
 

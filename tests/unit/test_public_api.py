@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+
+import pytest
 
 import mongo_outbox
 import mongo_outbox.publishers
@@ -23,6 +26,7 @@ EXTRA = {
 PUBLIC = {
     "Backoff",
     "ConcurrencyError",
+    "ConfigurationError",
     "DuplicateEventError",
     "Event",
     "InboxError",
@@ -36,6 +40,7 @@ PUBLIC = {
     "PublishError",
     "RelayStats",
     "Saved",
+    "UsageError",
     "new_event_id",
 }
 
@@ -77,3 +82,61 @@ def test_no_public_signature_mentions_a_private_module() -> None:
         for function in functions:
             for annotation in inspect.get_annotations(function).values():
                 assert "mongo_outbox._" not in str(annotation), (name, function, annotation)
+
+
+# Every import path users had before the package split: each must keep working.
+IMPORT_PATHS = {
+    "mongo_outbox.backoff": ["Backoff"],
+    "mongo_outbox.changestream": [
+        "ChangeBatch",
+        "ChangeSource",
+        "ChangeStream",
+        "ChangeStreamRelay",
+        "RelayStatus",
+        "WatchSource",
+        "triage",
+    ],
+    "mongo_outbox.consumers": [
+        "consume_nats",
+        "consume_rabbitmq",
+        "handle_nats_message",
+        "handle_rabbitmq_message",
+    ],
+    "mongo_outbox.errors": [
+        "BrokerUnavailableError",
+        "ChangeStreamError",
+        "ConcurrencyError",
+        "DuplicateEventError",
+        "InboxError",
+        "InvalidAggregateError",
+        "InvalidEventError",
+        "MessageIdentityError",
+        "OutboxError",
+        "PoisonMessage",
+        "PublishError",
+    ],
+    "mongo_outbox.events": ["Event", "new_event_id", "utc_now"],
+    "mongo_outbox.inbox": [
+        "DeadLettered",
+        "Guarded",
+        "Inbox",
+        "Outcome",
+        "Result",
+        "RetryLater",
+        "inbox_guard",
+    ],
+    "mongo_outbox.outbox": ["Outbox", "Saved"],
+    "mongo_outbox.publishers": ["BatchPublisher", "MemoryPublisher", "Publisher"],
+    "mongo_outbox.publishers.base": ["BatchPublisher", "Publisher"],
+    "mongo_outbox.publishers.memory": ["MemoryPublisher"],
+    "mongo_outbox.publishers.nats": ["NatsPublisher"],
+    "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
+    "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(IMPORT_PATHS))
+def test_every_public_import_path_of_the_first_version_still_works(module: str) -> None:
+    imported = importlib.import_module(module)
+    for name in IMPORT_PATHS[module]:
+        assert getattr(imported, name) is not None, f"{module}.{name}"

@@ -1,6 +1,6 @@
 """Serve mongoeco's MongoDB wire-protocol emulator on 127.0.0.1 until killed.
 
-Usage: python tests/mongo_emulator.py PORT  (prints "ready PORT VERSION" once it listens)
+Usage: python tests/support/mongo_emulator.py PORT  (prints "ready PORT VERSION" once it listens)
 
 mongoeco does not serve ``$changeStream`` over the wire, but its in-process client has real
 change streams. ``ChangeStreamsOverWire`` (a test fixture, not part of the library) answers the
@@ -26,8 +26,8 @@ from bson import Timestamp
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.changestream_sources import server_error_code
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support.changestream_sources import server_error_code
 
 CURSOR_NOT_FOUND = 43
 FIRST_ID = 1_000_001  # far above mongoeco's own cursor ids

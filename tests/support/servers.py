@@ -3,7 +3,7 @@
 MongoDB, most faithful first: ``MONGODB_URI`` (a real replica set); a single-node replica set in
 Docker through testcontainers, when a Docker engine answers; else the mongoeco wire-protocol
 emulator in a subprocess (real transactions, unique and TTL indexes; change streams through the
-shim in ``tests/mongo_emulator.py``).
+shim in ``tests/support/mongo_emulator.py``).
 """
 
 from __future__ import annotations
