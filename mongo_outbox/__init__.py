@@ -7,6 +7,7 @@ at least once and in order per aggregate (``PollingRelay``), and consume them ef
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
+    BrokerFullError,
     BrokerUnavailableError,
     ChangeStreamError,
     ConcurrencyError,
@@ -36,6 +37,7 @@ from mongo_outbox.relay import PollingRelay, RelayStats
 
 __all__ = [
     "Backoff",
+    "BrokerFullError",
     "BrokerUnavailableError",
     "ChangeStreamError",
     "ChangeStreamRelay",

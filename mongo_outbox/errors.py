@@ -11,6 +11,7 @@
     ├── DuplicateEventError      an event id is already in the outbox
     ├── PublishError             the broker did not confirm a message
     │   └── BrokerUnavailableError  the broker could not be reached: not the message's fault
+    │       └── BrokerFullError      the broker refused for want of room (queue or stream full)
     ├── ChangeStreamError        a change stream failed in a way resuming cannot fix
     └── InboxError
         ├── MessageIdentityError a message arrived without an id to deduplicate on
@@ -86,6 +87,13 @@ class BrokerUnavailableError(PublishError):
     """The broker could not be reached, or refused everything, e.g. while it restarts. The relay
     retries such a failure without counting it towards ``max_attempts``: an outage must not
     dead-letter events that did nothing wrong."""
+
+
+class BrokerFullError(BrokerUnavailableError):
+    """The broker is up but has no room: a RabbitMQ queue at its ``x-max-length`` with
+    ``reject-publish``, or a JetStream stream at its limits with the discard-new policy. Like an
+    outage it is retried without counting an attempt, so it never parks an event or lets a
+    later event of its aggregate overtake it."""
 
 
 class ChangeStreamError(OutboxError):

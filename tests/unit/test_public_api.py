@@ -11,6 +11,7 @@ import mongo_outbox
 import mongo_outbox.publishers
 
 EXTRA = {
+    "BrokerFullError",
     "BrokerUnavailableError",
     "ChangeStreamError",
     "ChangeStreamRelay",
