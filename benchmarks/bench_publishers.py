@@ -27,7 +27,9 @@ from benchmarks.common import (
     standalone,
     unique,
 )
-from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox._rounds import Rounds
+from mongo_outbox._store import Claim
 from mongo_outbox.publishers import MemoryPublisher, Publisher
 from mongo_outbox.publishers.base import message_headers
 
@@ -55,11 +57,13 @@ def make_events(count: int) -> list[Event]:
 
 
 def relay_driver(publisher: Publisher, mongo: Any) -> Run:
-    # The relay is never started and its outbox never touched: only _publish runs.
-    relay = PollingRelay(Outbox(mongo.bench_unused), publisher, max_in_flight=IN_FLIGHT)
+    # The relay's publishing engine alone: its outbox is never touched, no claim is written.
+    settings = RelaySettings(max_in_flight=IN_FLIGHT)
+    rounds = Rounds(Outbox(mongo.bench_unused), publisher, settings)
 
     async def run(events: list[Event]) -> None:
-        published, failed = await relay._publish([[event] for event in events])
+        claim = Claim("bench", tuple((event,) for event in events))
+        published, failed = await rounds.publish_claim(claim)
         if failed or len(published) != len(events):
             raise RuntimeError(f"{len(failed)} publishes failed: {failed[0].error}")
 
@@ -268,7 +272,7 @@ async def end_to_end(uri: str, mode: str, name: str, connect: Callable[[], Await
                     for step in range(E2E_EVENTS_PER_AGGREGATE)
                 ]
                 await outbox.save_with_events(None, db.orders, {"_id": f"o{n}", "n": n}, events)
-            relay = PollingRelay(outbox, publisher, batch_size=100)
+            relay = PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=100))
             start = time.perf_counter()
             published = await relay.drain()
             elapsed = time.perf_counter() - start

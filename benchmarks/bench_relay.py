@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import CommandCounter, client, fresh_db, header, say, standalone
-from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import MemoryPublisher
 
 AGGREGATES = 150
@@ -41,7 +41,9 @@ async def measure(uri: str, mode: str, batch_size: int) -> str:
             events = await seed(outbox_for(db, mode))
             publisher = MemoryPublisher()
             relay = PollingRelay(
-                outbox_for(monitored[db.name], mode), publisher, batch_size=batch_size
+                outbox_for(monitored[db.name], mode),
+                publisher,
+                settings=RelaySettings(batch_size=batch_size),
             )
             counter.reset()
             batches = published = idle = 0

@@ -34,6 +34,7 @@ from mongo_outbox.inbox import (
 )
 from mongo_outbox.outbox import Outbox, Saved
 from mongo_outbox.relay import PollingRelay, RelayStats
+from mongo_outbox.settings import RelaySettings
 
 __all__ = [
     "Backoff",
@@ -58,6 +59,7 @@ __all__ = [
     "PoisonMessage",
     "PollingRelay",
     "PublishError",
+    "RelaySettings",
     "RelayStats",
     "RelayStatus",
     "Result",

@@ -86,7 +86,16 @@ class PublishError(OutboxError):
 class BrokerUnavailableError(PublishError):
     """The broker could not be reached, or refused everything, e.g. while it restarts. The relay
     retries such a failure without counting it towards ``max_attempts``: an outage must not
-    dead-letter events that did nothing wrong."""
+    dead-letter events that did nothing wrong.
+
+    ``destination`` is set when the broker answered but had nowhere to put this message (a
+    subject no stream captures, a routing key no queue is bound to): while the broker confirms
+    other events, such a failure is the event's own and counts (see docs/failures.md).
+    """
+
+    def __init__(self, message: str, *, event_id: str, destination: str | None = None) -> None:
+        super().__init__(message, event_id=event_id)
+        self.destination = destination
 
 
 class BrokerFullError(BrokerUnavailableError):

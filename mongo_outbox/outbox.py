@@ -21,6 +21,7 @@ from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
+from mongo_outbox._codec import encode
 from mongo_outbox._driver import start_session
 from mongo_outbox.errors import (
     ConcurrencyError,
@@ -80,9 +81,10 @@ class Outbox:
         self.field = field
         self.due_field = f"{field}_due"
         self.claim_field = f"{field}_claim"
+        self.wait_field = f"{field}_wait"
         self._reserved = {"_version", "_sequence"}
         if mode == "embedded":
-            self._reserved |= {field, self.due_field, self.claim_field}
+            self._reserved |= {field, self.due_field, self.claim_field, self.wait_field}
 
     async def ensure_indexes(self) -> None:
         """Create the indexes the relay and the TTL pruning need. Idempotent."""
@@ -95,6 +97,8 @@ class Outbox:
             )
             # Only published entries get expire_at, so pending ones never expire.
             await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
+            # Entries waiting for the broker, woken at once when it is back.
+            await self.collection.create_index("waiting", sparse=True, name="waiting")
         else:
             for name in self.collections:
                 await self.db[name].create_index(
@@ -103,6 +107,9 @@ class Outbox:
                 # Parked entries stay in their documents; this finds them without a scan.
                 await self.db[name].create_index(
                     f"{self.field}.parked", sparse=True, name=f"{self.field}_parked"
+                )
+                await self.db[name].create_index(
+                    self.wait_field, sparse=True, name=f"{self.field}_wait"
                 )
 
     async def save_with_events(
@@ -207,7 +214,7 @@ class Outbox:
             entries = [
                 {
                     "$mergeObjects": [
-                        {"$literal": _entry(e, "id")},
+                        {"$literal": encode(e, "id")},
                         {"sequence": {"$add": [base, i]}},
                     ]
                 }
@@ -219,6 +226,7 @@ class Outbox:
                 {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
             )
             sets[self.claim_field] = f"${self.claim_field}"
+            sets[self.wait_field] = f"${self.wait_field}"
         pipeline = [{"$replaceWith": {"$mergeObjects": [{"$literal": plan.body}, sets]}}]
         query: dict[str, Any] = {"_id": plan.doc_id}
         if plan.expected_version is not None:
@@ -244,7 +252,7 @@ class Outbox:
         events = [e.model_copy(update={"sequence": first + i}) for i, e in enumerate(plan.events)]
         if self.mode == "collection" and events:
             entries = [
-                _entry(e, "_id") | {"status": "pending", "available_at": now, "attempts": 0}
+                encode(e, "_id") | {"status": "pending", "available_at": now, "attempts": 0}
                 for e in events
             ]
             try:
@@ -286,12 +294,6 @@ def _aggregate_id(doc_id: Any, collection: str) -> AggregateId:
         f"_id of type {type(doc_id).__name__} is not supported: use a str, int, ObjectId or UUID",
         collection=collection,
     )
-
-
-def _entry(event: Event, id_key: str) -> dict[str, Any]:
-    data = event.model_dump()
-    data[id_key] = data.pop("id")
-    return data
 
 
 async def _with_transaction(session: Any, write: Callable[[Any], Awaitable[Saved]]) -> Saved:

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
+from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
 
 MONGO: MongoServer | None = None
@@ -93,3 +95,15 @@ async def channel(amqp_connection: Any, unique: str) -> AsyncIterator[Any]:
     yield channel
     await channel.exchange_delete(unique)
     await channel.close()
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
+    """A nats-server with JetStream of the test's own, to kill and restart."""
+    if not HAVE_NATS_SERVER:
+        pytest.skip("needs the nats-server binary to run a broker of the test's own")
+    broker = Broker(tmp_path)
+    await broker.start()
+    yield broker
+    if broker.process and broker.process.returncode is None:
+        await broker.kill()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -75,10 +77,41 @@ def unavailable(error: BaseException) -> bool:
     return isinstance(error, (BrokerUnavailableError, OSError, asyncio.TimeoutError))
 
 
-def unavailable_error(broker: str, error: BaseException, event: Event) -> BrokerUnavailableError:
-    """A client's own transport error, as the one the relay does not count as an attempt."""
-    return BrokerUnavailableError(f"{broker}: {describe(error)}", event_id=event.id)
+def unavailable_error(
+    broker: str, error: BaseException, event: Event, *, destination: str | None = None
+) -> BrokerUnavailableError:
+    """A client's own transport error, as the one the relay does not count as an attempt
+    (``destination``: the broker answered, but has nowhere to put this message)."""
+    return BrokerUnavailableError(
+        f"{broker}: {describe(error)}", event_id=event.id, destination=destination
+    )
 
 
 def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:
     return BrokerUnavailableError(f"{type(publisher).__name__} is closed", event_id=event.id)
+
+
+def is_async_callable(function: object) -> bool:
+    """Whether calling ``function`` returns a coroutine: an ``async def`` function or method, a
+    ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = getattr(function, "__call__", None)  # noqa: B004 - the method itself is inspected
+    return (
+        call is not None and not inspect.isroutine(function) and inspect.iscoroutinefunction(call)
+    )
+
+
+def check_publisher(publisher: object) -> None:
+    """Refuse, before anything is published, a publisher whose methods are not coroutines: a
+    plain ``def publish`` would run its side effect, then fail when awaited, and be retried."""
+    for name in ("publish", "aclose"):
+        if not is_async_callable(getattr(publisher, name, None)):
+            raise TypeError(
+                f"{type(publisher).__name__}.{name} must be an async method (async def {name})"
+            )
+    many = getattr(publisher, "publish_many", None)
+    if many is not None and not is_async_callable(many):
+        raise TypeError(f"{type(publisher).__name__}.publish_many must be an async method")

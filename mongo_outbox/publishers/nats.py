@@ -43,6 +43,9 @@ _UNAVAILABLE = (
 )
 
 
+_NO_DESTINATION = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
+
+
 class NatsPublisher:
     """Publishes each event to a JetStream subject and waits for the stream's ack.
 
@@ -128,7 +131,12 @@ class NatsPublisher:
                 subject, event.model_dump_json().encode(), timeout=self.timeout, headers=headers
             )
         except _UNAVAILABLE as error:
-            raise unavailable_error("NATS", error, event) from error
+            # No stream answers for this subject, though the server does: the destination is
+            # missing, which is the event's own failure while other subjects are confirmed.
+            missing = isinstance(error, _NO_DESTINATION)
+            raise unavailable_error(
+                "NATS", error, event, destination=subject if missing else None
+            ) from error
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
         # Every request goes out before any ack is awaited: one round trip for the lot.

@@ -108,7 +108,11 @@ class RabbitMQPublisher:
                 message, routing_key=key, mandatory=True, timeout=self.timeout
             )
         except _UNAVAILABLE as error:
-            raise unavailable_error("RabbitMQ", error, event) from error
+            # Returned unroutable (NO_ROUTE): the broker is up, no queue is bound for the key.
+            missing = isinstance(error, aiormq.exceptions.PublishError)
+            raise unavailable_error(
+                "RabbitMQ", error, event, destination=key if missing else None
+            ) from error
         # Without confirms the result is None, and without on_return_raises a returned
         # message comes back as the result: neither means the broker has the message.
         if not isinstance(confirm, aiormq.spec.Basic.Ack):

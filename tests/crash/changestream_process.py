@@ -17,7 +17,7 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Backoff, ChangeStreamRelay, Outbox
+from mongo_outbox import Backoff, ChangeStreamRelay, Outbox, RelaySettings
 from mongo_outbox.publishers import NatsPublisher
 from tests.crash.relay_process import KillAfter, die
 from tests.support.servers import NATS_URL
@@ -32,12 +32,14 @@ async def main(uri: str, db_name: str, mode: str, stream: str, name: str, seed: 
         outbox,
         KillAfter(inner, chance.randint(1, 400)),
         name=name,
-        lease=1.0,
-        claim_lease=2.0,
-        publish_timeout=0.5,
+        leader_lease=1.0,
         sweep_interval=1.0,
-        batch_size=chance.choice([1, 10, 100]),
-        backoff=Backoff(initial=0.05, maximum=0.5),
+        settings=RelaySettings(
+            claim_lease=2.0,
+            publish_timeout=0.5,
+            batch_size=chance.choice([1, 10, 100]),
+            backoff=Backoff(initial=0.05, maximum=0.5),
+        ),
     )
     asyncio.get_running_loop().call_later(chance.uniform(0.5, 5.0), die)
     await relay.run()

@@ -15,7 +15,7 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 from tests.support.servers import NATS_URL, RABBITMQ_URL
 
@@ -55,10 +55,9 @@ async def main(
     relay = PollingRelay(
         outbox,
         KillAfter(inner, kill_after),
-        batch_size=100,
-        lease=2.0,
-        publish_timeout=1.0,
-        max_in_flight=1,
+        settings=RelaySettings(
+            batch_size=100, claim_lease=2.0, publish_timeout=1.0, max_in_flight=1
+        ),
     )
     await relay.drain()
     raise SystemExit("the relay finished without reaching its kill point")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Backoff, Event, Outbox, PollingRelay
+from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox._store import store_for
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
@@ -73,7 +73,7 @@ async def drain_until(relays: list[PollingRelay], count: int, rounds: int = 400)
 async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str) -> None:
     outbox, saved = await history(db, mode, aggregates=5, saves=2)
     publisher = MemoryPublisher()
-    relay = PollingRelay(outbox, publisher, batch_size=7)
+    relay = PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=7))
     assert await relay.drain() == len(saved) == 20
     assert await relay.drain() == 0
     assert_in_order(publisher.events, saved)
@@ -97,7 +97,7 @@ async def test_order_holds_through_random_failures(db: Any, mode: str) -> None:
     publisher = MemoryPublisher(
         fail=lambda e: ConnectionError("broker hiccup") if chaos.random() < 0.3 else None
     )
-    relay = PollingRelay(outbox, publisher, batch_size=10, backoff=FAST)
+    relay = PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=10, backoff=FAST))
     assert await drain_until([relay], len(saved)) == len(saved)
     assert relay.stats.failed > 0
     assert_in_order(publisher.events, saved)
@@ -130,7 +130,10 @@ class OverlapDetector(MemoryPublisher):
 async def test_relays_side_by_side_never_overlap_and_keep_order(db: Any, mode: str) -> None:
     outbox, saved = await history(db, mode, aggregates=6, saves=4)
     publisher = OverlapDetector()
-    relays = [PollingRelay(outbox, publisher, batch_size=5, interval=0.01) for _ in range(3)]
+    relays = [
+        PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=5), interval=0.01)
+        for _ in range(3)
+    ]
     tasks = [asyncio.create_task(r.run()) for r in relays]
     await publisher.wait_for(len(saved), timeout=60)
     for relay in relays:
@@ -151,7 +154,9 @@ async def test_failing_head_waits_alone(db: Any, mode: str) -> None:
     publisher = MemoryPublisher(
         fail=lambda e: RuntimeError("rejected") if broken and e.id == poisoned.id else None
     )
-    relay = PollingRelay(outbox, publisher, backoff=Backoff(initial=60, maximum=60))
+    relay = PollingRelay(
+        outbox, publisher, settings=RelaySettings(backoff=Backoff(initial=60, maximum=60))
+    )
     assert await relay.drain() == 12  # the other aggregates all went out
     assert {e.aggregate_id for e in publisher.events} == {1, 2, 3}
     if mode == "collection":
@@ -181,7 +186,7 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, mode: str) ->
     publisher = MemoryPublisher(
         fail=lambda e: RuntimeError("rejected") if broken and e.id == poison.id else None
     )
-    relay = PollingRelay(outbox, publisher, backoff=FAST, max_attempts=2)
+    relay = PollingRelay(outbox, publisher, settings=RelaySettings(backoff=FAST, max_attempts=2))
     for _ in range(4):
         await relay.drain()
         await _make_due(db, outbox)
@@ -220,7 +225,7 @@ async def test_a_document_left_with_only_parked_entries_is_not_held(db: Any) -> 
     relay = PollingRelay(
         outbox,
         MemoryPublisher(fail=lambda e: RuntimeError("rejected") if e.id == poison.id else None),
-        max_attempts=1,
+        settings=RelaySettings(max_attempts=1),
     )
     await relay.drain()
     assert [e["_id"] for e in await relay.parked()] == [poison.id]
@@ -253,8 +258,8 @@ async def _make_due(db: Any, outbox: Outbox) -> None:
 async def test_a_dead_relays_claims_come_back_after_the_lease(db: Any, mode: str) -> None:
     outbox, saved = await history(db, mode, aggregates=3, saves=1)
     # A relay that claimed and then died: its claim is all that is left of it.
-    groups, _ = await store_for(outbox).claim(100, timedelta(seconds=1))
-    assert sum(len(g) for g in groups) == len(saved)
+    claim = await store_for(outbox).claim(100, timedelta(seconds=1))
+    assert claim.events == len(saved)
     publisher = MemoryPublisher()
     relay = PollingRelay(outbox, publisher)
     assert await relay.drain() == 0
@@ -304,7 +309,9 @@ async def test_run_survives_a_database_outage(mongo: Any) -> None:
     dead: Any = AsyncMongoClient(
         "mongodb://127.0.0.1:1/?directConnection=true", serverSelectionTimeoutMS=50
     )
-    relay = PollingRelay(make_outbox(dead.db, "collection"), MemoryPublisher(), backoff=FAST)
+    relay = PollingRelay(
+        make_outbox(dead.db, "collection"), MemoryPublisher(), settings=RelaySettings(backoff=FAST)
+    )
     task = asyncio.create_task(relay.run())
     await asyncio.sleep(0.5)
     assert not task.done()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Backoff, Event, Outbox, PollingRelay
+from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 from tests.integration.test_publishers import (
     assert_in_aggregate_order,
@@ -21,6 +21,7 @@ from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 MODES = ["collection", "embedded"]
 RETRY_FAST = Backoff(initial=0.01, maximum=0.05)
+ONE_ATTEMPT = RelaySettings(publish_timeout=5, backoff=RETRY_FAST, max_attempts=1)
 
 
 def make_outbox(db: Any, mode: str) -> Outbox:
@@ -104,7 +105,9 @@ async def test_every_saved_event_arrives_once_in_aggregate_order(
     else:
         queue = await bind_queue(channel, unique, "order.*")
         publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
-    relay = PollingRelay(outbox, publisher, batch_size=16)  # several rounds, several waves
+    relay = PollingRelay(
+        outbox, publisher, settings=RelaySettings(batch_size=16)
+    )  # several rounds, several waves
     try:
         assert await relay.drain() == len(committed)
         assert await relay.drain() == 0
@@ -140,7 +143,7 @@ async def test_relay_backs_off_while_a_stream_is_missing_then_delivers_in_order(
         subject=lambda e: f"{unique}{'odd' if int(e.aggregate_id or 0) % 2 else 'even'}.{e.type}",
     )
     # One attempt would park an entry: a missing stream is an outage, it must park nothing.
-    relay = PollingRelay(outbox, publisher, publish_timeout=5, backoff=RETRY_FAST, max_attempts=1)
+    relay = PollingRelay(outbox, publisher, settings=ONE_ATTEMPT)
     try:
         even = [e for e in committed if int(e.aggregate_id or 0) % 2 == 0]
         odd = [e for e in committed if int(e.aggregate_id or 0) % 2]
@@ -190,7 +193,7 @@ async def test_relay_retries_unroutable_messages_until_a_queue_is_bound(
     await outbox.ensure_indexes()
     committed = await save_history(outbox, db, orders=4, saves=2)
     publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)  # no queue yet
-    relay = PollingRelay(outbox, publisher, publish_timeout=5, backoff=RETRY_FAST, max_attempts=1)
+    relay = PollingRelay(outbox, publisher, settings=ONE_ATTEMPT)
     try:
         assert await relay.drain() == 0
         assert relay.stats.failed == 4

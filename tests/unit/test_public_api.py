@@ -39,6 +39,7 @@ PUBLIC = {
     "PoisonMessage",
     "PollingRelay",
     "PublishError",
+    "RelaySettings",
     "RelayStats",
     "Saved",
     "UsageError",
@@ -133,6 +134,7 @@ IMPORT_PATHS = {
     "mongo_outbox.publishers.nats": ["NatsPublisher"],
     "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
+    "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }
 
 

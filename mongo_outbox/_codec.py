@@ -1,0 +1,54 @@
+"""How an Event is stored as an outbox entry and read back, in both modes: one place, so the
+write side and the relay cannot drift apart.
+
+An entry is the Event's fields with its id under ``_id`` (a document of the outbox collection)
+or ``id`` (an element of an aggregate's outbox array), plus the relay's bookkeeping fields, which
+decoding ignores. Reading goes through collections with codec options of our own, so a client
+configured for naive datetimes or ``DATETIME_MS`` reads the same entries.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from bson.codec_options import DatetimeConversion
+from pydantic import ValidationError
+
+from mongo_outbox.errors import InvalidEventError, describe
+from mongo_outbox.events import Event, as_utc
+
+_EVENT_FIELDS = frozenset(Event.model_fields)
+
+
+def encode(event: Event, id_key: str) -> dict[str, Any]:
+    data = event.model_dump()
+    data[id_key] = data.pop("id")
+    return data
+
+
+def decode(entry: dict[str, Any], id_key: str) -> Event:
+    """The Event an entry holds; InvalidEventError for an entry this version cannot read (from
+    another producer, a manual fix, an older schema), so the relay can park it."""
+    data = {k: v for k, v in entry.items() if k in _EVENT_FIELDS}
+    data["id"] = entry.get(id_key)
+    at = data.get("occurred_at")
+    if isinstance(at, datetime):
+        data["occurred_at"] = as_utc(at)
+    try:
+        return Event.model_validate(data)
+    except (ValidationError, ValueError, TypeError) as error:
+        raise InvalidEventError(
+            f"outbox entry {data['id']!r} cannot be read: {describe(error)}",
+            event_id=data["id"] if isinstance(data["id"], str) else None,
+        ) from error
+
+
+def ours(collection: Any) -> Any:
+    """``collection`` read with aware UTC datetimes whatever its client's codec options; dates
+    outside datetime's range come back as ``DatetimeMS`` (and such an entry fails to decode)
+    instead of breaking the whole read."""
+    options = collection.codec_options.with_options(
+        tz_aware=True, tzinfo=timezone.utc, datetime_conversion=DatetimeConversion.DATETIME_AUTO
+    )
+    return collection.with_options(codec_options=options)

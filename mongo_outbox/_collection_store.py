@@ -1,0 +1,275 @@
+"""The relay's store for collection mode: one document per event in the outbox collection.
+
+Round trips per batch are constant: find + updateMany + find to claim, one bulkWrite to settle.
+An entry is ``pending`` (due at ``available_at``, held while it carries a ``claim`` token),
+``published`` (pruned by the TTL index after the outbox's retention) or ``parked``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import UpdateMany, UpdateOne
+
+from mongo_outbox._codec import decode, ours
+from mongo_outbox._store import RECHECK, Backlog, Claim, Failure
+from mongo_outbox.errors import InvalidEventError, describe
+from mongo_outbox.events import Event, as_utc, utc_now
+from mongo_outbox.outbox import Outbox
+
+_AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1}
+
+
+class CollectionStore:
+    def __init__(self, outbox: Outbox) -> None:
+        self.retention = outbox.retention
+        self.coll = ours(outbox.collection)
+
+    async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
+        now = utc_now()
+        due = {"status": "pending", "available_at": {"$lte": min(now, until or now)}}
+        candidates = (
+            await self.coll.find(due, projection=_AGGREGATE)
+            .sort("available_at", 1)
+            .limit(limit)
+            .to_list(None)
+        )
+        if not candidates:
+            return Claim(uuid.uuid4().hex)
+        claim, claimed = await self._claim(candidates, now, lease)
+        more = len(candidates) == limit or claimed < len(candidates)
+        return Claim(claim.token, claim.groups, claim.attempts, claim.waits, more=more)
+
+    async def claim_changes(self, changes: Sequence[Mapping[str, Any]], lease: timedelta) -> Claim:
+        entries = [
+            c["fullDocument"]
+            for c in changes
+            if c.get("operationType") == "insert" and c.get("fullDocument")
+        ]
+        if not entries:
+            return Claim(uuid.uuid4().hex)
+        claim, _ = await self._claim(entries, utc_now(), lease)
+        # Some failed before, wait behind an earlier entry, are another relay's, or were
+        # published already (a replay after a restart): a sweep soon settles which.
+        more = claim.events < len(entries)
+        return Claim(claim.token, claim.groups, claim.attempts, claim.waits, more=more)
+
+    async def _claim(
+        self, candidates: Sequence[Mapping[str, Any]], now: datetime, lease: timedelta
+    ) -> tuple[Claim, int]:
+        token = uuid.uuid4().hex
+        claimed = await self.coll.update_many(
+            {
+                "_id": {"$in": [c["_id"] for c in candidates]},
+                "status": "pending",
+                # A fresh entry is claimable whatever the writer's clock said; others when due.
+                "$or": [
+                    {"available_at": {"$lte": now}},
+                    {"claim": None, "attempts": 0, "waits": None},
+                ],
+            },
+            {"$set": {"available_at": now + lease, "claim": token}},
+        )
+        if not claimed.modified_count:
+            return Claim(token), 0
+        aggregates = {(c.get("aggregate_type"), c.get("aggregate_id")) for c in candidates}
+        # Every pending entry of the claimed aggregates, to find entries that must go first.
+        pending = (
+            await self.coll.find(
+                {
+                    "status": "pending",
+                    "$or": [{"aggregate_type": t, "aggregate_id": i} for t, i in aggregates],
+                },
+                batch_size=10_000,
+            )
+            .sort("sequence", 1)
+            .to_list(None)
+        )
+        by_aggregate: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+        for entry in pending:
+            by_aggregate[(entry.get("aggregate_type"), entry.get("aggregate_id"))].append(entry)
+        groups: list[tuple[Event, ...]] = []
+        attempts: dict[str, int] = {}
+        waits: dict[str, int] = {}
+        blocked: dict[datetime, list[Any]] = defaultdict(list)
+        unreadable: list[UpdateOne] = []
+        for entries in by_aggregate.values():
+            group: list[Event] = []
+            blocker: dict[str, Any] | None = None
+            for entry in entries:
+                if entry.get("claim") != token:
+                    # An earlier entry held by another relay, or backing off: ours must wait.
+                    blocker = blocker or entry
+                elif blocker is not None:
+                    again = min(max(as_utc(blocker["available_at"]), now), now + RECHECK)
+                    blocked[again].append(entry["_id"])
+                else:
+                    try:
+                        event = decode(entry, "_id")
+                    except InvalidEventError as error:
+                        # Parked on the spot: it can never be published, and must not stop
+                        # the rest (its aggregate goes on without it, as after any park).
+                        unreadable.append(self._park(entry["_id"], token, describe(error)))
+                        continue
+                    group.append(event)
+                    attempts[event.id] = int(entry.get("attempts") or 0)
+                    waits[event.id] = int(entry.get("waits") or 0)
+            if group:
+                groups.append(tuple(group))
+        writes: list[Any] = unreadable + [
+            UpdateMany(
+                {"_id": {"$in": ids}, "claim": token},
+                {"$set": {"available_at": at}, "$unset": {"claim": ""}},
+            )
+            for at, ids in blocked.items()
+        ]
+        if writes:
+            await self.coll.bulk_write(writes, ordered=False)
+        return Claim(token, tuple(groups), attempts, waits), claimed.modified_count
+
+    @staticmethod
+    def _park(entry_id: Any, token: str, error: str) -> UpdateOne:
+        return UpdateOne(
+            {"_id": entry_id, "status": "pending", "claim": token},
+            {
+                "$set": {"status": "parked", "last_error": error},
+                "$inc": {"attempts": 1},
+                "$unset": {"claim": "", "waiting": ""},
+            },
+        )
+
+    async def settle(
+        self, claim: Claim, published: Sequence[Event], failed: Sequence[Failure]
+    ) -> None:
+        now = utc_now()
+        token = claim.token
+        ops: list[Any] = []
+        if published:
+            ops.append(
+                UpdateMany(
+                    {"_id": {"$in": [e.id for e in published]}},
+                    {
+                        "$set": {
+                            "status": "published",
+                            "published_at": now,
+                            "expire_at": now + self.retention,
+                        },
+                        "$unset": {"claim": "", "last_error": "", "waiting": ""},
+                    },
+                )
+            )
+        for failure in failed:
+            event = failure.event
+            if failure.kind == "park":
+                # Kept with its error for an operator, no longer holding its aggregate back.
+                ops.append(self._park(event.id, token, failure.error))
+                continue
+            waiting = failure.kind == "wait"
+            ops.append(
+                # Conditional on our claim: a relay whose lease ran out must not move another's.
+                UpdateOne(
+                    {"_id": event.id, "status": "pending", "claim": token},
+                    {
+                        "$set": {
+                            "available_at": failure.retry_at,
+                            "last_error": failure.error,
+                            "waiting": waiting,
+                        },
+                        "$inc": {"waits" if waiting else "attempts": 1},
+                        "$unset": {"claim": ""},
+                    },
+                )
+            )
+            # What queues behind a failed entry waits as long (and is woken with it), so it is
+            # not claimed in vain and the batch is not filled with entries that cannot go yet.
+            ops.append(
+                UpdateMany(
+                    {
+                        "status": "pending",
+                        "aggregate_type": event.aggregate_type,
+                        "aggregate_id": event.aggregate_id,
+                        "sequence": {"$gt": event.sequence},
+                        "claim": {"$in": [token, None]},
+                    },
+                    {
+                        "$set": {"available_at": failure.retry_at, "waiting": waiting},
+                        "$unset": {"claim": ""},
+                    },
+                )
+            )
+        # Anything else still under this claim (a round cut short) becomes claimable at once.
+        ops.append(
+            UpdateMany(
+                {"claim": token, "status": "pending"},
+                {"$set": {"available_at": now}, "$unset": {"claim": ""}},
+            )
+        )
+        await self.coll.bulk_write(ops, ordered=True)
+
+    async def wake(self, limit: int | None = None) -> int:
+        waiting = {"status": "pending", "waiting": True, "claim": None}
+        if limit is not None:
+            ids = [
+                d["_id"]
+                for d in await self.coll.find(waiting, projection={"_id": 1})
+                .sort("available_at", 1)
+                .limit(limit)
+                .to_list(None)
+            ]
+            waiting = {**waiting, "_id": {"$in": ids}}
+        result = await self.coll.update_many(
+            waiting, {"$set": {"available_at": utc_now(), "waiting": False}}
+        )
+        return int(result.modified_count)
+
+    async def backlog(self) -> Backlog:
+        pending = {"status": "pending"}
+        oldest = await self.coll.find_one(
+            pending, sort=[("occurred_at", 1)], projection={"occurred_at": 1}
+        )
+        at = oldest.get("occurred_at") if oldest else None
+        count = await self.coll.count_documents(pending)
+        return Backlog(count, at if isinstance(at, datetime) else None)
+
+    async def next_due(self) -> datetime | None:
+        doc = await self.coll.find_one(
+            {"status": "pending"}, sort=[("available_at", 1)], projection={"available_at": 1}
+        )
+        return as_utc(doc["available_at"]) if doc else None
+
+    async def parked(self) -> list[dict[str, Any]]:
+        return list(await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None))
+
+    async def parked_count(self) -> int:
+        return int(await self.coll.count_documents({"status": "parked"}))
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        asked = await self.coll.find(
+            {"_id": {"$in": list(event_ids)}, "status": "parked"},
+            projection={**_AGGREGATE, "sequence": 1},
+        ).to_list(None)
+        if not asked:
+            return 0
+        # The latest asked-for sequence per aggregate: everything parked up to it comes back.
+        latest: dict[tuple[Any, Any], Any] = {}
+        for entry in asked:
+            key = (entry.get("aggregate_type"), entry.get("aggregate_id"))
+            latest[key] = max(
+                latest.get(key, entry.get("sequence") or 0), entry.get("sequence") or 0
+            )
+        selectors = [
+            {"aggregate_type": t, "aggregate_id": i, "sequence": {"$lte": s}}
+            for (t, i), s in latest.items()
+        ]
+        result = await self.coll.update_many(
+            {"status": "parked", "$or": [*selectors, {"_id": {"$in": [e["_id"] for e in asked]}}]},
+            {
+                "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
+                "$unset": {"waits": "", "waiting": ""},
+            },
+        )
+        return int(result.modified_count)

@@ -1,0 +1,316 @@
+"""The relay's store for embedded mode: events live in an array inside their aggregate's
+document, so every write here is a single-document write, atomic without a transaction.
+
+A document with something to send carries a due time (``<field>_due``, indexed sparse); a
+relay claims the document by setting ``<field>_claim``, publishes its entries, then pulls the
+published ones from the array. Parked entries stay in their document, flagged ``parked``:
+parking is one single-document write like every other, so no crash can lose an entry or leave
+it in two places. Round trips per batch: find + updateMany + find per collection to claim, one
+bulkWrite per collection to settle.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import UpdateMany, UpdateOne
+
+from mongo_outbox._codec import decode, ours
+from mongo_outbox._store import Backlog, Claim, Failure
+from mongo_outbox.errors import InvalidEventError, describe
+from mongo_outbox.events import Event, as_utc, utc_now
+from mongo_outbox.outbox import Outbox
+
+_WRITES = frozenset({"insert", "update", "replace"})
+
+
+class EmbeddedStore:
+    def __init__(self, outbox: Outbox) -> None:
+        self.field = outbox.field
+        self.due = outbox.due_field
+        self.claim_field = outbox.claim_field
+        self.wait_field = outbox.wait_field
+        self.colls = {name: ours(outbox.db[name]) for name in outbox.collections}
+
+    # -- claiming ---------------------------------------------------------------------------
+
+    async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
+        now = utc_now()
+        due = {self.due: {"$lte": min(now, until or now)}}
+        found: dict[str, list[Any]] = {}
+        more = False
+        for name, coll in self.colls.items():
+            docs = coll.find(due, projection={"_id": 1}).sort(self.due, 1).limit(limit)
+            found[name] = [d["_id"] for d in await docs.to_list(None)]
+            more = more or len(found[name]) == limit
+        claim = await self._claim(found, due, now, lease)
+        return Claim(
+            claim.token,
+            claim.groups,
+            claim.attempts,
+            claim.waits,
+            claim.holders,
+            claim.held,
+            more or claim.more,
+        )
+
+    async def claim_changes(self, changes: Sequence[Mapping[str, Any]], lease: timedelta) -> Claim:
+        found: dict[str, list[Any]] = defaultdict(list)
+        for change in changes:
+            if self.may_have_work(change):
+                found[change["ns"]["coll"]].append(change["documentKey"]["_id"])
+        if not found:
+            return Claim(uuid.uuid4().hex)
+        now = utc_now()
+        return await self._claim(found, {self.due: {"$lte": now}}, now, lease)
+
+    def may_have_work(self, change: Mapping[str, Any]) -> bool:
+        """Whether a write to one of our aggregates may have left entries for the relay. A claimed
+        document is left to its claimer: its settle writes again (and rings) if entries
+        remain, and a dead claimer's lease is found by the scheduled sweep."""
+        kind = change.get("operationType")
+        name = (change.get("ns") or {}).get("coll")
+        if kind not in _WRITES or "documentKey" not in change or name not in self.colls:
+            return False
+        document = change.get("fullDocument")
+        if document is not None:
+            entries = document.get(self.field) or []
+            return document.get(self.claim_field) is None and any(
+                isinstance(e, dict) and not e.get("parked") for e in entries
+            )
+        if kind == "update":
+            updated = (change.get("updateDescription") or {}).get("updatedFields") or {}
+            return any(key == self.field or key.startswith(f"{self.field}.") for key in updated)
+        return True
+
+    async def _claim(
+        self, found: Mapping[str, list[Any]], due: dict[str, Any], now: datetime, lease: timedelta
+    ) -> Claim:
+        token = uuid.uuid4().hex
+        groups: list[tuple[Event, ...]] = []
+        attempts: dict[str, int] = {}
+        waits: dict[str, int] = {}
+        holders: dict[str, Any] = {}
+        held: list[tuple[str, Any]] = []
+        missed = False
+        for name, ids in found.items():
+            if not ids:
+                continue
+            coll = self.colls[name]
+            claimed = await coll.update_many(
+                {"_id": {"$in": ids}, **due},
+                {"$set": {self.due: now + lease, self.claim_field: token}},
+            )
+            missed = missed or claimed.modified_count < len(set(ids))
+            if not claimed.modified_count:
+                continue
+            docs = await coll.find({self.claim_field: token}, projection={self.field: 1}).to_list(
+                None
+            )
+            unreadable: list[Any] = []
+            for doc in docs:
+                held.append((name, doc["_id"]))
+                group: list[Event] = []
+                for index, entry in enumerate(doc.get(self.field) or []):
+                    if isinstance(entry, dict) and entry.get("parked"):
+                        continue
+                    try:
+                        if not isinstance(entry, dict):
+                            raise InvalidEventError(f"outbox entry {entry!r} is not a document")
+                        event = decode(entry, "id")
+                    except InvalidEventError as error:
+                        # Parked where it is (by position: it may have no id), so the rest of
+                        # the document goes on.
+                        unreadable.append(self._park_at(doc["_id"], index, token, error))
+                        continue
+                    group.append(event)
+                    attempts[event.id] = int(entry.get("attempts") or 0)
+                    waits[event.id] = int(entry.get("waits") or 0)
+                    holders[event.id] = (name, doc["_id"])
+                if group:
+                    groups.append(tuple(group))
+            if unreadable:
+                await coll.bulk_write(unreadable, ordered=True)
+        return Claim(token, tuple(groups), attempts, waits, holders, tuple(held), missed)
+
+    def _park_at(self, doc_id: Any, index: int, token: str, error: Exception) -> UpdateOne:
+        at = f"{self.field}.{index}"
+        return UpdateOne(
+            {"_id": doc_id, self.claim_field: token},
+            {"$set": {f"{at}.parked": True, f"{at}.last_error": describe(error)}},
+        )
+
+    # -- settling ---------------------------------------------------------------------------
+
+    async def settle(
+        self, claim: Claim, published: Sequence[Event], failed: Sequence[Failure]
+    ) -> None:
+        now = utc_now()
+        done: dict[tuple[str, Any], list[str]] = defaultdict(list)
+        for event in published:
+            done[claim.holders[event.id]].append(event.id)
+        failures = {claim.holders[f.event.id]: f for f in failed}
+        ops: dict[str, list[Any]] = defaultdict(list)
+        for name, doc_id in claim.held:
+            mine = {"_id": doc_id, self.claim_field: claim.token}
+            ids = done.get((name, doc_id))
+            if ids:
+                ops[name].append(
+                    UpdateOne({"_id": doc_id}, {"$pull": {self.field: {"id": {"$in": ids}}}})
+                )
+            failure = failures.get((name, doc_id))
+            if failure is None:
+                ops[name].append(self._release([doc_id], claim.token, now))
+            else:
+                entry = f"{self.field}.$"
+                sets: dict[str, Any] = {f"{entry}.last_error": failure.error}
+                if failure.kind == "park":
+                    # Out of the way at once: its aggregate's later entries go on without it.
+                    sets |= {self.due: now, f"{entry}.parked": True}
+                    counter = f"{entry}.attempts"
+                else:
+                    sets |= {self.due: failure.retry_at, self.wait_field: failure.kind == "wait"}
+                    counter = f"{entry}.waits" if failure.kind == "wait" else f"{entry}.attempts"
+                ops[name].append(
+                    UpdateOne(
+                        {**mine, f"{self.field}.id": failure.event.id},
+                        {"$set": sets, "$inc": {counter: 1}, "$unset": {self.claim_field: ""}},
+                    )
+                )
+            ops[name].append(self._unindex([doc_id]))
+        for name, writes in ops.items():
+            await self.colls[name].bulk_write(writes, ordered=True)
+
+    def _release(self, doc_ids: list[Any], token: str, now: datetime) -> UpdateMany:
+        return UpdateMany(
+            {"_id": {"$in": doc_ids}, self.claim_field: token},
+            {"$set": {self.due: now}, "$unset": {self.claim_field: "", self.wait_field: ""}},
+        )
+
+    def _unindex(self, doc_ids: list[Any]) -> UpdateMany:
+        # Only an unclaimed document with nothing left but parked entries leaves the relay's
+        # index; a claimer's own settle decides for the one it holds.
+        return UpdateMany(
+            {"_id": {"$in": doc_ids}, self.claim_field: None, **self._nothing_due},
+            {"$unset": {self.due: "", self.wait_field: ""}},
+        )
+
+    @property
+    def _nothing_due(self) -> dict[str, Any]:
+        return {self.field: {"$not": {"$elemMatch": {"parked": {"$ne": True}}}}}
+
+    async def wake(self, limit: int | None = None) -> int:
+        waiting: dict[str, Any] = {self.wait_field: True, self.claim_field: None}
+        woken = 0
+        for coll in self.colls.values():
+            selector: dict[str, Any] = dict(waiting)
+            if limit is not None:
+                if woken >= limit:
+                    break
+                docs = coll.find(waiting, projection={"_id": 1}).sort(self.due, 1)
+                ids = [d["_id"] for d in await docs.limit(limit - woken).to_list(None)]
+                selector["_id"] = {"$in": ids}
+            result = await coll.update_many(
+                selector, {"$set": {self.due: utc_now(), self.wait_field: False}}
+            )
+            woken += result.modified_count
+        return woken
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def backlog(self) -> Backlog:
+        total, oldest = 0, None
+        for coll in self.colls.values():
+            docs = coll.find({self.due: {"$exists": True}}, projection={self.field: 1})
+            async for doc in docs:
+                for entry in doc.get(self.field) or []:
+                    if not isinstance(entry, dict) or entry.get("parked"):
+                        continue
+                    total += 1
+                    at = entry.get("occurred_at")
+                    if isinstance(at, datetime) and (oldest is None or as_utc(at) < oldest):
+                        oldest = as_utc(at)
+        return Backlog(total, oldest)
+
+    async def next_due(self) -> datetime | None:
+        times = []
+        for coll in self.colls.values():
+            doc = await coll.find_one(
+                {self.due: {"$exists": True}}, sort=[(self.due, 1)], projection={self.due: 1}
+            )
+            if doc and isinstance(doc.get(self.due), datetime):
+                times.append(as_utc(doc[self.due]))
+        return min(times, default=None)
+
+    async def parked(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        for name, coll in self.colls.items():
+            docs = coll.find({f"{self.field}.parked": True}, projection={self.field: 1})
+            async for doc in docs:
+                for entry in doc[self.field]:
+                    if isinstance(entry, dict) and entry.get("parked"):
+                        rest = {k: v for k, v in entry.items() if k not in ("id", "parked")}
+                        found.append(
+                            {"_id": entry.get("id"), **rest, "status": "parked", "collection": name}
+                        )
+        return sorted(found, key=lambda entry: str(entry["_id"]))
+
+    async def parked_count(self) -> int:
+        return len(await self.parked())
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        requeued = 0
+        wanted = list(event_ids)
+        for coll in self.colls.values():
+            docs = coll.find(
+                {self.field: {"$elemMatch": {"id": {"$in": wanted}, "parked": True}}},
+                projection={self.field: 1},
+            )
+            async for doc in docs:
+                entries = [e for e in doc[self.field] if isinstance(e, dict)]
+                upto = max(
+                    e.get("sequence") or 0
+                    for e in entries
+                    if e.get("id") in wanted and e.get("parked")
+                )
+                ids = [
+                    e["id"]
+                    for e in entries
+                    if e.get("parked")
+                    and (e.get("id") in wanted or (e.get("sequence") or 0) <= upto)
+                ]
+                result = await coll.update_one({"_id": doc["_id"]}, self._requeue(ids))
+                requeued += len(ids) if result.modified_count else 0
+        return requeued
+
+    def _requeue(self, event_ids: list[Any]) -> list[dict[str, Any]]:
+        # One write: the entries are unparked and their document due at once, unless a relay
+        # holds the document (then that relay's settle makes it due). Two writes could leave an
+        # unparked entry in a document no relay looks at. Ids go in as literals: an id such as
+        # "$x" would otherwise be read as a field path.
+        chosen = {
+            "$and": [
+                {"$in": ["$$e.id", {"$literal": event_ids}]},
+                {"$eq": ["$$e.parked", True]},
+            ]
+        }
+        fresh = {"$mergeObjects": ["$$e", {"parked": False, "attempts": 0, "waits": 0}]}
+        unclaimed = {"$eq": [{"$ifNull": [f"${self.claim_field}", None]}, None]}
+        return [
+            {
+                "$set": {
+                    self.field: {
+                        "$map": {
+                            "input": f"${self.field}",
+                            "as": "e",
+                            "in": {"$cond": [chosen, fresh, "$$e"]},
+                        }
+                    },
+                    self.due: {"$cond": [unclaimed, {"$literal": utc_now()}, f"${self.due}"]},
+                }
+            }
+        ]

@@ -1,0 +1,26 @@
+"""The change-stream relay: ``ChangeStreamRelay`` follows an outbox's change stream and
+publishes within milliseconds of a commit.
+
+Three modules, one concern each: ``source`` adapts the driver's change streams (and triages
+their errors), ``relay`` is the loop, ``checkpoint`` holds the resume token and leader lease.
+"""
+
+from mongo_outbox.changestream.relay import ChangeStreamRelay
+from mongo_outbox.changestream.source import (
+    ChangeBatch,
+    ChangeSource,
+    ChangeStream,
+    WatchSource,
+    triage,
+)
+from mongo_outbox.stats import RelayStatus
+
+__all__ = [
+    "ChangeBatch",
+    "ChangeSource",
+    "ChangeStream",
+    "ChangeStreamRelay",
+    "RelayStatus",
+    "WatchSource",
+    "triage",
+]

@@ -1,0 +1,151 @@
+"""A change-stream relay's checkpoint document: its resume token and the leader lease that makes
+one process per relay name the active one.
+
+One document per relay name, ``{_id: name, token, checkpoint_at, owner, fence, lease_until}``.
+Taking the lease over sets a new ``fence``; every later write of the holder is conditional on
+``{_id, owner, fence}``, so a relay that was paused past its lease (GC, network partition) and
+wakes up can no longer move the checkpoint: its write matches nothing and it steps down.
+
+Fences never repeat, even when the document is deleted or recreated: a takeover sets the fence
+to the larger of the old fence plus one and the current time in milliseconds, so a recreated
+document does not start again at 1 where a deposed leader's fence could match it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+from pymongo import ReturnDocument
+from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from mongo_outbox.errors import describe
+from mongo_outbox.events import utc_now
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(Exception):
+    """Another process took this relay name over; this one must stop writing and stand by."""
+
+
+class Checkpoint:
+    """The checkpoint and leader lease of relay ``name`` in collection ``coll``.
+
+    Parameters:
+        coll: the checkpoint collection.
+        name: the relay name (the document's ``_id``).
+        lease: how long a holder keeps the lease without renewing it.
+    """
+
+    def __init__(self, coll: Any, name: str, lease: timedelta) -> None:
+        self.coll = coll
+        self.name = name
+        self.lease = lease
+        self.owner = uuid.uuid4().hex
+        self.fence: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.fence is not None
+
+    @property
+    def _mine(self) -> dict[str, Any]:
+        return {"_id": self.name, "owner": self.owner, "fence": self.fence}
+
+    async def acquire(self) -> bool:
+        """Renew the lease if it is ours, or take it once the holder's ran out. Returns whether
+        this process holds it now."""
+        if self.fence is not None and await self.renew():
+            return True
+        now = utc_now()
+        fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
+        try:
+            doc = await self.coll.find_one_and_update(
+                {"_id": self.name, "lease_until": {"$not": {"$gt": now}}},
+                [
+                    {
+                        "$set": {
+                            "owner": self.owner,
+                            "lease_until": {"$literal": now + self.lease},
+                            "fence": {"$max": [fence, int(now.timestamp() * 1000)]},
+                        }
+                    }
+                ],
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
+        except DuplicateKeyError:
+            # The document exists with a live lease, so the upsert collided: another holds it.
+            return False
+        self.fence = int(doc["fence"])
+        return True
+
+    async def renew(self) -> bool:
+        """Extend the lease if it is still ours; else forget it and return False."""
+        if self.fence is None:
+            return False
+        renewed = await self.coll.update_one(
+            self._mine, {"$set": {"lease_until": utc_now() + self.lease}}
+        )
+        if not renewed.matched_count:
+            self.fence = None
+        return self.fence is not None
+
+    @contextlib.asynccontextmanager
+    async def renewed(self) -> AsyncIterator[asyncio.Event]:
+        """Renew the lease every third of it in the background while the body runs, however
+        long its rounds take. The event it yields is set, and the fence forgotten, once a
+        renewal fails or cannot be made in time: the holder must stop publishing at once."""
+        lost = asyncio.Event()
+        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost))
+        try:
+            yield lost
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+    async def _renew_until_lost(self, lost: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        lease = self.lease.total_seconds()
+        renewed = loop.time()
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                if not await self.renew():
+                    break
+                renewed = loop.time()
+            except PyMongoError as error:
+                log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
+                if loop.time() - renewed >= lease * 0.8:
+                    break  # the lease may run out any moment: another may take it
+        self.fence = None
+        lost.set()
+
+    async def save(self, token: Any) -> None:
+        """Store the resume token and renew the lease, in one write fenced on our claim."""
+        if self.fence is None:
+            raise LeaseLost(f"relay {self.name}: this process does not hold the lease")
+        now = utc_now()
+        result = await self.coll.update_one(
+            self._mine,
+            {"$set": {"token": token, "checkpoint_at": now, "lease_until": now + self.lease}},
+        )
+        if not result.matched_count:
+            self.fence = None
+            raise LeaseLost(f"relay {self.name}: another process took the lease over")
+
+    async def release(self) -> None:
+        """Give the lease up at once, so a standby need not wait for it to run out."""
+        if self.fence is not None:
+            await self.coll.update_one(self._mine, {"$set": {"lease_until": utc_now()}})
+            self.fence = None
+
+    async def load(self) -> dict[str, Any]:
+        return dict(await self.coll.find_one({"_id": self.name}) or {})

@@ -1,0 +1,343 @@
+"""ChangeStreamRelay: publishes outbox entries within milliseconds of their commit.
+
+It follows a change stream (collection mode: inserts on the outbox collection; embedded mode:
+writes to the aggregate collections that leave entries in their outbox array) and keeps, in a
+checkpoint collection keyed by relay name, the resume token up to which every event is confirmed
+by the broker and marked published. The outbox documents stay the truth: on first start, and
+whenever the token cannot be used (history lost, invalid token, invalidate, drop or rename), the
+relay captures a cluster time, sweeps what is pending from the collections themselves, then
+watches from that time. One relay per name is active: a leader lease in the checkpoint document,
+renewed in the background while the relay works, with a fencing token that every checkpoint
+write must still match (see ``checkpoint``). The moment a renewal fails, publishing stops.
+
+Publishing, ordering, retries and parking are the polling relay's (``_rounds``); every outbox
+query goes through the store: the stream only tells the relay what to claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pymongo.errors import PyMongoError
+
+from mongo_outbox._rounds import Rounds
+from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
+from mongo_outbox.changestream.source import (
+    ENDS_STREAM,
+    ChangeSource,
+    ChangeStream,
+    WatchSource,
+    triage,
+)
+from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
+from mongo_outbox.events import utc_now
+from mongo_outbox.outbox import Outbox
+from mongo_outbox.publishers.base import Publisher
+from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
+from mongo_outbox.stats import RelayStatus, State
+
+log = logging.getLogger(__name__)
+
+
+class ChangeStreamRelay:
+    """Publishes an outbox by following its change stream.
+
+    Parameters:
+        outbox: the Outbox to relay, in either mode.
+        publisher: any Publisher.
+        name: the relay's name: its checkpoint, and the leader lease that one process holds.
+        source: where changes come from; default ``WatchSource.for_outbox(outbox)``.
+        settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
+        max_wait: a batch closes at ``settings.batch_size`` changes or after this long.
+        leader_lease: how long the active relay holds its lease without renewing it (it renews
+            every third of it); a standby takes over within about 1.25 times this after the
+            leader died, a quarter of it after its ``stop()``.
+        sweep_interval: longest time between sweeps of the collections (for requeued entries,
+            retries that came due, anything the stream missed).
+        checkpoints: the checkpoint collection, in the outbox's database.
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        publisher: Publisher,
+        *,
+        name: str,
+        source: ChangeSource | None = None,
+        settings: RelaySettings | None = None,
+        max_wait: Duration = 0.05,
+        leader_lease: Duration = 15.0,
+        sweep_interval: Duration = 30.0,
+        checkpoints: str = "outbox_relays",
+    ) -> None:
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise ConfigurationError(f"name must be a non-empty str, not {name!r}", setting="name")
+        self.settings = settings or RelaySettings()
+        self.max_wait = seconds(max_wait, "ChangeStreamRelay.max_wait")
+        self.leader_lease = interval(leader_lease, "ChangeStreamRelay.leader_lease")
+        self.sweep_interval = seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")
+        self.outbox = outbox
+        self.publisher = publisher
+        self.name = name
+        self.source: ChangeSource = source or WatchSource.for_outbox(outbox)
+        self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
+        self._rounds = Rounds(outbox, publisher, self.settings)
+        self.state: State = "starting"
+        self.recoveries = 0
+        self.last_error: str | None = None
+        self._sweep_due = 0.0
+        self._saved_at = float("-inf")
+        self._stopping = asyncio.Event()
+        self._lost = asyncio.Event()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    async def drain(self) -> int:
+        """Publish everything pending now (a sweep of the collections); return how many."""
+        with self._rounds.exclusive("drain()"):
+            total, more = 0, True
+            while more:
+                published, more = await self._rounds.batch()
+                total += published
+            return total
+
+    async def run(self) -> None:
+        """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation:
+        stand by until this process holds the lease, then follow the stream. Resumable errors
+        resume from the checkpoint with backoff; an error no retry can fix raises
+        ChangeStreamError. ``stop()`` gives the lease up."""
+        with self._rounds.exclusive("run()"):
+            # Cancellation stands for a crash (the lease runs out); anything else gives it up.
+            cancelled = False
+            try:
+                await self._relay()
+            except asyncio.CancelledError:
+                cancelled = True
+                self.checkpoint.fence = None  # no more writes; the lease in the database runs out
+                self._enter("stopped", "cancelled")
+                raise
+            finally:
+                if not cancelled:
+                    with contextlib.suppress(PyMongoError):
+                        await self.checkpoint.release()
+            self._stopping.clear()  # a stop is consumed by the run it ended
+            self._enter("stopped", "stop() was called")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def status(self) -> RelayStatus:
+        doc = await self.checkpoint.load()
+        backlog = await self._rounds.store.backlog()
+        return RelayStatus(
+            name=self.name,
+            state=self.state,
+            active=self.state == "active" and not self._lost.is_set(),
+            last_checkpoint_at=doc.get("checkpoint_at"),
+            pending=backlog.pending,
+            oldest_pending_age=utc_now() - backlog.oldest if backlog.oldest else None,
+            parked=await self._rounds.store.parked_count(),
+            publish_failures=self._rounds.stats.failed,
+            recoveries=self.recoveries,
+            last_error=self.last_error or self._rounds.stats.last_error,
+        )
+
+    async def parked(self) -> list[dict[str, Any]]:
+        """Entries parked as dead-lettered, with their ``last_error``: see
+        ``PollingRelay.parked()``."""
+        return await self._rounds.store.parked()
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        """Make parked entries pending again, with a fresh set of attempts (see
+        ``PollingRelay.requeue()``); the active relay's next sweep publishes them (this one's
+        at once). Returns how many were requeued."""
+        requeued = await self._rounds.store.requeue(event_ids)
+        self._sweep_due = 0.0
+        return requeued
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    async def _relay(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                if not await self.checkpoint.acquire():
+                    self._enter("standby", "another process holds the lease")
+                    await self._sleep(self.leader_lease.total_seconds() / 4)
+                    continue
+                self._enter("active", f"holds the lease, fence {self.checkpoint.fence}")
+                async with self.checkpoint.renewed() as self._lost:
+                    await self._follow()
+                failures = 0
+            except LeaseLost as error:
+                self._enter("standby", str(error))
+            except ChangeStreamError as error:
+                self.last_error = str(error)
+                self._enter("failed", str(error))
+                raise
+            except PyMongoError as error:
+                failures += 1
+                delay = self.settings.backoff.delay(failures)
+                self.last_error = describe(error)
+                log.warning(
+                    "relay %s: %s; resuming from the checkpoint in %.1fs",
+                    self.name,
+                    self.last_error,
+                    delay,
+                )
+                await self._sleep(delay)
+
+    def _check_lease(self) -> None:
+        if self._lost.is_set():
+            self._enter("standby", "the leader lease could not be renewed")
+            raise LeaseLost(f"relay {self.name}: the leader lease was lost")
+
+    # -- following ----------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Resuming leaves the sweep to its interval; a recovery's sweep reschedules it.
+        self._sweep_due = loop.time() + self.sweep_interval
+        self._saved_at = float("-inf")
+        stream = await self._open((await self.checkpoint.load()).get("token"))
+        try:
+            while not self._stopping.is_set():
+                self._check_lease()
+                try:
+                    batch = await stream.next_batch(self.settings.batch_size, self.max_wait)
+                except PyMongoError as error:
+                    self._fail_unless_recoverable(error)
+                    await _close(stream)
+                    stream = await self._recover(f"the change stream cannot resume ({error})")
+                    continue
+                ended = [c for c in batch.changes if c["operationType"] in ENDS_STREAM]
+                await self._handle(
+                    [c for c in batch.changes if c["operationType"] not in ENDS_STREAM]
+                )
+                self._check_lease()
+                if ended:
+                    await _close(stream)
+                    stream = await self._recover(f"{ended[0]['operationType']} event")
+                    continue
+                now = loop.time()
+                # A quiet stream's token moves on too, so the position stays inside the oplog
+                # window; the heartbeat renews the lease meanwhile.
+                quiet_due = now - self._saved_at >= self.leader_lease.total_seconds() / 3
+                if batch.token is not None and (batch.changes or quiet_due):
+                    await self.checkpoint.save(batch.token)
+                    self._saved_at = now
+                if await self._rounds.probe():
+                    self._sweep_due = 0.0  # a waiting entry was made due: see if the broker is back
+                if now >= self._sweep_due:
+                    await self._sweep()
+        finally:
+            await _close(stream)
+
+    async def _open(self, token: Any) -> ChangeStream:
+        if token is None:
+            return await self._recover("no checkpoint yet")
+        try:
+            return await self.source.open(resume_after=token)
+        except PyMongoError as error:
+            self._fail_unless_recoverable(error)
+            return await self._recover(f"the checkpoint's resume token is unusable ({error})")
+
+    def _fail_unless_recoverable(self, error: PyMongoError) -> None:
+        """Return if the token is unusable (recover), re-raise a resumable error for run()'s
+        backoff, and turn a fatal one into ChangeStreamError."""
+        kind = triage(error)
+        if kind == "fatal":
+            raise ChangeStreamError(
+                f"relay {self.name}: the change stream failed: {error}",
+                relay=self.name,
+                code=getattr(error, "code", None),
+            ) from error
+        if kind == "resume":
+            raise error
+
+    async def _recover(self, reason: str) -> ChangeStream:
+        self.recoveries += 1
+        log.warning(
+            "relay %s: recovering (%s): sweeping the outbox, then watching from the cluster "
+            "time taken before the sweep",
+            self.name,
+            reason,
+        )
+        start_at = await self.source.cluster_time()
+        if start_at is not None:
+            await self._sweep()
+        try:
+            stream = await self.source.open(start_at=start_at)
+        except PyMongoError as error:
+            if triage(error) == "fatal":
+                self._fail_unless_recoverable(error)
+            raise  # run() backs off and starts over from the checkpoint
+        if start_at is None:
+            # No cluster time to watch from: watch from now first, then sweep, which leaves no
+            # gap either (what commits after the open is on the stream, the rest is swept).
+            try:
+                await self._sweep()
+            except BaseException:
+                await _close(stream)
+                raise
+        log.info("relay %s: watching from %s", self.name, start_at or "now")
+        return stream
+
+    async def _handle(self, changes: list[dict[str, Any]]) -> None:
+        if not changes:
+            return
+        _, recheck = await self._rounds.changes(changes, self._lost)
+        if recheck:
+            # Some failed, wait behind an earlier entry, are held by another relay's claim, or
+            # were published already (a replay after a restart): the sweep settles which.
+            recheck_at = asyncio.get_running_loop().time() + min(1.0, self.sweep_interval)
+            self._sweep_due = min(self._sweep_due, recheck_at)
+
+    async def _sweep(self) -> int:
+        """Publish what is due in the collections; then schedule the next sweep for when the
+        earliest entry left behind comes due."""
+        total = 0
+        # Only what was due when the sweep began: later entries are on the stream, and a sweep
+        # chasing a busy writer would never hand over to it.
+        until = utc_now()
+        while not self._stopping.is_set():
+            self._check_lease()
+            published, more = await self._rounds.batch(until, self._lost)
+            total += published
+            if not more:
+                break
+        due = await self._rounds.store.next_due()
+        wait = self.sweep_interval
+        if due is not None:
+            wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)
+        self._sweep_due = asyncio.get_running_loop().time() + wait
+        return total
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _enter(self, state: State, reason: str) -> None:
+        if state == self.state:
+            return
+        log.log(
+            logging.WARNING if state == "failed" else logging.INFO,
+            "relay %s: %s -> %s (%s)",
+            self.name,
+            self.state,
+            state,
+            reason,
+        )
+        self.state = state
+
+    async def _sleep(self, delay: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+
+
+async def _close(stream: ChangeStream) -> None:
+    # A stream that broke may fail to close as well; it is dropped either way.
+    with contextlib.suppress(PyMongoError):
+        await stream.aclose()

@@ -1,0 +1,389 @@
+"""Relays under misuse and slow or failing brokers: each test is a defect a hostile pass found.
+
+Publishers named FAKE here stand for a broker behaviour no real broker here can be made to show
+on demand (a confirm that takes 0.4 s, a client that cancels its own future); everything else
+goes through the real NATS or RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from mongo_outbox import (
+    Backoff,
+    ChangeStreamRelay,
+    Event,
+    Outbox,
+    PollingRelay,
+    RelaySettings,
+    UsageError,
+)
+from mongo_outbox._store import store_for
+from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
+from tests.support.brokers import Broker, KillsTheBroker
+from tests.support.changestream_sources import ScriptedSource
+from tests.support.waiting import until
+
+MODES = ["collection", "embedded"]
+FAST = Backoff(initial=0.01, maximum=0.05)
+
+
+def make_outbox(db: Any, mode: str) -> Outbox:
+    return Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+
+
+async def save(outbox: Outbox, db: Any, aggregates: int, events: int) -> list[Event]:
+    await outbox.ensure_indexes()
+    saved: list[Event] = []
+    for order in range(aggregates):
+        for _ in range(events):
+            result = await outbox.save_with_events(
+                None, db.orders, {"_id": order}, [Event(type="e")]
+            )
+            saved += result.events
+    return saved
+
+
+def assert_in_order_once(published: list[Event], saved: list[Event]) -> None:
+    counts = Counter(e.id for e in published)
+    assert {i for i, n in counts.items() if n > 1} == set(), "published twice"
+    assert set(counts) == {e.id for e in saved}
+    for aggregate in {e.aggregate_id for e in saved}:
+        assert [e.sequence for e in published if e.aggregate_id == aggregate] == sorted(
+            e.sequence for e in saved if e.aggregate_id == aggregate
+        )
+
+
+class SlowBroker(MemoryPublisher):
+    """FAKE broker whose every confirm takes ``delay`` seconds: a slow broker on demand."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def publish(self, event: Event) -> None:
+        await asyncio.sleep(self.delay)
+        await super().publish(event)
+
+
+# -- misuse ---------------------------------------------------------------------------------
+
+
+async def test_one_polling_relay_runs_one_loop_at_a_time(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save(outbox, db, aggregates=3, events=2)
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher, interval=0.01)
+    task = asyncio.create_task(relay.run())
+    await asyncio.sleep(0)  # run() has started
+    for second in (relay.run(), relay.drain(), relay.publish_batch()):
+        with pytest.raises(UsageError, match="one loop at a time"):
+            await second
+    await publisher.wait_for(len(saved))
+    relay.stop()
+    await asyncio.wait_for(task, 5)
+    assert_in_order_once(publisher.events, saved)
+    assert await relay.drain() == 0  # usable again once the loop ended
+
+
+async def test_one_change_stream_relay_runs_one_loop_at_a_time(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    relay = ChangeStreamRelay(outbox, MemoryPublisher(), name="r", source=ScriptedSource())
+    task = asyncio.create_task(relay.run())
+    await asyncio.sleep(0)
+    for second in (relay.run(), relay.drain()):
+        with pytest.raises(UsageError, match="one loop at a time"):
+            await second
+    relay.stop()
+    await asyncio.wait_for(task, 5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_rounds_of_one_store_hold_no_state_between_claim_and_settle(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await save(outbox, db, aggregates=4, events=1)
+    store = store_for(outbox)
+    first = await store.claim(2, timedelta(seconds=30))
+    second = await store.claim(2, timedelta(seconds=30))
+    assert first.token != second.token and first.events == second.events == 2
+    # Settled in the other order, each by its own value: nothing is lost or left claimed.
+    await store.settle(second, [e for g in second.groups for e in g], [])
+    await store.settle(first, [e for g in first.groups for e in g], [])
+    assert (await store.backlog()).pending == 0
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0
+
+
+@pytest.mark.parametrize("kind", ["polling", "change stream"])
+async def test_stop_called_before_run_started_is_not_lost(db: Any, kind: str) -> None:
+    outbox = make_outbox(db, "collection")
+    relay: Any = (
+        PollingRelay(outbox, MemoryPublisher())
+        if kind == "polling"
+        else ChangeStreamRelay(outbox, MemoryPublisher(), name="r", source=ScriptedSource())
+    )
+    relay.stop()
+    await asyncio.wait_for(relay.run(), 5)
+
+
+class PlainPublisher:
+    def publish(self, event: Event) -> None:  # not a coroutine: its side effect would repeat
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_publisher_whose_publish_is_not_a_coroutine_is_refused(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    with pytest.raises(TypeError, match="publish must be an async method"):
+        PollingRelay(outbox, PlainPublisher())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="publish must be an async method"):
+        ChangeStreamRelay(outbox, PlainPublisher(), name="r")  # type: ignore[arg-type]
+
+
+class CancelsItself(MemoryPublisher):
+    """FAKE client that cancels its own future mid-publish, as aio-pika does when its
+    connection is closed under it."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    async def publish(self, event: Event) -> None:
+        if self.times:
+            self.times -= 1
+            raise asyncio.CancelledError
+        await super().publish(event)
+
+
+async def test_a_cancellation_from_inside_the_publisher_does_not_stop_the_relay(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save(outbox, db, aggregates=2, events=2)
+    publisher = CancelsItself(times=3)
+    relay = PollingRelay(outbox, publisher, settings=RelaySettings(backoff=FAST), interval=0.01)
+    task = asyncio.create_task(relay.run())
+    await publisher.wait_for(len(saved))
+    assert not task.done()
+    relay.stop()
+    await asyncio.wait_for(task, 5)
+    assert relay.stats.errors_by_type == {"BrokerUnavailableError": 3}
+    assert await relay.parked() == []  # not the events' fault
+    assert_in_order_once(publisher.events, saved)
+
+
+# -- undecodable entries ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_unreadable_entry_is_parked_with_its_error_and_the_rest_goes_on(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    saved = await save(outbox, db, aggregates=3, events=2)
+    bad = {"type": "", "payload": ["not", "an", "object"], "sequence": 9}
+    if mode == "collection":
+        await db.outbox.insert_one(
+            bad
+            | {
+                "_id": "bad",
+                "status": "pending",
+                "aggregate_type": "orders",
+                "aggregate_id": 1,
+                "available_at": saved[0].occurred_at,
+                "attempts": 0,
+            }
+        )
+    else:
+        await db.orders.update_one(
+            {"_id": 1}, {"$push": {"_outbox": {"$each": [bad | {"id": "bad"}], "$position": 0}}}
+        )
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == len(saved)
+    assert_in_order_once(publisher.events, saved)
+    [parked] = await relay.parked()
+    assert parked["_id"] == "bad" and "cannot be read" in parked["last_error"]
+    assert await relay.drain() == 0  # and it stays parked: no hot loop on it
+
+
+# -- slow brokers and leases ------------------------------------------------------------------
+
+
+async def test_a_slow_broker_never_lets_two_polling_relays_publish_an_event_twice(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save(outbox, db, aggregates=1, events=12)
+    broker = SlowBroker(0.4)  # 12 confirms in a row take 4.8 s; a claim holds 2 s
+    settings = RelaySettings(claim_lease=2.0, publish_timeout=1.0, backoff=FAST)
+    relays = [PollingRelay(outbox, broker, settings=settings, interval=0.05) for _ in range(2)]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await broker.wait_for(len(saved), timeout=30)
+    await asyncio.sleep(settings.lease.total_seconds())  # a late duplicate would arrive by now
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert_in_order_once(broker.events, saved)
+
+
+async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save(outbox, db, aggregates=2, events=15)
+    broker = SlowBroker(0.3)  # the first sweep takes 4.5 s, the leader lease is 1 s
+    settings = RelaySettings(claim_lease=2.0, publish_timeout=1.0, backoff=FAST)
+    relays = [
+        ChangeStreamRelay(
+            outbox,
+            broker,
+            name="r",
+            source=ScriptedSource(),
+            settings=settings,
+            leader_lease=1.0,
+            sweep_interval=60,
+        )
+        for _ in range(2)
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    both = samples = 0
+    while len(broker.events) < len(saved):
+        samples += 1
+        both += all(r.state == "active" for r in relays)
+        for relay in relays:
+            assert (await relay.status()).active == (relay.state == "active")
+        await asyncio.sleep(0.05)
+        assert samples < 400, "not published in 20 s"
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert both == 0, f"both active in {both} of {samples} samples"
+    assert_in_order_once(broker.events, saved)
+
+
+async def test_a_deleted_checkpoint_never_leaves_two_relays_active_for_good(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    relays = [
+        ChangeStreamRelay(
+            outbox, MemoryPublisher(), name="r", source=ScriptedSource(), leader_lease=0.6
+        )
+        for _ in range(2)
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await until(lambda: any(r.state == "active" for r in relays))
+    for _ in range(2):  # deleted, then deleted again once someone recreated it
+        await db.outbox_relays.delete_many({})
+        await until(lambda: db.outbox_relays.count_documents({}))
+        await asyncio.sleep(1.0)  # the renewal interval and a standby's poll have passed
+        for _ in range(20):
+            assert sum(r.state == "active" for r in relays) == 1
+            for relay in relays:
+                assert (await relay.status()).active == (relay.state == "active")
+            await asyncio.sleep(0.05)
+    doc = await db.outbox_relays.find_one({"_id": "r"})
+    [leader] = [r for r in relays if r.state == "active"]
+    assert doc["owner"] == leader.checkpoint.owner
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+
+# -- requeue ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_requeued_event_brings_back_the_earlier_parked_ones_of_its_aggregate(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    saved = await save(outbox, db, aggregates=1, events=3)
+    refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
+    relay = PollingRelay(outbox, refusing, settings=RelaySettings(max_attempts=1))
+    await relay.drain()
+    assert len(await relay.parked()) == 3
+    assert await relay.requeue([saved[2].id]) == 3  # the last one asked for, all three back
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 3
+    assert [e.sequence for e in publisher.events] == [1, 2, 3]
+
+
+async def test_embedded_requeue_takes_event_ids_literally(db: Any) -> None:
+    outbox = make_outbox(db, "embedded")
+    saved = await save(outbox, db, aggregates=1, events=1)
+    refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
+    relay = PollingRelay(outbox, refusing, settings=RelaySettings(max_attempts=1))
+    await relay.drain()
+    assert await relay.requeue(["$x"]) == 0
+    assert await relay.requeue(["$$e.id", "$_outbox.id"]) == 0
+    [parked] = await relay.parked()
+    assert parked["_id"] == saved[0].id
+
+
+# -- outages ----------------------------------------------------------------------------------
+
+
+async def test_a_backlog_drains_at_full_speed_once_the_broker_is_back(
+    db: Any, broker: Broker, unique: str
+) -> None:
+    import nats
+
+    nc = await nats.connect(broker.url)
+    await nc.jetstream().add_stream(name=unique, subjects=[f"{unique}.>"])
+    await nc.close()
+    outbox = make_outbox(db, "collection")
+    await save(outbox, db, aggregates=20, events=10)
+    inner = await NatsPublisher.connect(broker.url, subject=f"{unique}.{{type}}", timeout=0.5)
+    publisher = KillsTheBroker(inner, broker, after=10, down_for=5.0)
+    relay = PollingRelay(
+        outbox, publisher, settings=RelaySettings(claim_lease=2, publish_timeout=1)
+    )
+    task = asyncio.create_task(relay.run())
+    try:
+        await until(lambda: publisher.back_at is not None, timeout=30)
+        while await db.outbox.count_documents({"status": "pending"}):
+            assert publisher.back_at is not None
+            elapsed = asyncio.get_running_loop().time() - publisher.back_at
+            assert elapsed < 10, "the backlog is still draining 10 s after the broker came back"
+            await asyncio.sleep(0.1)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+        await publisher.aclose()
+    assert relay.stats.failed > 0 and await relay.parked() == []
+
+
+async def test_an_unroutable_event_becomes_its_own_failure_while_others_are_confirmed(
+    db: Any, nats_stream: str
+) -> None:
+    # Embedded mode: saves beside a running relay need no transaction (see docs/testing.md).
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    [lost] = (
+        await outbox.save_with_events(None, db.orders, {"_id": "x"}, [Event(type="lost")])
+    ).events
+    # Only ok.* subjects have a stream: the lost event has nowhere to go, the others do.
+    subject = lambda e: f"{nats_stream}.ok" if e.type == "ok" else f"nowhere-{nats_stream}"  # noqa: E731
+    publisher = await NatsPublisher.connect(subject=subject, timeout=0.5)
+    relay = PollingRelay(
+        outbox, publisher, settings=RelaySettings(max_attempts=3, backoff=FAST), interval=0.02
+    )
+    task = asyncio.create_task(relay.run())
+    try:
+        for order in range(200):  # a steady flow of routable events meanwhile
+            await outbox.save_with_events(None, db.orders, {"_id": order}, [Event(type="ok")])
+            if await relay.parked():
+                break
+            await asyncio.sleep(0.05)
+        [parked] = await relay.parked()
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+        await publisher.aclose()
+    assert parked["_id"] == lost.id and parked["attempts"] == 3
+    assert isinstance(parked["last_error"], str) and parked["last_error"]
+    # Its retries were spaced by its own growing delay, not three a second for ever.
+    assert relay.stats.errors_by_type.get("BrokerUnavailableError", 0) < 40

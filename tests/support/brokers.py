@@ -1,0 +1,132 @@
+"""Brokers a test can take away and bring back: a nats-server of the test's own (killed and
+restarted on the same store), a TCP gate in front of the real RabbitMQ, and a publisher that
+takes the broker away after a number of confirms."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from mongo_outbox import Event
+from mongo_outbox.publishers import Publisher
+from tests.support.servers import RABBITMQ_URL
+
+NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+HAVE_NATS_SERVER = Path(NATS_SERVER).exists()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Broker:
+    """A nats-server with JetStream that can be killed and started again on the same store."""
+
+    def __init__(self, store: Path) -> None:
+        self.port = free_port()
+        self.store = store
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            *[NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        for _ in range(100):
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            return
+        raise RuntimeError("nats-server did not start")
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        await self.process.wait()
+
+
+class Gate:
+    """A TCP proxy in front of the real RabbitMQ: ``kill`` drops every connection through it and
+    refuses new ones until ``start``."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        target = urlsplit(RABBITMQ_URL)
+        self.target = (target.hostname or "127.0.0.1", target.port or 5672)
+        self.url = urlunsplit(target._replace(netloc=f"guest:guest@127.0.0.1:{self.port}"))
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+
+    async def kill(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream}
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
+        self.writers -= {writer, upstream}
+
+
+class Outage(Protocol):
+    async def start(self) -> None: ...
+
+    async def kill(self) -> None: ...
+
+
+class KillsTheBroker:
+    """Publishes through ``inner``; after ``after`` confirms it kills the broker and starts it
+    again ``down_for`` seconds later, while publishing goes on failing and backing off."""
+
+    def __init__(self, inner: Publisher, broker: Outage, after: int, down_for: float = 1.0) -> None:
+        self.inner = inner
+        self.down_for = down_for
+        self.back_at: float | None = None
+        self.broker = broker
+        self.after = after
+        self.confirmed = 0
+        self.restarted: asyncio.Task[None] | None = None
+
+    async def publish(self, event: Event) -> None:
+        await self.inner.publish(event)
+        self.confirmed += 1
+        if self.confirmed == self.after:
+            await self.broker.kill()
+            self.restarted = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        await asyncio.sleep(self.down_for)
+        await self.broker.start()
+        self.back_at = asyncio.get_running_loop().time()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
