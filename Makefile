@@ -41,7 +41,7 @@ demo: $(BIN)/.installed
 	$(BIN)/python examples/order_service.py
 
 bench: $(BIN)/.installed
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) .venv-oldest .pytest_cache .mypy_cache .ruff_cache
