@@ -21,7 +21,7 @@ pipelines work, and ``watch()`` works from any process (so ``ChangeStreamRelay``
 be SIGKILLed and resume from its token.
 
 What the emulator cannot prove (measured with mongoeco 4.11); run those tests against a real
-replica set (a ``mongo --replSet`` in Docker, or your CI's):
+replica set (a ``mongod --replSet`` in Docker, or your CI's):
 
 - It detects write conflicts per collection at commit, not per document at write time.
 - A conflicted commit may leave its writes behind, for a while or for good, and it also undoes
@@ -108,7 +108,7 @@ def start_emulator(
         )
     except OSError as error:
         raise ConfigurationError(
-            f"cannot run the emulator with {python}: {error}", setting="python"
+            f"cannot run the emulator with {python}: {error}", setting="start_emulator.python"
         ) from error
     first = _first_line(process, limit)
     words = (first or "").split()
@@ -121,12 +121,14 @@ def start_emulator(
             setting="start_emulator.startup_timeout",
         )
     if first.startswith("error:"):
-        raise ConfigurationError(first.removeprefix("error:").strip(), setting="python")
+        raise ConfigurationError(
+            first.removeprefix("error:").strip(), setting="start_emulator.python"
+        )
     raise ConfigurationError(
         f"the emulator did not start with {python} (exit status {process.returncode}, "
         f"output {first.strip()!r}; its error output is above): that interpreter needs "
         "mongo-outbox[testing] and Python >= 3.13 (choose it with python= or MONGOECO_PYTHON)",
-        setting="python",
+        setting="start_emulator.python",
     )
 
 

@@ -104,14 +104,14 @@ def test_an_interpreter_without_mongoeco_is_refused_with_the_install_command(
 ) -> None:
     with pytest.raises(ConfigurationError) as caught:
         start_emulator(python=hide_mongoeco(tmp_path))
-    assert caught.value.setting == "python"
+    assert caught.value.setting == "start_emulator.python"
     assert "mongo-outbox[testing]" in str(caught.value)
 
 
 def test_an_interpreter_that_does_not_exist_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="/no/such/python") as caught:
         start_emulator(python="/no/such/python")
-    assert caught.value.setting == "python"
+    assert caught.value.setting == "start_emulator.python"
 
 
 def test_an_interpreter_without_mongo_outbox_is_refused(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_an_interpreter_without_mongo_outbox_is_refused(tmp_path: Path) -> None:
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(ConfigurationError, match=r"mongo-outbox\[testing\]") as caught:
         start_emulator(python=str(script))
-    assert caught.value.setting == "python"
+    assert caught.value.setting == "start_emulator.python"
 
 
 def test_an_emulator_silent_past_its_startup_timeout_is_killed_and_reported(
