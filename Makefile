@@ -8,7 +8,7 @@ OLDEST ?= $(shell for p in python3.10 "$$(pyenv root 2>/dev/null)/versions/3.10"
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-oldest demo bench lint typecheck check clean
+.PHONY: test test-oldest test-replset demo bench lint typecheck check clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.13 not found (set PYTHON=...)" >&2; exit 1; }
@@ -27,6 +27,16 @@ test-oldest: $(BIN)/.installed
 	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats]' pytest pytest-asyncio pytest-timeout motor
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 
+# The whole suite against docker-compose.yml's replica set, RabbitMQ and NATS (started, healthy,
+# and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on
+# Python 3.10; REPLSET_SERVICES=mongodb starts only MongoDB, for brokers you already run.
+REPLSET_URI ?= mongodb://127.0.0.1:27017/?directConnection=true
+REPLSET_TEST ?= test
+REPLSET_SERVICES ?=
+test-replset:
+	docker compose up -d --wait $(REPLSET_SERVICES)
+	MONGODB_URI='$(REPLSET_URI)' $(MAKE) $(REPLSET_TEST)
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check mongo_outbox tests examples benchmarks
 	$(BIN)/ruff format --check mongo_outbox tests examples benchmarks
@@ -41,7 +51,7 @@ demo: $(BIN)/.installed
 	$(BIN)/python examples/order_service.py
 
 bench: $(BIN)/.installed
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) .venv-oldest .pytest_cache .mypy_cache .ruff_cache

@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, uri_parser
 from pymongo.monitoring import (
     CommandFailedEvent,
     CommandListener,
@@ -26,12 +25,7 @@ from pymongo.monitoring import (
     CommandSucceededEvent,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    # The server launcher lives with the tests, which are not part of the installed package.
-    sys.path.insert(0, str(ROOT))
-
-from tests.support.servers import MongoServer, start_mongo  # noqa: E402
+from mongo_outbox.testing import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -42,9 +36,31 @@ _BACKGROUND = frozenset(
 )
 
 
-def start_backend() -> MongoServer:
-    """``MONGODB_URI`` if set, else whatever the test suite would use (usually the emulator)."""
-    return start_mongo()
+class Backend(Protocol):
+    uri: str
+    description: str
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class GivenMongo:
+    """The MongoDB at ``MONGODB_URI``: running before the benchmarks, and after them."""
+
+    uri: str
+    description: str
+
+    def stop(self) -> None:
+        pass
+
+
+def start_backend() -> Backend:
+    """``MONGODB_URI`` if set, else the mongoeco emulator (``mongo_outbox.testing``)."""
+    uri = os.environ.get("MONGODB_URI")
+    if uri:
+        hosts = ",".join(f"{host}:{port}" for host, port in uri_parser.parse_uri(uri)["nodelist"])
+        return GivenMongo(uri, f"MONGODB_URI ({hosts})")
+    return start_emulator()
 
 
 class CommandCounter(CommandListener):

@@ -1,9 +1,10 @@
-"""``make bench``: every benchmark in one run, on one MongoDB, with a summary at the end.
+"""``make bench`` (``python -m benchmarks.run``): every benchmark in one run, on one MongoDB,
+with a summary at the end.
 
-MongoDB is ``MONGODB_URI`` if set, else what the test suite would start (usually the mongoeco
-emulator); RabbitMQ and NATS come from ``RABBITMQ_URL`` and ``NATS_URL`` (local defaults).
-Each benchmark module has ``async def run(uri) -> list[str]``: it prints as it goes and returns
-its headline figures. Optional modules (written separately) run when they exist and import.
+MongoDB is ``MONGODB_URI`` if set, else the mongoeco emulator (``mongo_outbox.testing``);
+RabbitMQ and NATS come from ``RABBITMQ_URL`` and ``NATS_URL`` (local defaults). Each benchmark
+module has ``async def run(uri) -> list[str]``: it prints as it goes and returns its headline
+figures. Optional modules (written separately) run when they exist and import.
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ import importlib
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import NATS_URL, RABBITMQ_URL, header, say, start_backend  # noqa: E402
+from benchmarks.common import NATS_URL, RABBITMQ_URL, header, say, start_backend
 
 BENCHMARKS = ("bench_relay", "bench_publishers", "bench_save")
 OPTIONAL = ("bench_inbox", "bench_changestream")

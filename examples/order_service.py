@@ -2,7 +2,8 @@
 
     make demo            # or: python examples/order_service.py [--orders 300] [--mode embedded]
 
-MongoDB: MONGODB_URI, else the mongoeco emulator started here (Python >= 3.13).
+MongoDB: MONGODB_URI, else the mongoeco emulator started here (mongo_outbox.testing, which
+needs mongo-outbox[testing] and Python >= 3.13).
 Broker: NATS JetStream if it answers at NATS_URL, else RabbitMQ at RABBITMQ_URL, else in memory.
 Every tenth order's transaction is aborted on purpose: its events must never be published.
 """
@@ -16,16 +17,13 @@ import sys
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher, Publisher
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.support.servers import start_emulator
+from mongo_outbox.testing import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")

@@ -18,6 +18,7 @@ except ImportError:  # mongoeco needs Python >= 3.13; the tests that use it skip
 from pymongo.errors import OperationFailure
 
 from mongo_outbox.changestream import ChangeBatch, ChangeStream
+from mongo_outbox.testing.emulator import server_error_code
 
 
 class ScriptedSource:
@@ -125,17 +126,6 @@ class MongoEcoSource:
     def _hold(self) -> None:
         if self.holder is None:
             self.holder = self.target.watch([{"$match": {"_never": True}}])
-
-
-def server_error_code(error: Exception) -> int | None:
-    """The code a server would have answered mongoeco's uncoded error with:
-    ChangeStreamHistoryLost (286) or InvalidResumeToken (260)."""
-    text = str(error)
-    if "no longer available" in text:
-        return 286
-    if "resume token" in text:
-        return 260
-    return None
 
 
 def _as_server_error(error: Exception) -> Exception:

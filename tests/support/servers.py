@@ -1,19 +1,21 @@
 """Which MongoDB, RabbitMQ and NATS the tests run against, decided once per session.
 
 MongoDB, most faithful first: ``MONGODB_URI`` (a real replica set); a single-node replica set in
-Docker through testcontainers, when a Docker engine answers; else the mongoeco wire-protocol
-emulator in a subprocess (real transactions, unique and TTL indexes; change streams through the
-shim in ``tests/support/mongo_emulator.py``).
+Docker through testcontainers, when a Docker engine answers; else (or with ``MONGODB_EMULATOR=1``)
+the mongoeco wire-protocol emulator in a subprocess, through ``mongo_outbox.testing`` (real
+transactions, unique and TTL indexes; change streams through its shim).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from mongo_outbox.errors import ConfigurationError
+from mongo_outbox.testing import start_emulator
 
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
@@ -35,38 +37,21 @@ def start_mongo() -> MongoServer:
     uri = os.environ.get("MONGODB_URI")
     if uri:
         return MongoServer(uri, "replica-set", f"MONGODB_URI ({_redact(uri)})")
-    if _docker_answers():
+    if os.environ.get("MONGODB_EMULATOR") != "1" and _docker_answers():
         return _start_container()
-    return start_emulator()
+    return _start_emulator()
 
 
-def start_emulator() -> MongoServer:
-    # The emulator needs Python >= 3.13; the library and its tests run on 3.10+, so the
-    # emulator may come from another interpreter (MONGOECO_PYTHON) than the tests.
-    python = os.environ.get("MONGOECO_PYTHON", sys.executable)
-    script = os.path.join(os.path.dirname(__file__), "mongo_emulator.py")
-    process = subprocess.Popen(
-        [python, script, "0"], stdout=subprocess.PIPE, stderr=sys.stderr, text=True
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline().split()
-    if len(line) != 3 or line[0] != "ready":
-        process.kill()
-        raise RuntimeError(
-            f"the mongoeco emulator did not start with {python} (it needs Python >= 3.13 and "
-            "mongoeco[wire]; set MONGOECO_PYTHON, MONGODB_URI or run a Docker engine)"
-        )
-
-    def stop() -> None:
-        process.kill()
-        process.wait()
-        process.stdout.close()
-
+def _start_emulator() -> MongoServer:
+    try:
+        emulator = start_emulator()  # its interpreter: MONGOECO_PYTHON, else this one
+    except ConfigurationError as error:
+        raise RuntimeError(f"{error} (or set MONGODB_URI, or run a Docker engine)") from error
     return MongoServer(
-        f"mongodb://127.0.0.1:{line[1]}/?directConnection=true",
+        emulator.uri,
         "emulator",
-        f"mongoeco {line[2]} wire emulator on port {line[1]} (change streams through a test shim)",
-        [stop],
+        f"{emulator.description} (change streams through its shim)",
+        [emulator.stop],
     )
 
 
