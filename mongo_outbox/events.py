@@ -10,7 +10,15 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    model_validator,
+)
 
 from mongo_outbox.errors import InvalidEventError
 
@@ -50,9 +58,34 @@ def as_utc(value: datetime) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
+def _check_text(value: str, path: str) -> None:
+    # A lone surrogate is a valid Python str but not Unicode: UTF-8 (BSON, JSON) cannot carry it.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"{path}: {value!r} is not valid Unicode ({error.reason})") from None
+
+
+def _check_storable(value: Any, path: str) -> None:
+    """Every str and int the Event holds outside its payload: Unicode and 64-bit, as BSON is."""
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -_INT64 <= value < _INT64:
+            raise ValueError(f"{path}: {value} does not fit in a 64-bit integer")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, f"{path} key")
+            _check_storable(item, f"{path}[{key!r}]")
+
+
 def _check_json(value: Any, path: str) -> None:
-    # pydantic's JsonValue admits NaN, unbounded ints and any key; BSON and JSON peers do not.
-    if isinstance(value, float) and not math.isfinite(value):
+    # pydantic's JsonValue admits NaN, unbounded ints, lone surrogates and any key; BSON and
+    # JSON peers do not.
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{path}: {value} is not a JSON number")
     if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
         raise ValueError(f"{path}: {value} does not fit in a 64-bit integer")
@@ -60,6 +93,7 @@ def _check_json(value: Any, path: str) -> None:
         for key, item in value.items():
             if key.startswith("$") or "\x00" in key:
                 raise ValueError(f"{path}: key {key!r} cannot be stored in MongoDB")
+            _check_text(key, f"{path} key")
             _check_json(item, f"{path}.{key}")
     elif isinstance(value, list):
         for index, item in enumerate(value):
@@ -103,6 +137,14 @@ class Event(BaseModel):
     correlation_id: str | None = None
     causation_id: str | None = None
     version: Annotated[int, Field(ge=1)] = 1
+
+    @model_validator(mode="after")
+    def _storable(self) -> Event:
+        # The payload is checked on its own; every other field must survive BSON and JSON too.
+        for name, value in self.__dict__.items():
+            if name != "payload":
+                _check_storable(value, name)
+        return self
 
     def __init__(self, **data: Any) -> None:
         try:

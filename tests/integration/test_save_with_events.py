@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -15,7 +16,10 @@ from mongo_outbox import (
     InvalidAggregateError,
     InvalidEventError,
     Outbox,
+    PollingRelay,
 )
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.contents import contents
 from tests.support.servers import MongoServer
 
 MODES = ["collection", "embedded"]
@@ -176,6 +180,98 @@ async def test_bad_input_raises_before_anything_is_written(
     await other_session.end_session()
     await other.close()
     assert (await db.orders.find().to_list(None), await stored_events(outbox, db)) == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_expected_version_zero_refuses_a_document_written_without_the_outbox(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await db.orders.insert_one({"_id": 1, "name": "kept", "lines": [1, 2]})
+    before = await contents(db)
+    with pytest.raises(ConcurrencyError) as caught:
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 1}, [Event(type="placed")], expected_version=0
+        )
+    assert (caught.value.collection, caught.value.aggregate_id) == ("orders", 1)
+    assert caught.value.expected_version == 0
+    assert await contents(db) == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_expected_version_zero_creates_the_document_with_its_events(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    saved = await outbox.save_with_events(
+        None,
+        db.orders,
+        {"_id": "o1", "total": 3},
+        [Event(type="placed"), Event(type="priced")],
+        expected_version=0,
+    )
+    assert saved.version == 1 and [e.sequence for e in saved.events] == [1, 2]
+    empty = await outbox.save_with_events(None, db.orders, {"_id": "o2"}, [], expected_version=0)
+    assert empty.version == 1 and empty.events == []
+    doc = await db.orders.find_one({"_id": "o1"})
+    assert (doc["total"], doc["_version"], doc["_sequence"]) == (3, 1, 2)
+    entries = await stored_events(outbox, db)
+    assert [(e["type"], e["sequence"]) for e in entries] == [("placed", 1), ("priced", 2)]
+    later = await outbox.save_with_events(
+        None, db.orders, {"_id": "o1"}, [Event(type="paid")], expected_version=1
+    )
+    assert later.version == 2 and later.events[0].sequence == 3
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 3
+    assert [e.sequence for e in publisher.events] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_documents_mongodb_cannot_store_are_refused_before_anything_is_written(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.save_with_events(None, db.orders, {"_id": 1, "keep": True}, [Event(type="a")])
+    before = await contents(db)
+    for document in (
+        {"_id": 2**63},
+        {"_id": -(2**63) - 1},
+        {"_id": 2, "value": object()},
+        {"_id": 2, "value": {"deep": [2**64]}},
+        {"_id": 2, "text": "lone \ud800 surrogate"},
+        {"_id": 2, "$set": {"x": 1}},
+        {"_id": 2, "nested": {"$inc": 1}},
+        {"_id": 2, "bad\x00key": 1},
+        {"_id": uuid.uuid4()},  # this client has no uuidRepresentation to encode it with
+    ):
+        for expected_version in (None, 0):
+            with pytest.raises(InvalidAggregateError) as caught:
+                await outbox.save_with_events(
+                    None, db.orders, document, [Event(type="b")], expected_version=expected_version
+                )
+            assert caught.value.collection == "orders"
+    assert await contents(db) == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_save_beyond_16_mib_is_refused_before_anything_is_written(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+    before = await contents(db)
+    nine_mib = "x" * (9 * 1024 * 1024)
+    cases: list[tuple[dict[str, Any], list[Event]]] = [
+        ({"_id": 1, "blob": nine_mib * 2}, []),
+        ({"_id": 1}, [Event(type="big", payload={"blob": nine_mib * 2})]),
+    ]
+    if mode == "embedded":  # the document holds its pending events: together too large
+        cases.append(({"_id": 1, "blob": nine_mib}, [Event(type="big", payload={"b": nine_mib})]))
+    for document, events in cases:
+        with pytest.raises(InvalidAggregateError, match="too large") as caught:
+            await outbox.save_with_events(None, db.orders, document, events)
+        assert caught.value.collection == "orders"
+    assert await contents(db) == before
 
 
 def test_event_rejects_non_json_payload() -> None:

@@ -36,6 +36,52 @@ def test_non_json_payload_is_rejected_when_built(payload: object) -> None:
     assert isinstance(caught.value, OutboxError)
 
 
+LONE = "a\ud800b"  # a lone surrogate: a Python str, but not Unicode that UTF-8 can carry
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"payload": {"text": LONE}},
+        {"payload": {LONE: 1}},
+        {"payload": {"deep": [{"k": [LONE]}]}},
+        {"type": LONE},
+        {"id": LONE},
+        {"aggregate_type": LONE},
+        {"aggregate_id": LONE},
+        {"headers": {"h": LONE}},
+        {"headers": {LONE: "v"}},
+        {"correlation_id": LONE},
+        {"causation_id": LONE},
+    ],
+)
+def test_text_that_is_not_valid_unicode_is_refused_when_built(fields: dict[str, object]) -> None:
+    with pytest.raises(InvalidEventError, match=r"(?i)unicode"):
+        Event(**{"type": "x", **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"aggregate_id": 2**63},
+        {"aggregate_id": -(2**63) - 1},
+        {"version": 2**63},
+        {"sequence": 2**64},
+    ],
+)
+def test_integers_beyond_64_bits_are_refused_in_every_field(fields: dict[str, object]) -> None:
+    with pytest.raises(InvalidEventError, match="64-bit"):
+        Event(type="x", **fields)  # type: ignore[arg-type]
+
+
+def test_any_valid_unicode_is_kept() -> None:
+    text = "é 漢字 \U0001f600"
+    event = Event(
+        type=text, payload={text: text + "\x00"}, headers={text: text}, correlation_id=text
+    )
+    assert Event.from_json(event.model_dump_json()) == event
+
+
 def test_json_payload_is_kept_as_given() -> None:
     payload = {"s": "x", "i": -(2**63), "f": 1.5, "b": True, "n": None, "l": [1, {"k": []}]}
     assert Event(type="x", payload=payload).payload == payload
