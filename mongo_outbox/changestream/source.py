@@ -148,11 +148,11 @@ class WatchSource:
         return _WatchStream(await stream if inspect.isawaitable(stream) else stream)
 
     async def cluster_time(self) -> Any:
-        reply = await _database(self.target).command("ping")
+        reply = await database_of(self.target).command("ping")
         return reply.get("operationTime") or reply.get("$clusterTime", {}).get("clusterTime")
 
 
-def _database(target: Any) -> Any:
+def database_of(target: Any) -> Any:
     # Asked on the class: a database's attribute lookup would answer with a collection.
     return target if callable(getattr(type(target), "command", None)) else target.database
 

@@ -20,7 +20,7 @@ from pymongo.errors import (
 from mongo_outbox import Outbox
 from mongo_outbox._embedded_store import EmbeddedStore
 from mongo_outbox.changestream import WatchSource, triage
-from mongo_outbox.changestream.source import _database
+from mongo_outbox.changestream.source import database_of
 
 
 @pytest.mark.parametrize(
@@ -186,6 +186,6 @@ async def test_a_stream_the_server_ended_reads_as_an_invalidate() -> None:
 async def test_cluster_time_is_asked_of_the_database_of_a_collection_or_of_itself() -> None:
     # A database answers any attribute with a collection, ``db.database`` included.
     client: Any = AsyncMongoClient("mongodb://127.0.0.1:1", connect=False)
-    assert _database(client.shop) == client.shop
-    assert _database(client.shop.outbox) == client.shop
+    assert database_of(client.shop) == client.shop
+    assert database_of(client.shop.outbox) == client.shop
     await client.close()
