@@ -63,7 +63,7 @@ def relay_driver(publisher: Publisher, mongo: Any) -> Run:
 
     async def run(events: list[Event]) -> None:
         claim = Claim("bench", tuple((event,) for event in events))
-        published, failed = await rounds.publish_claim(claim)
+        published, failed, _ = await rounds.publish_claim(claim)
         if failed or len(published) != len(events):
             raise RuntimeError(f"{len(failed)} publishes failed: {failed[0].error}")
 

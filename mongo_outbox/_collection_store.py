@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,7 +22,7 @@ from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
 
-_AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1}
+_AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1, "sequence": 1}
 
 
 class CollectionStore:
@@ -41,8 +42,7 @@ class CollectionStore:
         if not candidates:
             return Claim(uuid.uuid4().hex)
         claim, claimed = await self._claim(candidates, now, lease)
-        more = len(candidates) == limit or claimed < len(candidates)
-        return Claim(claim.token, claim.groups, claim.attempts, claim.waits, more=more)
+        return replace(claim, more=len(candidates) == limit or claimed < len(candidates))
 
     async def claim_changes(self, changes: Sequence[Mapping[str, Any]], lease: timedelta) -> Claim:
         entries = [
@@ -55,8 +55,7 @@ class CollectionStore:
         claim, _ = await self._claim(entries, utc_now(), lease)
         # Some failed before, wait behind an earlier entry, are another relay's, or were
         # published already (a replay after a restart): a sweep soon settles which.
-        more = claim.events < len(entries)
-        return Claim(claim.token, claim.groups, claim.attempts, claim.waits, more=more)
+        return replace(claim, more=claim.events < len(entries))
 
     async def _claim(
         self, candidates: Sequence[Mapping[str, Any]], now: datetime, lease: timedelta
@@ -69,20 +68,30 @@ class CollectionStore:
                 # A fresh entry is claimable whatever the writer's clock said; others when due.
                 "$or": [
                     {"available_at": {"$lte": now}},
-                    {"claim": None, "attempts": 0, "waits": None},
+                    {"claim": None, "attempts": 0, "waits": None, "misses": None},
                 ],
             },
             {"$set": {"available_at": now + lease, "claim": token}},
         )
         if not claimed.modified_count:
             return Claim(token), 0
-        aggregates = {(c.get("aggregate_type"), c.get("aggregate_id")) for c in candidates}
-        # Every pending entry of the claimed aggregates, to find entries that must go first.
+        # Every pending entry of the claimed aggregates up to the last one claimed, to find
+        # entries that must go first (reading further would cost O(backlog) per round).
+        last: dict[tuple[Any, Any], int | None] = {}
+        for c in candidates:
+            key, seq = (c.get("aggregate_type"), c.get("aggregate_id")), c.get("sequence")
+            if key not in last or last[key] is not None:
+                # No bound for an aggregate with an entry of no sequence (another producer's).
+                last[key] = max(last.get(key) or 0, seq) if isinstance(seq, int) else None
         pending = (
             await self.coll.find(
                 {
                     "status": "pending",
-                    "$or": [{"aggregate_type": t, "aggregate_id": i} for t, i in aggregates],
+                    "$or": [
+                        {"aggregate_type": t, "aggregate_id": i}
+                        | ({} if seq is None else {"sequence": {"$lte": seq}})
+                        for (t, i), seq in last.items()
+                    ],
                 },
                 batch_size=10_000,
             )
@@ -93,20 +102,24 @@ class CollectionStore:
         for entry in pending:
             by_aggregate[(entry.get("aggregate_type"), entry.get("aggregate_id"))].append(entry)
         groups: list[tuple[Event, ...]] = []
-        attempts: dict[str, int] = {}
-        waits: dict[str, int] = {}
-        blocked: dict[datetime, list[Any]] = defaultdict(list)
+        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
+        released: list[UpdateMany] = []
         unreadable: list[UpdateOne] = []
         for entries in by_aggregate.values():
             group: list[Event] = []
             blocker: dict[str, Any] | None = None
+            behind: list[Any] = []
             for entry in entries:
-                if entry.get("claim") != token:
+                mine = entry.get("claim") == token
+                if not mine and not isinstance(entry.get("available_at"), datetime):
+                    # Never due, so it would hold its aggregate back for ever.
+                    why = "outbox entry has no available_at date"
+                    unreadable.append(self._park(entry["_id"], entry.get("claim"), why))
+                elif not mine:
                     # An earlier entry held by another relay, or backing off: ours must wait.
                     blocker = blocker or entry
                 elif blocker is not None:
-                    again = min(max(as_utc(blocker["available_at"]), now), now + RECHECK)
-                    blocked[again].append(entry["_id"])
+                    behind.append(entry["_id"])
                 else:
                     try:
                         event = decode(entry, "_id")
@@ -116,23 +129,43 @@ class CollectionStore:
                         unreadable.append(self._park(entry["_id"], token, describe(error)))
                         continue
                     group.append(event)
-                    attempts[event.id] = int(entry.get("attempts") or 0)
-                    waits[event.id] = int(entry.get("waits") or 0)
+                    for name, values in counters.items():
+                        values[event.id] = int(entry.get(name) or 0)
             if group:
                 groups.append(tuple(group))
-        writes: list[Any] = unreadable + [
-            UpdateMany(
-                {"_id": {"$in": ids}, "claim": token},
-                {"$set": {"available_at": at}, "$unset": {"claim": ""}},
-            )
-            for at, ids in blocked.items()
-        ]
-        if writes:
-            await self.coll.bulk_write(writes, ordered=False)
-        return Claim(token, tuple(groups), attempts, waits), claimed.modified_count
+            if blocker is not None and behind:
+                released.append(self._behind(blocker, behind, token, now))
+        if unreadable or released:
+            await self.coll.bulk_write([*unreadable, *released], ordered=False)
+        claim = Claim(
+            token,
+            tuple(groups),
+            attempts=counters["attempts"],
+            waits=counters["waits"],
+            misses=counters["misses"],
+            more=bool(unreadable),
+        )
+        return claim, claimed.modified_count
 
     @staticmethod
-    def _park(entry_id: Any, token: str, error: str) -> UpdateOne:
+    def _behind(blocker: dict[str, Any], ids: list[Any], token: str, now: datetime) -> UpdateMany:
+        """Release entries queued behind ``blocker``: until its backoff ends (and woken with it),
+        or, while another relay holds it, for a second: a live holder publishes it at once."""
+        due = max(as_utc(blocker["available_at"]), now)
+        held = blocker.get("claim") is not None
+        return UpdateMany(
+            {"_id": {"$in": ids}, "claim": token},
+            {
+                "$set": {
+                    "available_at": min(due, now + RECHECK) if held else due,
+                    "waiting": bool(blocker.get("waiting")) and not held,
+                },
+                "$unset": {"claim": ""},
+            },
+        )
+
+    @staticmethod
+    def _park(entry_id: Any, token: str | None, error: str) -> UpdateOne:
         return UpdateOne(
             {"_id": entry_id, "status": "pending", "claim": token},
             {
@@ -168,7 +201,10 @@ class CollectionStore:
                 # Kept with its error for an operator, no longer holding its aggregate back.
                 ops.append(self._park(event.id, token, failure.error))
                 continue
-            waiting = failure.kind == "wait"
+            waiting = failure.kind == "wait" and failure.wake
+            counter = "attempts"
+            if failure.kind == "wait":
+                counter = "waits" if failure.wake else "misses"
             ops.append(
                 # Conditional on our claim: a relay whose lease ran out must not move another's.
                 UpdateOne(
@@ -179,7 +215,7 @@ class CollectionStore:
                             "last_error": failure.error,
                             "waiting": waiting,
                         },
-                        "$inc": {"waits" if waiting else "attempts": 1},
+                        "$inc": {counter: 1},
                         "$unset": {"claim": ""},
                     },
                 )
@@ -216,7 +252,8 @@ class CollectionStore:
             ids = [
                 d["_id"]
                 for d in await self.coll.find(waiting, projection={"_id": 1})
-                .sort("available_at", 1)
+                # The earliest, and of its aggregate the first: its followers wait with it.
+                .sort([("available_at", 1), ("sequence", 1)])
                 .limit(limit)
                 .to_list(None)
             ]
@@ -269,7 +306,7 @@ class CollectionStore:
             {"status": "parked", "$or": [*selectors, {"_id": {"$in": [e["_id"] for e in asked]}}]},
             {
                 "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
-                "$unset": {"waits": "", "waiting": ""},
+                "$unset": {"waits": "", "misses": "", "waiting": ""},
             },
         )
         return int(result.modified_count)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, ours
+from mongo_outbox._driver import aggregate
 from mongo_outbox._store import Backlog, Claim, Failure
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -35,28 +37,26 @@ class EmbeddedStore:
         self.claim_field = outbox.claim_field
         self.wait_field = outbox.wait_field
         self.colls = {name: ours(outbox.db[name]) for name in outbox.collections}
+        self._turn = 0
 
     # -- claiming ---------------------------------------------------------------------------
 
     async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
+        """Up to ``limit`` documents in all, the collections taking turns to go first so that
+        none starves the others."""
         now = utc_now()
         due = {self.due: {"$lte": min(now, until or now)}}
         found: dict[str, list[Any]] = {}
-        more = False
-        for name, coll in self.colls.items():
-            docs = coll.find(due, projection={"_id": 1}).sort(self.due, 1).limit(limit)
-            found[name] = [d["_id"] for d in await docs.to_list(None)]
-            more = more or len(found[name]) == limit
+        names = list(self.colls)
+        self._turn = (self._turn + 1) % len(names)
+        for name in names[self._turn :] + names[: self._turn]:
+            left = limit - sum(map(len, found.values()))
+            if left <= 0:
+                break
+            docs = self.colls[name].find(due, projection={"_id": 1}).sort(self.due, 1)
+            found[name] = [d["_id"] for d in await docs.limit(left).to_list(None)]
         claim = await self._claim(found, due, now, lease)
-        return Claim(
-            claim.token,
-            claim.groups,
-            claim.attempts,
-            claim.waits,
-            claim.holders,
-            claim.held,
-            more or claim.more,
-        )
+        return replace(claim, more=claim.more or sum(map(len, found.values())) >= limit)
 
     async def claim_changes(self, changes: Sequence[Mapping[str, Any]], lease: timedelta) -> Claim:
         found: dict[str, list[Any]] = defaultdict(list)
@@ -92,8 +92,7 @@ class EmbeddedStore:
     ) -> Claim:
         token = uuid.uuid4().hex
         groups: list[tuple[Event, ...]] = []
-        attempts: dict[str, int] = {}
-        waits: dict[str, int] = {}
+        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
         holders: dict[str, Any] = {}
         held: list[tuple[str, Any]] = []
         missed = False
@@ -111,7 +110,7 @@ class EmbeddedStore:
             docs = await coll.find({self.claim_field: token}, projection={self.field: 1}).to_list(
                 None
             )
-            unreadable: list[Any] = []
+            unreadable: list[UpdateOne] = []
             for doc in docs:
                 held.append((name, doc["_id"]))
                 group: list[Event] = []
@@ -123,25 +122,38 @@ class EmbeddedStore:
                             raise InvalidEventError(f"outbox entry {entry!r} is not a document")
                         event = decode(entry, "id")
                     except InvalidEventError as error:
-                        # Parked where it is (by position: it may have no id), so the rest of
-                        # the document goes on.
-                        unreadable.append(self._park_at(doc["_id"], index, token, error))
+                        unreadable.append(self._park_at(doc["_id"], index, entry, token, error))
                         continue
                     group.append(event)
-                    attempts[event.id] = int(entry.get("attempts") or 0)
-                    waits[event.id] = int(entry.get("waits") or 0)
+                    for counter, values in counters.items():
+                        values[event.id] = int(entry.get(counter) or 0)
                     holders[event.id] = (name, doc["_id"])
                 if group:
                     groups.append(tuple(group))
             if unreadable:
-                await coll.bulk_write(unreadable, ordered=True)
-        return Claim(token, tuple(groups), attempts, waits, holders, tuple(held), missed)
+                missed = True  # what queued behind them may go at once
+                await coll.bulk_write(unreadable, ordered=False)
+        return Claim(
+            token,
+            tuple(groups),
+            attempts=counters["attempts"],
+            waits=counters["waits"],
+            misses=counters["misses"],
+            holders=holders,
+            held=tuple(held),
+            more=missed,
+        )
 
-    def _park_at(self, doc_id: Any, index: int, token: str, error: Exception) -> UpdateOne:
+    def _park_at(
+        self, doc_id: Any, index: int, entry: Any, token: str, error: Exception
+    ) -> UpdateOne:
+        """Park an unreadable entry where it is, by position (it may have no id), replacing it
+        with a parked record that keeps the original; the filter names the exact element, so a
+        concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
         return UpdateOne(
-            {"_id": doc_id, self.claim_field: token},
-            {"$set": {f"{at}.parked": True, f"{at}.last_error": describe(error)}},
+            {"_id": doc_id, self.claim_field: token, at: entry},
+            {"$set": {at: {"parked": True, "last_error": describe(error), "entry": entry}}},
         )
 
     # -- settling ---------------------------------------------------------------------------
@@ -159,9 +171,9 @@ class EmbeddedStore:
             mine = {"_id": doc_id, self.claim_field: claim.token}
             ids = done.get((name, doc_id))
             if ids:
-                ops[name].append(
-                    UpdateOne({"_id": doc_id}, {"$pull": {self.field: {"id": {"$in": ids}}}})
-                )
+                # Under our claim only: once another relay holds the document, its round
+                # decides what is left (it publishes these again: at least once, never lost).
+                ops[name].append(UpdateOne(mine, {"$pull": {self.field: {"id": {"$in": ids}}}}))
             failure = failures.get((name, doc_id))
             if failure is None:
                 ops[name].append(self._release([doc_id], claim.token, now))
@@ -173,8 +185,9 @@ class EmbeddedStore:
                     sets |= {self.due: now, f"{entry}.parked": True}
                     counter = f"{entry}.attempts"
                 else:
-                    sets |= {self.due: failure.retry_at, self.wait_field: failure.kind == "wait"}
-                    counter = f"{entry}.waits" if failure.kind == "wait" else f"{entry}.attempts"
+                    sets |= {self.due: failure.retry_at, self.wait_field: failure.wake}
+                    kind = {"retry": "attempts", "wait": "waits" if failure.wake else "misses"}
+                    counter = f"{entry}.{kind[failure.kind]}"
                 ops[name].append(
                     UpdateOne(
                         {**mine, f"{self.field}.id": failure.event.id},
@@ -253,14 +266,36 @@ class EmbeddedStore:
             async for doc in docs:
                 for entry in doc[self.field]:
                     if isinstance(entry, dict) and entry.get("parked"):
-                        rest = {k: v for k, v in entry.items() if k not in ("id", "parked")}
-                        found.append(
-                            {"_id": entry.get("id"), **rest, "status": "parked", "collection": name}
-                        )
+                        found.append(self._listed(entry, name))
         return sorted(found, key=lambda entry: str(entry["_id"]))
 
+    @staticmethod
+    def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
+        # An unreadable entry was parked wrapped, its original under "entry": show its fields.
+        original = entry.get("entry", entry)
+        fields = original if isinstance(original, dict) else {"entry": original}
+        rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
+        return {
+            "_id": fields.get("id"),
+            **rest,
+            "status": "parked",
+            "last_error": entry.get("last_error"),
+            "collection": collection,
+        }
+
     async def parked_count(self) -> int:
-        return len(await self.parked())
+        parked = {"$filter": {"input": f"${self.field}", "cond": {"$eq": ["$$this.parked", True]}}}
+        total = 0
+        for coll in self.colls.values():
+            counts = await aggregate(
+                coll,
+                [
+                    {"$match": {f"{self.field}.parked": True}},
+                    {"$group": {"_id": None, "n": {"$sum": {"$size": parked}}}},
+                ],
+            )
+            total += sum(int(d["n"]) for d in counts)
+        return total
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0

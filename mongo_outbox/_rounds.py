@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from mongo_outbox._store import Claim, Failure, Kind, store_for
+from mongo_outbox._store import Claim, Failure, store_for
 from mongo_outbox.errors import BrokerFullError, InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
@@ -53,7 +53,10 @@ class Rounds:
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayStats()
-        self.outage = False  # the last round found the broker unavailable and confirmed nothing
+        # The last round found the broker unavailable and confirmed nothing. A relay starts as
+        # if it did: one probe finds out, in case it was restarted during an outage.
+        self.outage = True
+        self._wake_due = False  # a wake was skipped inside WAKE_EVERY: do it at the next probe
         self._woke_at = float("-inf")
         self._probed_at = float("-inf")
         self._busy = False
@@ -74,17 +77,36 @@ class Rounds:
         finally:
             self._busy = False
 
+    async def drain(self) -> int:
+        """Publish what is due now, round after round; return how many were published. Only
+        what was due when it began: a busy writer cannot keep it going for ever."""
+        until, total, more = utc_now(), 0, True
+        while more:
+            published, more, freed = await self._batch(until, None)
+            total += published
+            if freed:
+                # A park, or a round cut short, made entries that were due at the start due
+                # again now: they count as due. Each such round publishes or parks something.
+                until = utc_now()
+        return total
+
     async def batch(
         self, until: datetime | None = None, lost: asyncio.Event | None = None
     ) -> tuple[int, bool]:
         """Claim what is due by ``until`` (default now), publish, settle. Returns (published,
         more may be waiting)."""
+        published, more, _ = await self._batch(until, lost)
+        return published, more
+
+    async def _batch(
+        self, until: datetime | None, lost: asyncio.Event | None
+    ) -> tuple[int, bool, bool]:
         await self.probe()
         started = asyncio.get_running_loop().time()
         claim = await self.store.claim(self.settings.batch_size, self.settings.lease, until)
-        published, parked = await self._round(claim, started, lost)
+        published, freed = await self._round(claim, started, lost)
         # A park frees what queued behind it at once, so more may be due as well.
-        return published, claim.more or bool(published or parked)
+        return published, claim.more or bool(published or freed), bool(freed)
 
     async def changes(
         self, changes: Sequence[Mapping[str, Any]], lost: asyncio.Event | None = None
@@ -98,21 +120,32 @@ class Rounds:
 
     async def probe(self) -> bool:
         """During an outage, make one waiting entry due (at most once a second), so the next
-        round finds out whether the broker is back. Returns whether it woke one."""
-        loop = asyncio.get_running_loop()
-        if not self.outage or loop.time() - self._probed_at < PROBE_EVERY:
+        round finds out whether the broker is back; after one, do a wake that was skipped.
+        Returns whether it made anything due."""
+        now = asyncio.get_running_loop().time()
+        if self._wake_due and now - self._woke_at >= WAKE_EVERY:
+            return await self._wake(now)
+        if not self.outage or now - self._probed_at < PROBE_EVERY:
             return False
-        self._probed_at = loop.time()
+        self._probed_at = now
         return bool(await self.store.wake(limit=1))
+
+    async def _wake(self, now: float) -> bool:
+        # The broker confirms again: what waited for it is due now, not after its backoff
+        # (which grew during the outage).
+        self._wake_due, self._woke_at = False, now
+        return bool(await self.store.wake())
 
     async def _round(
         self, claim: Claim, started: float, lost: asyncio.Event | None
     ) -> tuple[int, int]:
-        """Publish and settle one claim; returns how many were published and parked."""
+        """Publish and settle one claim; returns how many were published, and how many entries
+        it made due at once (parked ones free their followers; a round cut short releases the
+        rest)."""
         if not claim.groups and not claim.held:
             return 0, 0
         deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
-        published, failed = await self.publish_claim(claim, deadline, lost)
+        published, failed, left = await self.publish_claim(claim, deadline, lost)
         await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
         self.stats.failed += len(failed)
@@ -121,13 +154,12 @@ class Rounds:
         waits = [f for f in failed if f.kind == "wait"]
         if published:
             self.outage = False
-            loop = asyncio.get_running_loop()
-            if loop.time() - self._woke_at >= WAKE_EVERY:
-                # The broker confirms again: what waited for it is due now, not after its
-                # backoff (which grew during the outage).
-                self._woke_at = loop.time()
-                await self.store.wake()
-        elif waits:
+            now = asyncio.get_running_loop().time()
+            if now - self._woke_at >= WAKE_EVERY:
+                await self._wake(now)
+            else:
+                self._wake_due = True
+        elif any(f.wake for f in waits):
             self.outage = True
         if waits:
             log.warning(
@@ -137,19 +169,21 @@ class Rounds:
                 waits[0].error,
                 max((min(f.retry_at for f in waits) - utc_now()).total_seconds(), 0.0),
             )
-        return len(published), parked
+        return len(published), parked + left
 
     async def publish_claim(
         self, claim: Claim, deadline: float = math.inf, lost: asyncio.Event | None = None
-    ) -> tuple[list[Event], list[Failure]]:
-        """Publish a claim's events in waves, starting none after ``deadline`` (loop time)."""
+    ) -> tuple[list[Event], list[Failure], int]:
+        """Publish a claim's events in waves, starting none after ``deadline`` (loop time).
+        Returns what was published, what failed, and how many were left for lack of time."""
         loop = asyncio.get_running_loop()
         published: list[Event] = []
         failed: list[Failure] = []
         queues = [list(reversed(group)) for group in claim.groups]
+        left = 0
         while queues and loop.time() <= deadline and not (lost and lost.is_set()):
             wave = [queue.pop() for queue in queues]
-            results = await self._publish_wave(wave)
+            results = await self._publish_wave(wave, deadline)
             confirmed = bool(published) or any(r is None for r in results)
             survivors = []
             for event, queue, error in zip(wave, queues, results, strict=True):
@@ -157,19 +191,26 @@ class Rounds:
                     published.append(event)
                     if queue:
                         survivors.append(queue)
+                elif isinstance(error, _NotStarted):
+                    left += 1 + len(queue)
                 else:
                     failed.append(self._failure(event, error, claim, confirmed))
             queues = survivors
         # What is left unpublished is released by settle, due at once, still in order.
-        return published, failed
+        return published, failed, left + sum(map(len, queues))
 
-    async def _publish_wave(self, wave: list[Event]) -> list[BaseException | None]:
+    async def _publish_wave(self, wave: list[Event], deadline: float) -> list[BaseException | None]:
+        """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that
+        gets its turn only after ``deadline`` is not started: it could end after the claim."""
+        loop = asyncio.get_running_loop()
         publisher = self.publisher
         if not isinstance(publisher, BatchPublisher):
             slots = asyncio.Semaphore(self.settings.max_in_flight)
 
             async def one(event: Event) -> BaseException | None:
                 async with slots:
+                    if loop.time() > deadline:
+                        return _NotStarted()
                     result = await self._confirm(publisher.publish(event), event)
                 return result if isinstance(result, BaseException) else None
 
@@ -182,6 +223,8 @@ class Rounds:
 
         async def chunk_of(chunk: list[Event]) -> list[BaseException | None]:
             async with turns:
+                if loop.time() > deadline:
+                    return [_NotStarted()] * len(chunk)
                 result = await self._confirm(publisher.publish_many(chunk), chunk[0])
             if isinstance(result, list) and len(result) == len(chunk):
                 return result
@@ -214,39 +257,55 @@ class Rounds:
     def _failure(
         self, event: Event, error: BaseException, claim: Claim, confirmed: bool
     ) -> Failure:
+        """Classify a failed publish; ``confirmed``: the broker confirmed others this round."""
         text = describe(error)
         self.stats.last_error = text
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
-        attempt = claim.attempts.get(event.id, 0) + 1
-        waits = claim.waits.get(event.id, 0)
         limit = self.settings.max_attempts
-        kind: Kind = "retry"
         if isinstance(error, InvalidEventError):
-            kind = "park"  # the broker cannot carry it: no retry would help
-        elif unavailable(error) and not (
-            # A destination missing for this event alone, for longer than the attempt budget,
-            # while the broker confirms others, is the event's own (docs/failures.md).
-            confirmed
-            and getattr(error, "destination", None)
-            and not isinstance(error, BrokerFullError)
-            and limit is not None
-            and waits >= limit
-        ):
-            # Not the event's fault: it keeps its attempts, and waits longer the more often it
-            # met no broker (one warning per round says so, not one per event).
-            delay = self.settings.backoff.delay(waits + 1)
-            return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait")
-        elif limit is not None and attempt >= limit:
-            kind = "park"
-        if kind == "park":
-            log.error("parking %s after %d attempts: %s", event.id, attempt, text)
-            return Failure(event, text, utc_now(), "park")
+            return self._park(event, claim, text)  # the broker cannot carry it: no retry helps
+        if unavailable(error):
+            destination = getattr(error, "destination", None)
+            full = isinstance(error, BrokerFullError)
+            if not (destination or full):
+                # The broker as a whole: not the event's fault, and woken once it is back.
+                return self._wait(event, text, claim.waits.get(event.id, 0), wake=True)
+            misses = claim.misses.get(event.id, 0)
+            # A destination missing for this event alone, longer than the attempt budget, while
+            # the broker confirms others, is the event's own (docs/failures.md). A full one
+            # never is: it drains as its consumers catch up.
+            owns = destination and not full and confirmed and limit is not None and misses >= limit
+            if not owns:
+                return self._wait(event, text, misses, wake=False)
+        attempt = claim.attempts.get(event.id, 0) + 1
+        if limit is not None and attempt >= limit:
+            return self._park(event, claim, text)
         delay = self.settings.backoff.delay(attempt)
         log.warning(
             "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
         )
         return Failure(event, text, utc_now() + timedelta(seconds=delay), "retry")
+
+    def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
+        # One warning per round says so, not one per event.
+        delay = self.settings.backoff.delay(waits + 1)
+        return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
+
+    def _park(self, event: Event, claim: Claim, text: str) -> Failure:
+        attempt = claim.attempts.get(event.id, 0) + 1
+        log.error("parking %s after %d attempts: %s", event.id, attempt, text)
+        return Failure(event, text, utc_now(), "park")
+
+
+class _NotStarted(Exception):
+    """A publish not started because the claim could run out before it ends."""
+
+
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``stopping`` is set meanwhile."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -40,6 +40,8 @@ class Claim:
     """Counted failed attempts of each claimed event so far, by event id."""
     waits: Mapping[str, int] = field(default_factory=dict)
     """Failures for want of a broker so far, by event id: its retry delay grows with them."""
+    misses: Mapping[str, int] = field(default_factory=dict)
+    """Failures for want of its destination (full, or missing) so far, by event id."""
     holders: Mapping[str, Any] = field(default_factory=dict)
     """Embedded mode: the (collection, document id) that holds each event."""
     held: tuple[Any, ...] = ()
@@ -62,6 +64,10 @@ class Failure:
     error: str
     retry_at: datetime
     kind: Kind = "retry"
+    wake: bool = False
+    """For a ``wait``: the broker as a whole was unavailable, so the entry is woken once it
+    confirms again. A full or missing destination is not: others' confirms say nothing of it,
+    and it waits out its own growing delay (counted in ``misses``, not ``waits``)."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 from mongo_outbox._aggregates import aggregate_id, check_size, encoded_size, type_map, type_of
 from mongo_outbox._codec import encode
 from mongo_outbox._documents import DocumentWriter, Plan, write_errors
-from mongo_outbox._driver import start_session
+from mongo_outbox._driver import DUPLICATE_KEY, start_session
 from mongo_outbox._event_ids import EventIds
 from mongo_outbox.errors import (
     DuplicateEventError,
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["collection", "embedded"]
 
-_DUPLICATE_KEY = 11000
 _ENTRY_OVERHEAD = 32  # bytes an entry gains when stored: its sequence, its array index
 
 
@@ -286,7 +285,7 @@ class Outbox:
             try:
                 await self.collection.insert_many(entries, session=session)
             except BulkWriteError as error:
-                if not any(e.get("code") == _DUPLICATE_KEY for e in write_errors(error)):
+                if not any(e.get("code") == DUPLICATE_KEY for e in write_errors(error)):
                     raise
                 raise DuplicateEventError(
                     f"an event id is already in {self.collection.name} (pending, or published "

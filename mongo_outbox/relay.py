@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from datetime import datetime
@@ -11,7 +10,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._rounds import Rounds
+from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, seconds
@@ -58,15 +57,11 @@ class PollingRelay:
         return self._rounds.stats
 
     async def drain(self) -> int:
-        """Publish everything claimable now; return how many events were published.
-        Entries that fail are left for a later retry, not waited for."""
+        """Publish everything due now; return how many events were published. Entries that
+        fail are left for a later retry, not waited for; entries due later (saved meanwhile,
+        say) are left to ``run()``."""
         with self._rounds.exclusive("drain()"):
-            total = 0
-            while True:
-                published, more = await self._rounds.batch()
-                total += published
-                if not more:
-                    return total
+            return await self._rounds.drain()
 
     async def run(self) -> None:
         """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation.
@@ -81,10 +76,12 @@ class PollingRelay:
                     failures += 1
                     delay = self.settings.backoff.delay(failures)
                     log.warning("relay round failed (%s); retrying in %.1fs", error, delay)
-                    await self._sleep(delay)
+                    await pause(self._stopping, delay)
                     continue
                 if not more:
-                    await self._sleep(self.interval)
+                    # During an outage, come back for the next probe, however long the interval.
+                    idle = min(self.interval, PROBE_EVERY) if self._rounds.outage else self.interval
+                    await pause(self._stopping, idle)
             self._stopping.clear()  # a stop is consumed by the run it ended
 
     def stop(self) -> None:
@@ -108,7 +105,3 @@ class PollingRelay:
         earlier parked entries of their aggregates, so none overtakes another. Returns how
         many were requeued (ids that are not parked are ignored)."""
         return await self._rounds.store.requeue(event_ids)
-
-    async def _sleep(self, delay: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)

@@ -101,30 +101,33 @@ class Checkpoint:
     async def renewed(self) -> AsyncIterator[asyncio.Event]:
         """Renew the lease every third of it in the background while the body runs, however
         long its rounds take. The event it yields is set, and the fence forgotten, once a
-        renewal fails or cannot be made in time: the holder must stop publishing at once."""
+        renewal fails, or when eight tenths of the lease passed since the last one that
+        succeeded: the holder must then stop publishing, before another may take over."""
         lost = asyncio.Event()
         heartbeat = asyncio.ensure_future(self._renew_until_lost(lost))
         try:
             yield lost
         finally:
             heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            # Waited for, not awaited: a second cancellation of ours must not be swallowed.
+            await asyncio.wait({heartbeat})
 
     async def _renew_until_lost(self, lost: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         lease = self.lease.total_seconds()
-        renewed = loop.time()
+        deadline = loop.time() + lease * 0.8
         while True:
-            await asyncio.sleep(lease / 3)
+            await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
+            left = deadline - loop.time()
+            if left <= 0:
+                break  # no renewal got through in time: another may take over any moment
             try:
-                if not await self.renew():
+                # A hung connection must not outlast the lease: give up at the deadline.
+                if not await asyncio.wait_for(self.renew(), left):
                     break
-                renewed = loop.time()
-            except PyMongoError as error:
+                deadline = loop.time() + lease * 0.8
+            except (PyMongoError, asyncio.TimeoutError) as error:
                 log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
-                if loop.time() - renewed >= lease * 0.8:
-                    break  # the lease may run out any moment: another may take it
         self.fence = None
         lost.set()
 

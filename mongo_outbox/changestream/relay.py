@@ -24,7 +24,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._rounds import Rounds
+from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
@@ -99,11 +99,7 @@ class ChangeStreamRelay:
     async def drain(self) -> int:
         """Publish everything pending now (a sweep of the collections); return how many."""
         with self._rounds.exclusive("drain()"):
-            total, more = 0, True
-            while more:
-                published, more = await self._rounds.batch()
-                total += published
-            return total
+            return await self._rounds.drain()
 
     async def run(self) -> None:
         """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation:
@@ -167,7 +163,7 @@ class ChangeStreamRelay:
             try:
                 if not await self.checkpoint.acquire():
                     self._enter("standby", "another process holds the lease")
-                    await self._sleep(self.leader_lease.total_seconds() / 4)
+                    await pause(self._stopping, self.leader_lease.total_seconds() / 4)
                     continue
                 self._enter("active", f"holds the lease, fence {self.checkpoint.fence}")
                 async with self.checkpoint.renewed() as self._lost:
@@ -189,7 +185,7 @@ class ChangeStreamRelay:
                     self.last_error,
                     delay,
                 )
-                await self._sleep(delay)
+                await pause(self._stopping, delay)
 
     def _check_lease(self) -> None:
         if self._lost.is_set():
@@ -331,10 +327,6 @@ class ChangeStreamRelay:
             reason,
         )
         self.state = state
-
-    async def _sleep(self, delay: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)
 
 
 async def _close(stream: ChangeStream) -> None:

@@ -387,3 +387,111 @@ async def test_an_unroutable_event_becomes_its_own_failure_while_others_are_conf
     assert isinstance(parked["last_error"], str) and parked["last_error"]
     # Its retries were spaced by its own growing delay, not three a second for ever.
     assert relay.stats.errors_by_type.get("BrokerUnavailableError", 0) < 40
+
+
+# -- found by a hostile review of the rewritten core ----------------------------------------
+
+
+async def test_a_wave_wider_than_the_in_flight_window_never_outlives_its_claim(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save(outbox, db, aggregates=4, events=1)
+    broker = SlowBroker(0.9)  # one at a time: the wave of four would take 3.6 s of a 2 s claim
+    settings = RelaySettings(
+        batch_size=4, max_in_flight=1, claim_lease=2.0, publish_timeout=1.0, backoff=FAST
+    )
+    relays = [PollingRelay(outbox, broker, settings=settings, interval=0.05) for _ in range(2)]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await broker.wait_for(len(saved), timeout=30)
+    await asyncio.sleep(2.0)  # a late duplicate would arrive by now
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert_in_order_once(broker.events, saved)
+
+
+async def test_an_entry_that_is_not_a_document_is_parked_and_its_neighbours_go_on(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "embedded")
+    saved = await save(outbox, db, aggregates=2, events=2)
+    await db.orders.update_one({"_id": 0}, {"$push": {"_outbox": {"$each": [None, 7]}}})
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == len(saved)
+    assert_in_order_once(publisher.events, saved)
+    parked = await relay.parked()
+    assert sorted(str(p["entry"]) for p in parked) == ["7", "None"]
+    assert all("not a document" in p["last_error"] for p in parked)
+    assert (await relay.requeue([saved[0].id])) == 0  # published, not parked; nothing raised
+    assert await relay.drain() == 0
+
+
+async def test_a_pending_entry_without_a_due_time_is_parked_instead_of_blocking(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "collection")
+    await outbox.ensure_indexes()
+    await db.outbox.insert_one(
+        {"_id": "odd", "type": "e", "status": "pending", "aggregate_type": "orders",
+         "aggregate_id": 0, "sequence": 1}
+    )  # fmt: skip
+    await db.orders.insert_one({"_id": 0, "_version": 1, "_sequence": 1})
+    [later] = (await outbox.save_with_events(None, db.orders, {"_id": 0}, [Event(type="e")])).events
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher)
+    await relay.drain()
+    assert await relay.drain() + len(publisher.events) == 1
+    assert [e.id for e in publisher.events] == [later.id]
+    [parked] = await relay.parked()
+    assert parked["_id"] == "odd" and "available_at" in parked["last_error"]
+
+
+async def test_a_full_destination_waits_its_own_delay_while_others_flow(db: Any) -> None:
+    from mongo_outbox import BrokerFullError
+
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    [full] = (
+        await outbox.save_with_events(None, db.orders, {"_id": "x"}, [Event(type="full")])
+    ).events
+
+    def fail(event: Event) -> BaseException | None:
+        if event.type == "full":
+            return BrokerFullError("queue full (reject-publish)", event_id=event.id)
+        return None
+
+    publisher = MemoryPublisher(fail=fail)
+    slow_retry = RelaySettings(backoff=Backoff(initial=30, maximum=300))
+    relay = PollingRelay(outbox, publisher, settings=slow_retry, interval=0.02)
+    task = asyncio.create_task(relay.run())
+    for order in range(30):  # three seconds of other traffic, confirmed every round
+        await outbox.save_with_events(None, db.orders, {"_id": order}, [Event(type="ok")])
+        await asyncio.sleep(0.1)
+    relay.stop()
+    await asyncio.wait_for(task, 10)
+    # Tried once, or twice if the random delay was short: not woken each second with the rest.
+    assert relay.stats.errors_by_type["BrokerFullError"] <= 2
+    assert await relay.parked() == [] and len(publisher.events) == 30
+    assert full.id not in {e.id for e in publisher.events}
+
+
+async def test_drain_ends_while_a_writer_keeps_saving(db: Any) -> None:
+    outbox = make_outbox(db, "embedded")
+    await save(outbox, db, aggregates=5, events=1)
+    stop = asyncio.Event()
+
+    async def writer() -> None:
+        n = 0
+        while not stop.is_set():
+            await outbox.save_with_events(None, db.orders, {"_id": n % 50}, [Event(type="e")])
+            n += 1
+
+    writing = asyncio.create_task(writer())
+    try:
+        relay = PollingRelay(outbox, MemoryPublisher(), settings=RelaySettings(batch_size=2))
+        assert await asyncio.wait_for(relay.drain(), 20) >= 5
+    finally:
+        stop.set()
+        await writing
