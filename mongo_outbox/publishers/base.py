@@ -75,7 +75,8 @@ def render(naming: Naming, event: Event) -> str:
 
 
 def message_headers(event: Event) -> dict[str, str]:
-    """Headers every adapter sends: the event's own, then the fields consumers route on."""
+    """Headers every adapter sends: the event's own, then the fields consumers route on (an
+    event cannot set those itself: ``Event`` reserves their names)."""
     headers = dict(event.headers)
     headers["event-type"] = event.type
     if event.aggregate_type is not None:
