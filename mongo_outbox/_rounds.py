@@ -23,14 +23,20 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from mongo_outbox._store import Claim, Failure, store_for
-from mongo_outbox.errors import BrokerFullError, InvalidEventError, UsageError, describe
+from mongo_outbox.errors import (
+    BrokerFullError,
+    BrokerUnavailableError,
+    InvalidEventError,
+    UsageError,
+    describe,
+)
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import (
     BatchPublisher,
     Publisher,
     check_publisher,
-    closed_error,
+    client_call,
     unavailable,
 )
 from mongo_outbox.settings import RelaySettings
@@ -238,21 +244,17 @@ class Rounds:
         """Await a publisher call within ``publish_timeout``. Returns its result, or the error
         it failed with. Only this relay's own cancellation propagates: a ``CancelledError``
         from inside the publisher (its client closed under it) is a failure like any other."""
-        task = asyncio.ensure_future(call)
-        task.add_done_callback(_retrieve)
+
+        def failed(reason: str) -> BrokerUnavailableError:
+            name = type(self.publisher).__name__
+            return BrokerUnavailableError(f"{name}: {reason}", event_id=event.id)
+
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.settings.timeout)
+            return await client_call(call, self.settings.timeout, failed)
         except asyncio.CancelledError:
-            task.cancel()
             raise
-        if not done:
-            task.cancel()
-            return asyncio.TimeoutError(
-                f"no broker confirmation within {self.settings.timeout:g} s"
-            )
-        if task.cancelled():
-            return closed_error(self.publisher, event)
-        return task.exception() or task.result()
+        except Exception as error:  # noqa: BLE001 - any publisher failure is classified
+            return error
 
     def _failure(
         self, event: Event, error: BaseException, claim: Claim, confirmed: bool
@@ -306,9 +308,3 @@ async def pause(stopping: asyncio.Event, seconds: float) -> None:
     """Sleep ``seconds``, or less if ``stopping`` is set meanwhile."""
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stopping.wait(), seconds)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # A publish abandoned at its timeout may still fail later; its error was already reported.
-    if not task.cancelled():
-        task.exception()

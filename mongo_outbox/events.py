@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 
@@ -112,6 +114,78 @@ def _utc(value: datetime) -> datetime:
     return value.replace(microsecond=value.microsecond // 1000 * 1000)
 
 
+# What every broker can carry, checked when an Event is built, so an event no broker could send
+# is refused before it is stored; limits of one broker only are checked by its publisher.
+SHORT_STRING_BYTES = 255
+"""An AMQP short string: the longest ``message_id`` and ``correlation_id`` (in UTF-8 bytes)."""
+
+RESERVED_HEADERS = frozenset(
+    {
+        # Set by every publisher from the event's own fields; consumers route on them.
+        "event-type",
+        "aggregate-type",
+        "aggregate-id",
+        "sequence",
+        "content-type",  # NatsPublisher's
+        # RabbitMQ routes a message to the queues named in these (sender-selected
+        # distribution), and closes the channel if they are strings.
+        "cc",
+        "bcc",
+        # RabbitMQ writes these when it dead-letters a message; consumers count retries on them.
+        "x-death",
+        # The delayed-message exchange holds a message back for this many milliseconds.
+        "x-delay",
+    }
+)
+"""Header names an event may not set (compared case-insensitively): the broker or the
+publisher acts on them. Every name starting with one of ``RESERVED_HEADER_PREFIXES`` too."""
+
+RESERVED_HEADER_PREFIXES = (
+    "nats-",  # NATS and JetStream: Nats-Msg-Id, Nats-Rollup, Nats-Expected-*, Nats-TTL, ...
+    "x-first-death-",  # RabbitMQ's dead-lettering, like x-death
+    "x-last-death-",
+)
+
+# RFC 7230 token characters: what NATS headers and HTTP-style consumers accept as a name.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Control characters break a NATS header line; a tab inside a value is allowed, as in HTTP.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _text(value: str, field: str) -> str:
+    # NATS clients trim a header value and cannot send a line break in it: either would change
+    # what arrives, or split the header block.
+    if _CONTROL.search(value):
+        raise ValueError(f"{field} contains a control character: {value[:40]!r}")
+    if value != value.strip(" \t"):
+        raise ValueError(f"{field} starts or ends with whitespace: {value[:40]!r}")
+    return value
+
+
+def _identity(value: str | None, info: ValidationInfo) -> str | None:
+    # id and correlation_id travel as AMQP short strings; the id also as a NATS header.
+    if value is None:
+        return None
+    if len(value.encode()) > SHORT_STRING_BYTES:
+        raise ValueError(f"{info.field_name} is longer than {SHORT_STRING_BYTES} bytes in UTF-8")
+    return _text(value, str(info.field_name))
+
+
+def _headers(value: dict[str, str]) -> dict[str, str]:
+    seen: set[str] = set()
+    for name, text in value.items():
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"header name {name[:40]!r} is not a token (RFC 7230)")
+        folded = name.lower()
+        if folded in RESERVED_HEADERS or folded.startswith(RESERVED_HEADER_PREFIXES):
+            raise ValueError(f"header {name!r} is reserved for the broker or the publisher")
+        if folded in seen:
+            raise ValueError(f"header {name!r} is given twice (names ignore case)")
+        seen.add(folded)
+        _text(text, f"header {name!r}")
+    return value
+
+
 AggregateId = str | int
 
 
@@ -124,7 +198,9 @@ class Event(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: Annotated[str, Field(min_length=1, max_length=200)] = Field(default_factory=new_event_id)
+    id: Annotated[str, Field(min_length=1), AfterValidator(_identity)] = Field(
+        default_factory=new_event_id
+    )
     type: Annotated[str, Field(min_length=1, max_length=200)]
     payload: Annotated[dict[str, JsonValue], AfterValidator(_json_object)] = Field(
         default_factory=dict
@@ -133,9 +209,9 @@ class Event(BaseModel):
     aggregate_id: AggregateId | None = None
     sequence: Annotated[int, Field(ge=1)] | None = None
     occurred_at: Annotated[datetime, AfterValidator(_utc)] = Field(default_factory=utc_now)
-    headers: dict[str, str] = Field(default_factory=dict)
-    correlation_id: str | None = None
-    causation_id: str | None = None
+    headers: Annotated[dict[str, str], AfterValidator(_headers)] = Field(default_factory=dict)
+    correlation_id: Annotated[str | None, AfterValidator(_identity)] = None
+    causation_id: Annotated[str | None, AfterValidator(_identity)] = None
     version: Annotated[int, Field(ge=1)] = 1
 
     @model_validator(mode="after")

@@ -1,15 +1,25 @@
-"""The Publisher protocol: what a relay needs from a broker adapter."""
+"""The Publisher protocol: what a relay needs from a broker adapter; and what the adapters share:
+how a client's failure becomes the error the relay acts on, and how a URL is shown in logs."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+import re
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, describe
+from mongo_outbox.errors import (
+    BrokerFullError,
+    BrokerUnavailableError,
+    InvalidEventError,
+    describe,
+)
 from mongo_outbox.events import Event
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -18,9 +28,16 @@ class Publisher(Protocol):
 
     ``publish`` is called concurrently for many events (at most one per aggregate at a time),
     so an adapter keeps many messages in flight by simply not serialising its calls. It raises
-    on anything short of a confirmation; the relay then retries the event later. When the broker
-    cannot be reached it raises ``BrokerUnavailableError`` (an ``OSError`` or ``TimeoutError``
-    does as well): such a failure does not count towards the relay's ``max_attempts``.
+    on anything short of a confirmation; the relay then retries the event later. What it raises
+    tells the relay whose fault the failure is:
+
+    - ``BrokerUnavailableError`` (an ``OSError`` or ``TimeoutError`` as well): the broker cannot
+      be reached, is closed, or lacks what it needs (a stream, a queue, an exchange);
+      ``BrokerFullError`` when it has no room. Retried without counting an attempt.
+    - ``InvalidEventError``: the broker can never carry this event; the relay parks it.
+    - anything else: the broker refused this message; an attempt that counts.
+
+    ``publish`` raises ``CancelledError`` only when its own caller is cancelled.
     """
 
     async def publish(self, event: Event) -> None: ...
@@ -60,7 +77,8 @@ def render(naming: Naming, event: Event) -> str:
 
 
 def message_headers(event: Event) -> dict[str, str]:
-    """Headers every adapter sends: the event's own, then the fields consumers route on."""
+    """Headers every adapter sends: the event's own, then the fields consumers route on (an
+    event cannot set those itself: ``Event`` reserves their names)."""
     headers = dict(event.headers)
     headers["event-type"] = event.type
     if event.aggregate_type is not None:
@@ -85,6 +103,11 @@ def unavailable_error(
     return BrokerUnavailableError(
         f"{broker}: {describe(error)}", event_id=event.id, destination=destination
     )
+
+
+def full_error(broker: str, error: BaseException, event: Event) -> BrokerFullError:
+    """A broker's refusal for want of room, as the outage it is rather than the event's fault."""
+    return BrokerFullError(f"{broker}: {describe(error)}", event_id=event.id)
 
 
 def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:
@@ -115,3 +138,80 @@ def check_publisher(publisher: object) -> None:
     many = getattr(publisher, "publish_many", None)
     if many is not None and not is_async_callable(many):
         raise TypeError(f"{type(publisher).__name__}.publish_many must be an async method")
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # Nobody awaits the task any more: take its outcome, so asyncio does not log it.
+    if not task.cancelled():
+        task.exception()
+
+
+async def client_call(
+    call: Awaitable[T], timeout: float, failed: Callable[[str], BaseException]
+) -> T:
+    """Await a broker client's call for at most ``timeout`` seconds, raising ``failed(reason)``
+    when the client cancels it (as it does to what is in flight when its channel or connection
+    closes) or leaves it hanging (aiormq 6 waits for ever on a write to a closed connection).
+    A ``CancelledError`` propagates only when the caller itself is cancelled."""
+    if sys.version_info >= (3, 11):
+        caller = asyncio.current_task()
+        assert caller is not None
+        requested = caller.cancelling()
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                return await call
+        except asyncio.CancelledError:
+            if caller.cancelling() > requested:
+                raise
+            raise failed("the client cancelled the call (it closed)") from None
+        except TimeoutError:
+            if deadline.expired():
+                raise failed(f"no answer within {timeout:g}s") from None
+            raise
+    # Python 3.10 has no Task.cancelling(): the call runs in a task of its own, so that its
+    # cancellation and the caller's are told apart (asyncio.wait does not cancel it).
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise failed(f"no answer within {timeout:g}s")
+    if task.cancelled():
+        raise failed("the client cancelled the call (it closed)")
+    return task.result()
+
+
+# scheme://userinfo@host...: the scheme as RFC 3986 spells it.
+_SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://")
+# A comma that starts the next URL of a list; other commas may be in a password.
+_NEXT_URL = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.\-]*://)")
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged or shown: ``nats://user:***@host:4222``.
+
+    A password is replaced by ``***``, and so is a userinfo with no password, which NATS
+    reads as a token (``nats://***@host``). ``url`` may be a comma-separated list of URLs
+    (as NATS accepts), with or without schemes; everything but the credentials is kept.
+    """
+    servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
+    return ",".join(_redact_server(server) for server in servers)
+
+
+def _redact_server(server: str) -> str:
+    scheme = _SCHEME.match(server)
+    head, rest = (server[: scheme.end()], server[scheme.end() :]) if scheme else ("", server)
+    # A password may hold a raw "@", "/" or "?" (clients accept some of them): everything up
+    # to the last "@" is taken as credentials, hiding too much rather than too little.
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return server
+    user, colon, _ = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return f"{head}{masked}@{host}"

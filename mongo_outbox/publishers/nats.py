@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 
-from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, describe
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import (
     Naming,
+    client_call,
     closed_error,
+    full_error,
     message_headers,
+    redact_url,
     render,
     unavailable_error,
 )
+from mongo_outbox.settings import Duration, seconds
 
 try:
     import nats
@@ -29,8 +34,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 log = logging.getLogger(__name__)
 
-# No server to talk to, or no stream answering for the subject (also while JetStream restarts).
+# No ack in time, no server to talk to, or no stream answering for the subject (also while
+# JetStream restarts).
 _UNAVAILABLE = (
+    asyncio.TimeoutError,  # nats' own TimeoutError; not the builtin one before Python 3.11
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionDrainingError,
     nats.errors.ConnectionReconnectingError,
@@ -42,6 +49,39 @@ _UNAVAILABLE = (
     nats.js.errors.ServiceUnavailableError,
 )
 
+# JetStream's answers for want of room (nats-server's errors.json), each retried like an outage.
+_ACCOUNT_RESOURCES_EXCEEDED = 10002  # the account's JetStream storage limit is reached
+_INSUFFICIENT_RESOURCES = 10023  # the server's JetStream storage limit is reached
+_STREAM_STORE_FAILED = 10077  # storing failed; its description says why, see _STREAM_FULL
+_STREAM_FULL = frozenset(
+    {
+        # A stream at a limit with the discard-new policy (nats-server store.go: ErrMaxMsgs,
+        # ErrMaxBytes, ErrMaxMsgsPerSubject). 10077 also carries other failures, such as
+        # "message too large", which are not for want of room.
+        "maximum messages exceeded",
+        "maximum bytes exceeded",
+        "maximum messages per subject exceeded",
+    }
+)
+
+_DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default, when the connection is not known
+# JetStream stores a header block's length in 16 bits and refuses a longer one (err_code
+# 10097), whatever the server's max_payload.
+MAX_HEADER_BYTES = 65535
+_HEADER_LINE = b"NATS/1.0\r\n"
+
+
+def _full(error: nats.js.errors.APIError) -> bool:
+    if error.err_code in (_ACCOUNT_RESOURCES_EXCEEDED, _INSUFFICIENT_RESOURCES):
+        return True
+    return error.err_code == _STREAM_STORE_FAILED and error.description in _STREAM_FULL
+
+
+def _header_size(headers: dict[str, str]) -> int:
+    """The header block's size as nats-py sends it; with the body, what ``max_payload`` limits."""
+    lines = sum(len(f"{name}: {value}\r\n".encode()) for name, value in headers.items())
+    return len(_HEADER_LINE) + lines + len(b"\r\n")
+
 
 _NO_DESTINATION = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
 
@@ -51,14 +91,19 @@ class NatsPublisher:
 
     The event id travels as ``Nats-Msg-Id``, so JetStream drops a republished event that falls
     within the stream's duplicate window (the ack then says ``duplicate``, and that counts as
-    published). A subject must be bound to a stream, or the publish fails and the relay
-    retries it.
+    published). A subject must be bound to a stream: until one takes it, publishing raises
+    ``BrokerUnavailableError``, and ``BrokerFullError`` while the stream (or the account's or
+    server's JetStream storage) is full with the discard-new policy. An event NATS cannot carry
+    raises ``InvalidEventError`` before it is sent: its headers over JetStream's 64 kB, or its
+    headers and body over the connection's ``max_payload`` (the server would close the
+    connection for it).
 
     Parameters:
         js: a ``JetStreamContext`` (``nc.jetstream()``); its connection stays the caller's.
         subject: template or function giving the subject; default
             ``"events.{aggregate_type}.{type}"``.
-        timeout: seconds to wait for each ack.
+        timeout: seconds (or a ``timedelta``) to wait for each ack before raising
+            ``BrokerUnavailableError``.
     """
 
     def __init__(
@@ -66,11 +111,11 @@ class NatsPublisher:
         js: JetStreamContext,
         *,
         subject: Naming = "events.{aggregate_type}.{type}",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         self.js = js
         self.subject = subject
-        self.timeout = timeout
+        self.timeout = seconds(timeout, "NatsPublisher.timeout")
         self.closed = False
         self.connection: Client | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
@@ -81,28 +126,36 @@ class NatsPublisher:
         url: str = "nats://127.0.0.1:4222",
         *,
         subject: Naming = "events.{aggregate_type}.{type}",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> NatsPublisher:
         """Open a connection of its own, which ``aclose`` drains and closes.
 
-        Once connected it reconnects for as long as it takes; the first connection must
-        succeed within ``2 * timeout`` or ``ConnectionError`` is raised.
+        ``url`` may list several servers, comma-separated. Once connected it reconnects for
+        as long as it takes; the first connection must succeed within ``2 * timeout`` or
+        ``ConnectionError`` is raised. Logs and errors show ``url`` without its credentials.
         """
+        wait = seconds(timeout, "NatsPublisher.timeout")
+        shown = redact_url(url)
 
         async def log_error(error: Exception) -> None:
-            log.warning("NATS connection to %s: %s", url, error)
+            log.warning("NATS connection to %s: %s", shown, describe(error))
 
+        # nats-py takes several servers as a list, not as one comma-separated string.
+        servers = [server.strip() for server in url.split(",")]
         # nats-py retries a refused first connection forever when reconnects are unlimited.
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
-                    url, connect_timeout=timeout, max_reconnect_attempts=-1, error_cb=log_error
+                    servers, connect_timeout=wait, max_reconnect_attempts=-1, error_cb=log_error
                 ),
-                2 * timeout,
+                2 * wait,
             )
         except asyncio.TimeoutError as error:
-            raise ConnectionError(f"NATS at {url} did not answer within {2 * timeout}s") from error
-        publisher = cls(nc.jetstream(), subject=subject, timeout=timeout)
+            raise ConnectionError(f"NATS at {shown} did not answer within {2 * wait}s") from error
+        except (nats.errors.Error, OSError) as error:
+            # The client's own text does not carry the URL; the chained error stays.
+            raise ConnectionError(f"NATS at {shown}: {describe(error)}") from error
+        publisher = cls(nc.jetstream(), subject=subject, timeout=wait)
         publisher.connection = nc
         return publisher
 
@@ -116,27 +169,69 @@ class NatsPublisher:
             raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
         return subject
 
+    def _max_payload(self) -> int:
+        # A borrowed JetStreamContext does not expose its connection but as ``_nc``.
+        nc = self.connection or getattr(self.js, "_nc", None)
+        limit = getattr(nc, "max_payload", 0)
+        return limit if isinstance(limit, int) and limit > 0 else _DEFAULT_MAX_PAYLOAD
+
     async def publish(self, event: Event) -> None:
         if self.closed:
             raise closed_error(self, event)
         headers = message_headers(event)
         headers["Nats-Msg-Id"] = event.id
         headers["Content-Type"] = "application/json"
+        subject = self.subject_for(event)
+        body = event.model_dump_json().encode()
+        # Refused here, as the event's own fault: the server would close the whole connection
+        # for a message over max_payload, and JetStream refuses a header block over 64 kB.
+        header, limit = _header_size(headers), self._max_payload()
+        if header > MAX_HEADER_BYTES:
+            raise InvalidEventError(
+                f"event {event.id} has {header} bytes of NATS headers, over JetStream's "
+                f"{MAX_HEADER_BYTES}",
+                event_id=event.id,
+            )
+        if header + len(body) > limit:
+            raise InvalidEventError(
+                f"event {event.id} is {header + len(body)} bytes with its headers, over the "
+                f"NATS server's max_payload of {limit}",
+                event_id=event.id,
+            )
         # js.publish rather than publish_async: nats-py 2.16 leaves a publish_async ack future
         # pending for ever when the stream answers with an error (nats.py#985), so a refused
         # message would cost a whole timeout and hide the broker's reason.
-        subject = self.subject_for(event)
         try:
-            await self.js.publish(
-                subject, event.model_dump_json().encode(), timeout=self.timeout, headers=headers
+            await client_call(
+                self.js.publish(subject, body, timeout=self.timeout, headers=headers),
+                self.timeout,
+                lambda reason: self._failed(event, reason),
             )
+        except nats.js.errors.APIError as error:
+            if _full(error):
+                raise full_error("NATS", error, event) from error
+            if isinstance(error, _UNAVAILABLE):
+                raise self._unavailable(event, error, subject) from error
+            raise
         except _UNAVAILABLE as error:
-            # No stream answers for this subject, though the server does: the destination is
-            # missing, which is the event's own failure while other subjects are confirmed.
-            missing = isinstance(error, _NO_DESTINATION)
-            raise unavailable_error(
-                "NATS", error, event, destination=subject if missing else None
-            ) from error
+            raise self._unavailable(event, error, subject) from error
+
+    def _unavailable(
+        self, event: Event, error: BaseException, subject: str
+    ) -> BrokerUnavailableError:
+        # Closed while the publish was in flight: that is why it failed, whatever the client
+        # says (a closed or draining connection, a timeout).
+        if self.closed:
+            return closed_error(self, event)
+        # No stream answers for this subject, though the server does: the destination is
+        # missing, which becomes the event's own failure while other subjects are confirmed.
+        missing = isinstance(error, _NO_DESTINATION)
+        return unavailable_error("NATS", error, event, destination=subject if missing else None)
+
+    def _failed(self, event: Event, reason: str) -> BrokerUnavailableError:
+        if self.closed:
+            return closed_error(self, event)
+        return BrokerUnavailableError(f"NATS: {reason}", event_id=event.id)
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
         # Every request goes out before any ack is awaited: one round trip for the lot.
@@ -144,12 +239,23 @@ class NatsPublisher:
         return [result if isinstance(result, BaseException) else None for result in results]
 
     async def aclose(self) -> None:
+        """Stop publishing; drain and close the connection ``connect`` opened. Never raises:
+        a connection that cannot be drained (the server is gone) is closed as it is."""
         self.closed = True
         nc = self.connection
         if nc is None or nc.is_closed or nc.is_draining:
             return
-        if nc.is_connected:
-            await nc.drain()
-        else:
-            # drain() refuses a connection that is (re)connecting; close it as it is.
-            await nc.close()
+        try:
+            if nc.is_connected:
+                await nc.drain()
+            else:
+                # drain() refuses a connection that is (re)connecting; close it as it is.
+                await nc.close()
+        except Exception as error:  # noqa: BLE001 - closing must not fail the caller
+            # nats-py 2.16 writes what it buffered during an outage into the dead socket and
+            # fails (TypeError from asyncio) after marking the connection closed. Nothing it
+            # buffered was confirmed, so the relay publishes it again.
+            log.debug("closing the NATS connection: %s", describe(error))
+            if not nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await nc.close()

@@ -2,32 +2,51 @@
 
 from __future__ import annotations
 
-from mongo_outbox.errors import InvalidEventError, PublishError
-from mongo_outbox.events import Event
+import asyncio
+import logging
+from typing import Any, cast
+
+from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, PublishError, describe
+from mongo_outbox.events import SHORT_STRING_BYTES, Event
 from mongo_outbox.publishers.base import (
     Naming,
+    client_call,
     closed_error,
+    full_error,
     message_headers,
+    redact_url,
     render,
     unavailable_error,
 )
+from mongo_outbox.settings import Duration, seconds
 
 try:
     import aio_pika
     import aiormq
-    from aio_pika.abc import AbstractExchange, AbstractRobustConnection
+    import pamqp.frame
+    import pamqp.header
+    from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "RabbitMQPublisher needs the rabbitmq extra: pip install 'mongo-outbox[rabbitmq]'"
     ) from error
 
-# The connection is down, its channel is closed while connect_robust reopens it, or no queue is
-# bound for the message yet (returned as unroutable, aiormq's PublishError).
+log = logging.getLogger(__name__)
+
+# Not the message's fault, each retried without counting an attempt: no confirm in time; the
+# connection is down; its channel is closed (while connect_robust reopens it); or the broker
+# closed the channel because the exchange does not exist (404 NOT_FOUND) or may not be written
+# to (403 ACCESS_REFUSED), which an operator fixes. A message no queue is bound for (returned
+# as unroutable, aiormq's PublishError) is caught on its own, before the nacks it derives from.
 _UNAVAILABLE = (
+    asyncio.TimeoutError,  # not the builtin TimeoutError before Python 3.11
     aiormq.exceptions.AMQPConnectionError,
     aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.PublishError,
+    aiormq.exceptions.ChannelNotFoundEntity,
+    aiormq.exceptions.ChannelAccessRefused,
 )
+
+_FIELD_NAME_BYTES = 128  # AMQP 0-9-1's limit on a field table's names (the headers)
 
 
 class RabbitMQPublisher:
@@ -35,15 +54,23 @@ class RabbitMQPublisher:
 
     The exchange's channel must have publisher confirms on (``connect`` does that, with
     ``on_return_raises``). Messages are ``mandatory``: one that no queue is bound for comes
-    back as an error and is retried, rather than confirmed and dropped. Connection failures and
-    unroutable messages raise ``BrokerUnavailableError``: the relay waits for the broker, and
-    for a queue, without parking anything.
+    back as an error and is retried, rather than confirmed and dropped. These failures are
+    not the event's and raise ``BrokerUnavailableError``, so the relay waits without parking
+    anything: the connection is down, no queue is bound, the exchange does not exist (the
+    broker then closes the channel, and the next publish reopens it), and ``BrokerFullError``
+    for a nack (a queue at its ``x-max-length`` with ``reject-publish``). An event the
+    connection cannot carry (its properties and headers over the negotiated ``frame_max``, a
+    type over 255 bytes, a header name over 128) raises ``InvalidEventError`` before it is
+    sent.
 
     Parameters:
         exchange: an aio-pika exchange on a channel with publisher confirms; its connection
-            stays the caller's.
+            stays the caller's (use ``connect_robust``: a plain connection that closes stays
+            closed).
         routing_key: template or function giving the routing key; default ``"{type}"``.
-        timeout: seconds to wait for each confirm (and for the connection, in ``connect``).
+        timeout: seconds (or a ``timedelta``) a publish may take, reopening the channel
+            included, before it raises ``BrokerUnavailableError`` (and the connection's
+            timeout, in ``connect``).
     """
 
     def __init__(
@@ -51,14 +78,15 @@ class RabbitMQPublisher:
         exchange: AbstractExchange,
         *,
         routing_key: Naming = "{type}",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
-        self.timeout = timeout
+        self.timeout = seconds(timeout, "RabbitMQPublisher.timeout")
         self.closed = False
         self.connection: AbstractRobustConnection | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
+        self._reopening = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -67,31 +95,53 @@ class RabbitMQPublisher:
         *,
         exchange: str = "events",
         routing_key: Naming = "{type}",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> RabbitMQPublisher:
-        """Open a connection of its own and declare ``exchange`` as a durable topic exchange."""
-        connection = await aio_pika.connect_robust(url, timeout=timeout)
+        """Open a connection of its own and declare ``exchange`` as a durable topic exchange.
+
+        Raises ``ConnectionError`` when RabbitMQ cannot be reached; it shows ``url`` without
+        its password."""
+        wait = seconds(timeout, "RabbitMQPublisher.timeout")
+        try:
+            connection = await aio_pika.connect_robust(url, timeout=wait)
+        except (aiormq.exceptions.AMQPError, OSError, asyncio.TimeoutError) as error:
+            raise ConnectionError(f"RabbitMQ at {redact_url(url)}: {describe(error)}") from error
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             declared = await channel.declare_exchange(
-                exchange, aio_pika.ExchangeType.TOPIC, durable=True, timeout=timeout
+                exchange, aio_pika.ExchangeType.TOPIC, durable=True, timeout=wait
             )
         except BaseException:
             await connection.close()
             raise
-        publisher = cls(declared, routing_key=routing_key, timeout=timeout)
+        publisher = cls(declared, routing_key=routing_key, timeout=wait)
         publisher.connection = connection
         return publisher
 
     def routing_key_for(self, event: Event) -> str:
         key = render(self.routing_key, event)
-        if len(key.encode()) > 255:  # an AMQP short string
+        if len(key.encode()) > SHORT_STRING_BYTES:
             raise InvalidEventError(f"routing key {key[:40]!r}... is too long", event_id=event.id)
         return key
 
     async def publish(self, event: Event) -> None:
         if self.closed:
             raise closed_error(self, event)
+        key = self.routing_key_for(event)
+        # The type is an AMQP short string (the id and correlation_id are limited when the
+        # event is built); a header name is at most 128 bytes, and pamqp silently cuts a
+        # longer one.
+        if len(event.type.encode()) > SHORT_STRING_BYTES:
+            raise InvalidEventError(
+                f"type {event.type[:40]!r}... is longer than an AMQP short string",
+                event_id=event.id,
+            )
+        for name in event.headers:
+            if len(name) > _FIELD_NAME_BYTES:  # a token: one byte per character
+                raise InvalidEventError(
+                    f"header name {name[:40]!r}... is longer than AMQP's {_FIELD_NAME_BYTES}",
+                    event_id=event.id,
+                )
         message = aio_pika.Message(
             event.model_dump_json().encode(),
             message_id=event.id,
@@ -102,17 +152,22 @@ class RabbitMQPublisher:
             correlation_id=event.correlation_id,
             headers=dict(message_headers(event)),
         )
-        key = self.routing_key_for(event)
         try:
-            confirm = await self.exchange.publish(
-                message, routing_key=key, mandatory=True, timeout=self.timeout
+            confirm = await client_call(
+                self._send(event, message, key),
+                self.timeout,
+                lambda reason: self._failed(event, reason),
             )
-        except _UNAVAILABLE as error:
+        except aiormq.exceptions.PublishError as error:
             # Returned unroutable (NO_ROUTE): the broker is up, no queue is bound for the key.
-            missing = isinstance(error, aiormq.exceptions.PublishError)
-            raise unavailable_error(
-                "RabbitMQ", error, event, destination=key if missing else None
-            ) from error
+            raise self._unavailable(event, error, destination=key) from error
+        except aiormq.exceptions.DeliveryError as error:
+            # A nack: a queue at its limit with reject-publish, or the broker could not store
+            # the message. Neither is the event's fault; retrying earlier events first keeps
+            # the aggregate's order.
+            raise full_error("RabbitMQ", error, event) from error
+        except _UNAVAILABLE as error:
+            raise self._unavailable(event, error) from error
         # Without confirms the result is None, and without on_return_raises a returned
         # message comes back as the result: neither means the broker has the message.
         if not isinstance(confirm, aiormq.spec.Basic.Ack):
@@ -120,7 +175,68 @@ class RabbitMQPublisher:
                 f"RabbitMQ did not confirm event {event.id}: {confirm!r}", event_id=event.id
             )
 
+    async def _send(self, event: Event, message: aio_pika.Message, key: str) -> Any:
+        channel = await self._open_channel(event)
+        # RabbitMQ closes the whole connection (FRAME_ERROR), failing every other publish on
+        # it, for a content header frame over frame_max: the properties cannot be split.
+        frame_max = channel.connection.connection_tune.frame_max
+        header = pamqp.header.ContentHeader(0, len(message.body), message.properties)
+        size = len(pamqp.frame.marshal(header, channel.number))
+        if frame_max and size > frame_max:
+            raise InvalidEventError(
+                f"event {event.id}: its AMQP properties and headers take {size} bytes, over "
+                f"the connection's frame_max of {frame_max}",
+                event_id=event.id,
+            )
+        return await self.exchange.publish(
+            message, routing_key=key, mandatory=True, timeout=self.timeout
+        )
+
+    async def _open_channel(self, event: Event) -> Any:
+        # AbstractExchange does not declare it; every aio-pika exchange has it.
+        channel = cast(aio_pika.Exchange, self.exchange).channel
+        if channel.is_closed:
+            # The broker closes the channel on a 404 or 403, and aio-pika reopens it only when
+            # it can redeclare the exchange at once (never a plain channel): reopen it here, so
+            # publishing resumes as soon as the exchange is back.
+            async with self._reopening:
+                if channel.is_closed:
+                    try:
+                        if isinstance(channel, AbstractRobustChannel):
+                            await asyncio.wait_for(channel.restore(), self.timeout)
+                        else:
+                            await asyncio.wait_for(channel.reopen(), self.timeout)
+                    except Exception as error:
+                        # The connection is down or closed, or the exchange is still missing:
+                        # the broker is not ready, whatever the client calls it.
+                        raise unavailable_error("RabbitMQ", error, event) from error
+                    if not channel.is_closed:
+                        log.info("reopened the channel of exchange %r", self.exchange.name)
+            if channel.is_closed:
+                # Not reopened, as while connect_robust reconnects: fail now, not at the timeout.
+                closed = aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} is closed")
+                raise unavailable_error("RabbitMQ", closed, event)
+        return await channel.get_underlay_channel()
+
+    def _unavailable(
+        self, event: Event, error: BaseException, *, destination: str | None = None
+    ) -> BrokerUnavailableError:
+        # Closed while the publish was in flight: that is why it failed, whatever the client
+        # says (a closed channel, a timeout).
+        if self.closed:
+            return closed_error(self, event)
+        return unavailable_error("RabbitMQ", error, event, destination=destination)
+
+    def _failed(self, event: Event, reason: str) -> BrokerUnavailableError:
+        if self.closed:
+            return closed_error(self, event)
+        return BrokerUnavailableError(f"RabbitMQ: {reason}", event_id=event.id)
+
     async def aclose(self) -> None:
+        """Stop publishing and close the connection ``connect`` opened. Never raises."""
         self.closed = True
         if self.connection is not None and not self.connection.is_closed:
-            await self.connection.close()
+            try:
+                await self.connection.close()
+            except Exception as error:  # noqa: BLE001 - closing must not fail the caller
+                log.debug("closing the RabbitMQ connection: %s", describe(error))

@@ -7,10 +7,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aio_pika
 import pytest
 
 from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
+from tests.integration.test_publisher_failures import eventually
 from tests.integration.test_publishers import (
     assert_in_aggregate_order,
     bind_queue,
@@ -210,3 +212,141 @@ async def test_relay_retries_unroutable_messages_until_a_queue_is_bound(
     messages = await drain_queue(queue, len(committed))
     assert [m.message_id for m in messages] == [Event.from_json(m.body).id for m in messages]
     assert_in_aggregate_order([Event.from_json(m.body) for m in messages], committed)
+
+
+async def publish_all(relay: PollingRelay, outbox: Outbox, db: Any, between: Any = None) -> None:
+    """Drain until nothing is left unpublished (``between()`` runs after each round), waiting
+    out the backoff of retried entries; fails after 60 s."""
+    deadline = asyncio.get_running_loop().time() + 60
+    while await unsettled(outbox, db):
+        assert asyncio.get_running_loop().time() < deadline, await unsettled(outbox, db)
+        await relay.drain()
+        if between is not None:
+            await between()
+        await asyncio.sleep(0.05)
+
+
+def first_deliveries(messages: list[Any], order: int) -> list[int | None]:
+    """The order's sequences as first delivered (a republished event counts once)."""
+    events = [Event.from_json(m.body) for m in messages]
+    return list(dict.fromkeys(e.sequence for e in events if e.aggregate_id == order))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_relay_parks_nothing_while_the_exchange_is_missing_and_keeps_order(
+    db: Any, channel: Any, unique: str, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    committed = await save_history(outbox, db, orders=4, saves=2)
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    await channel.exchange_delete(unique)  # the exchange is missing (404 on publish)
+    # One counted attempt would park an event: a missing exchange is an outage, not the event's.
+    relay = PollingRelay(outbox, publisher, settings=ONE_ATTEMPT)
+    try:
+        assert await relay.drain() == 0
+        assert relay.stats.failed > 0
+        assert set(relay.stats.errors_by_type) == {"BrokerUnavailableError"}
+        assert await relay.parked() == []
+        queue = await bind_queue(channel, unique)  # the operator puts it back
+        # Once the publisher is through (the broker may have dropped the whole connection for
+        # frames aiormq sent on the closed channel: up to connect_robust's 5 s), the relay
+        # delivers everything.
+        probe = Event(type="probe")
+        await eventually(lambda: publisher.publish(probe))
+        await publish_all(relay, outbox, db)
+    finally:
+        await publisher.aclose()
+    assert await relay.parked() == []
+    messages = []
+    while (message := await queue.get(fail=False, timeout=5)) is not None:
+        await message.ack()
+        if message.message_id != probe.id:
+            messages.append(message)
+    assert {Event.from_json(m.body).id for m in messages} == {e.id for e in committed}
+    for order in range(4):
+        assert first_deliveries(messages, order) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_relay_waits_for_room_in_a_full_queue_and_keeps_order(
+    db: Any, channel: Any, unique: str, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    committed = await save_history(outbox, db, orders=4, saves=2)
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(
+        exclusive=True, arguments={"x-max-length": 3, "x-overflow": "reject-publish"}
+    )
+    await queue.bind(exchange, "#")
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    # A counted nack would park.
+    relay = PollingRelay(outbox, publisher, settings=ONE_ATTEMPT)
+    received: list[Any] = []
+
+    async def consume() -> None:  # a slow consumer: makes room, three at a time
+        while (message := await queue.get(fail=False, timeout=5)) is not None:
+            await message.ack()
+            received.append(message)
+
+    try:
+        assert await relay.drain() == 3  # the queue holds three; the rest is nacked
+        assert relay.stats.errors_by_type == {"BrokerFullError": relay.stats.failed}
+        assert await relay.parked() == []
+        await publish_all(relay, outbox, db, between=consume)
+        await consume()
+    finally:
+        await publisher.aclose()
+    assert await relay.parked() == []
+    assert {Event.from_json(m.body).id for m in received} == {e.id for e in committed}
+    for order in range(4):
+        assert first_deliveries(received, order) == [1, 2, 3, 4]
+
+
+class ClosesAfter:
+    """Publishes through ``inner``; after ``after`` confirms it closes ``inner`` in the
+    background, as an application shutting down does, while other publishes are in flight."""
+
+    def __init__(self, inner: Publisher, after: int) -> None:
+        self.inner = inner
+        self.after = after
+        self.confirmed = 0
+        self.closing: asyncio.Task[None] | None = None
+
+    async def publish(self, event: Event) -> None:
+        await self.inner.publish(event)
+        self.confirmed += 1
+        if self.confirmed == self.after:
+            self.closing = asyncio.create_task(self.inner.aclose())
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_closing_the_publisher_mid_run_leaves_the_relay_running(
+    db: Any, channel: Any, unique: str
+) -> None:
+    outbox = make_outbox(db, "collection")
+    await outbox.ensure_indexes()
+    await save_history(outbox, db, orders=60, saves=2)
+    await bind_queue(channel, unique)
+    # A short timeout: aiormq 6 (Python 3.10) leaves a publish caught by the close hanging.
+    inner = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique, timeout=1)
+    publisher = ClosesAfter(inner, 10)
+    relay = PollingRelay(outbox, publisher)
+    task = asyncio.create_task(relay.run())
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while publisher.closing is None or not relay.stats.failed:
+            assert not task.done(), task
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        await publisher.closing
+        await asyncio.sleep(0.2)  # a round or two against the closed publisher
+        assert not task.done()  # not ended as cancelled, nor by an error
+        assert set(relay.stats.errors_by_type) == {"BrokerUnavailableError"}
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+    assert await relay.parked() == []

@@ -27,11 +27,13 @@ def free_port() -> int:
 
 
 class Broker:
-    """A nats-server with JetStream that can be killed and started again on the same store."""
+    """A nats-server with JetStream that can be killed and started again on the same store;
+    ``options`` are further nats-server arguments (``"--user", "u", "--pass", "p"``)."""
 
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, *options: str) -> None:
         self.port = free_port()
         self.store = store
+        self.options = options
         self.process: asyncio.subprocess.Process | None = None
 
     @property
@@ -41,6 +43,7 @@ class Broker:
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
             *[NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+            *self.options,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )

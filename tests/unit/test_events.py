@@ -56,7 +56,8 @@ LONE = "a\ud800b"  # a lone surrogate: a Python str, but not Unicode that UTF-8 
     ],
 )
 def test_text_that_is_not_valid_unicode_is_refused_when_built(fields: dict[str, object]) -> None:
-    with pytest.raises(InvalidEventError, match=r"(?i)unicode"):
+    # Refused as broken unicode, or first as a header name no broker can carry.
+    with pytest.raises(InvalidEventError, match=r"(?i)unicode|not a token|utf-8|surrogate"):
         Event(**{"type": "x", **fields})  # type: ignore[arg-type]
 
 
@@ -77,7 +78,7 @@ def test_integers_beyond_64_bits_are_refused_in_every_field(fields: dict[str, ob
 def test_any_valid_unicode_is_kept() -> None:
     text = "é 漢字 \U0001f600"
     event = Event(
-        type=text, payload={text: text + "\x00"}, headers={text: text}, correlation_id=text
+        type=text, payload={text: text + "\x00"}, headers={"x-text": text}, correlation_id=text
     )
     assert Event.from_json(event.model_dump_json()) == event
 
