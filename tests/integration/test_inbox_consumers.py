@@ -155,6 +155,7 @@ class FakeRabbitMQMessage:
     def __init__(self, body: bytes) -> None:
         self.message_id: str | None = None
         self.body = body
+        self.headers: dict[str, object] = {}
         self.settled: list[str] = []
 
     async def reject(self, requeue: bool = False) -> None:
