@@ -153,8 +153,8 @@ class Inbox:
 
 
 def _until(setting: str, value: Duration) -> timedelta:
-    period = interval(value, setting)
     try:
+        period = interval(value, setting)
         utc_now() + period  # every record's expiry is computed like this
     except OverflowError:
         raise ConfigurationError(f"{setting} is too long: {value!r}", setting=setting) from None
