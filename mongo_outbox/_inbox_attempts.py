@@ -123,8 +123,9 @@ class Attempts:
         record: dict[str, Any] = before or {}
         verdict = claim.verdict if claim is not None else record.get("verdict")
         last_error = claim.last_error if claim is not None else record.get("last_error")
-        last_error = last_error or "the handler never finished"
-        reason = verdict or f"gave up after {attempt}: {last_error}"
+        # Without a verdict, the last attempt never recorded its end (a crash, a lease overrun)
+        # or max_attempts was lowered: what is known is the last error recorded, if any.
+        reason = verdict or f"gave up after {attempt}; last error recorded: {last_error}"
         return await self._poison(event, identity, claim, attempt, reason)
 
     async def _failed(
