@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import aio_pika
@@ -182,6 +184,20 @@ async def test_rabbitmq_message_without_id_is_rejected_not_processed(db: Any) ->
     assert await db.invoices.count_documents({}) == 0
 
 
+@contextlib.asynccontextmanager
+async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """Run a consumer in a task; stop it (or, failing that, cancel it) whatever happens."""
+    task = asyncio.create_task(consumer)
+    try:
+        yield task
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, 10)
+        except asyncio.TimeoutError:
+            pass  # wait_for cancelled it
+
+
 async def until(condition: Any, seconds: float = 15.0) -> None:
     """Poll an async condition until it holds, or fail after ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -224,17 +240,16 @@ async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
     async def bill(event: Event, session: Any) -> None:
         raise ConnectionError("ledger busy")
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(consume_rabbitmq(queue, bill, ordered=ordered, stop=stop))
-
     async def failed_once() -> bool:
         return await db.inbox.count_documents({"status": "retrying"}) == 1
 
-    await until(failed_once)  # the message is held for its retry delay now
-    started = time.monotonic()
-    stop.set()
-    await asyncio.wait_for(task, 10)
-    stopped_in = time.monotonic() - started
+    stop = asyncio.Event()
+    async with consuming(consume_rabbitmq(queue, bill, ordered=ordered, stop=stop), stop) as task:
+        await until(failed_once)  # the message is held for its retry delay now
+        started = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        stopped_in = time.monotonic() - started
     assert stopped_in < 1.0, f"stop took {stopped_in:.1f}s"
     again = await queue.get(timeout=5)
     assert (again.message_id, again.redelivered) == (event.id, True)
@@ -261,14 +276,12 @@ async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
         dead: list[str] = []
         stop = asyncio.Event()
         guarded = always_failing(db, runs, dead, transactional=False)
-        task = asyncio.create_task(consume_rabbitmq(queue, guarded, stop=stop))
 
         async def dead_lettered() -> bool:
             return bool(dead)
 
-        await until(dead_lettered)
-        stop.set()
-        await asyncio.wait_for(task, 10)
+        async with consuming(consume_rabbitmq(queue, guarded, stop=stop), stop):
+            await until(dead_lettered)
         assert runs == [1, 2, 3]
         assert dead == [
             "gave up after 3 on the broker's last delivery: ConnectionError: ledger down"
@@ -298,16 +311,13 @@ async def test_nats_consumer_s_last_delivery_is_dead_lettered(
     dead: list[str] = []
     stop = asyncio.Event()
     guarded = always_failing(db, runs, dead, transactional=False)
-    task = asyncio.create_task(
-        consume_nats(js, subject, "billing", guarded, stream=nats_stream, stop=stop)
-    )
 
     async def dead_lettered() -> bool:
         return bool(dead)
 
-    await until(dead_lettered)
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    consumer = consume_nats(js, subject, "billing", guarded, stream=nats_stream, stop=stop)
+    async with consuming(consumer, stop):
+        await until(dead_lettered)
     assert runs == [1, 2, 3]
     assert dead == ["gave up after 3 on the broker's last delivery: ConnectionError: ledger down"]
     [record] = await db.inbox.find().to_list(None)
