@@ -32,6 +32,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 
+# RabbitMQ 4.0 gave quorum queues a delivery limit of 20 unless the queue or a policy sets one.
+_RABBITMQ_4_QUORUM_LIMIT = 20
+
+
 class _Delivery:
     def __init__(self, message: AbstractIncomingMessage, delivery_limit: int | None) -> None:
         self.message = message
@@ -102,14 +106,15 @@ async def consume_rabbitmq(
     Messages are handled concurrently, up to the channel's prefetch count. ``ordered=True``
     handles the messages of one aggregate one at a time, in the order they arrived, and retries
     in the process so that none overtakes a message being retried. ``delivery_limit`` defaults
-    to the ``x-delivery-limit`` the queue was declared with. On stop, handlers that are running
-    finish and settle; messages held for a retry or waiting their turn are requeued at once.
+    to the ``x-delivery-limit`` the queue was declared with (a quorum queue declared without
+    one has RabbitMQ 4's default of 20); pass it when a policy sets it. On stop, handlers that
+    are running finish and settle; messages held for a retry or waiting their turn are requeued
+    at once.
     """
     check_source(source, "consume_rabbitmq.source")
-    if delivery_limit is None:
-        declared = (queue.arguments or {}).get("x-delivery-limit")
-        delivery_limit = declared if isinstance(declared, int) else None
     limit = delivery_limit_of(delivery_limit, "consume_rabbitmq.delivery_limit")
+    if limit is None:
+        limit = await _declared_limit(queue)
     stop = stop or asyncio.Event()
     dispatcher = Dispatcher(guarded, source=source, rejected=rejected, ordered=ordered)
 
@@ -122,3 +127,17 @@ async def consume_rabbitmq(
     finally:
         await queue.cancel(tag)
         await dispatcher.drain()
+
+
+async def _declared_limit(queue: AbstractQueue) -> int | None:
+    arguments = queue.arguments or {}
+    declared = arguments.get("x-delivery-limit")
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared
+    if arguments.get("x-queue-type") != "quorum":
+        return None  # classic queues and streams have no delivery limit
+    channel = await queue.channel.get_underlay_channel()
+    version = channel.connection.server_properties.get("version") or b""
+    text = version.decode() if isinstance(version, bytes) else str(version)
+    major = text.split(".", 1)[0]
+    return _RABBITMQ_4_QUORUM_LIMIT if major.isdigit() and int(major) >= 4 else None

@@ -78,10 +78,8 @@ async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIter
         yield task
     finally:
         stop.set()
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):  # wait_for cancelled it
             await asyncio.wait_for(task, 10)
-        except asyncio.TimeoutError:
-            pass  # wait_for cancelled it
 
 
 async def until(condition: Any, seconds: float = 20.0) -> None:

@@ -51,7 +51,10 @@ async def test_inbox_durations_are_seconds_or_a_timedelta(db: Any) -> None:
         ({"processing_lease": timedelta(0)}, "Inbox.processing_lease"),
         ({"processing_lease": True}, "Inbox.processing_lease"),
         # A claim that outlives its record would let a redelivery run beside its holder.
-        ({"processing_lease": 60, "retention": 30, "transactional": False}, "Inbox.processing_lease"),
+        (
+            {"processing_lease": 60, "retention": 30, "transactional": False},
+            "Inbox.processing_lease",
+        ),
         ({"consumer": ""}, "Inbox.consumer"),
         ({"consumer": 7}, "Inbox.consumer"),
         ({"collection": ""}, "Inbox.collection"),
