@@ -24,6 +24,7 @@ back to the broker at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any, Protocol
@@ -126,9 +127,11 @@ async def settle(
     event = decode(delivery.message_id, delivery.body)
     if isinstance(event, str):
         log.error("rejecting message: %s", event)
-        if rejected is not None:
-            await rejected(delivery.body, event)
-        await delivery.reject()
+        try:
+            if rejected is not None:
+                await rejected(delivery.body, event)
+        finally:
+            await delivery.reject()  # whatever the callback did: never redelivered for ever
         return None
     message_id = str(delivery.message_id)
     while True:
@@ -208,8 +211,11 @@ class Dispatcher:
                 hold=self.ordered,
             )
         except Exception as error:  # noqa: BLE001 - one message must not stop the others
-            # Unsettled (the connection failed, say): the broker delivers it again.
             log.error("could not settle message %s: %s", delivery.message_id, describe(error))
+            # Give it back rather than hold its slot until the connection closes; if the
+            # connection is what failed, the broker has it again anyway.
+            with contextlib.suppress(Exception):
+                await delivery.give_back()
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.in_flight.pop(task, None)

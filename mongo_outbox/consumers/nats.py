@@ -28,7 +28,6 @@ from mongo_outbox.inbox import Outcome
 from mongo_outbox.settings import count
 
 try:
-    import nats.errors
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
 except ImportError as error:  # pragma: no cover - exercised only without the extra
@@ -138,7 +137,9 @@ async def consume_nats(
                 wanted = min(batch, limit - len(dispatcher.in_flight))
                 try:
                     messages = await subscription.fetch(wanted, timeout=_FETCH_WAIT)
-                except nats.errors.TimeoutError:
+                except asyncio.TimeoutError:
+                    # nats.errors.TimeoutError, or (nats-py 2.16) a bare one when the deadline
+                    # runs out between its two pull requests.
                     continue
                 for message in messages:
                     dispatcher.dispatch(_Delivery(message, max_deliver))

@@ -125,8 +125,10 @@ async def consume_rabbitmq(
     try:
         await stop.wait()
     finally:
-        await queue.cancel(tag)
-        await dispatcher.drain()
+        try:
+            await queue.cancel(tag)
+        finally:
+            await dispatcher.drain()
 
 
 async def _declared_limit(queue: AbstractQueue) -> int | None:
