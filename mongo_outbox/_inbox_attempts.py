@@ -18,13 +18,12 @@ from mongo_outbox._inbox_store import Claim, Identity, InboxStore, Taken, attemp
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.errors import PoisonMessage, describe
 from mongo_outbox.events import Event
-from mongo_outbox.inbox import Outcome, Result
+from mongo_outbox.inbox import DeadLetter, Outcome, Result
 
 log = logging.getLogger(__name__)
 
 Run = Callable[[Event, Any, int], Awaitable[None]]
 """``run(event, session, attempt)``: the handler, called the way it wants to be."""
-DeadLetter = Callable[[Event, str], Awaitable[None]]
 
 
 class Attempts:

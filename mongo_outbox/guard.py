@@ -17,7 +17,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._inbox_attempts import Attempts, DeadLetter
+from mongo_outbox._inbox_attempts import Attempts
 from mongo_outbox._inbox_store import InboxStore
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.errors import (
@@ -27,10 +27,10 @@ from mongo_outbox.errors import (
     RetryLater,
 )
 from mongo_outbox.events import Event
-from mongo_outbox.inbox import Inbox, Outcome, Result
+from mongo_outbox.inbox import DeadLetter, Inbox, Outcome, Result
 from mongo_outbox.settings import count
 
-__all__ = ["MAX_ID_LENGTH", "DeadLetter", "Guarded", "check_message_id", "inbox_guard"]
+__all__ = ["MAX_ID_LENGTH", "Guarded", "check_message_id", "inbox_guard"]
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,15 @@ handler runs (told its attempt number), then the record is marked done. A crash 
 whose lease runs out, and the next delivery runs the handler again with the next attempt number:
 its external calls must be idempotent (use the message id as the idempotency key).
 
-This module holds the ``Inbox`` (where the records live and how long); the guard that runs a
-handler against it is in ``mongo_outbox.guard`` and is importable from here too.
+This module holds the ``Inbox`` (where the records live and how long) and the words for what
+becomes of a message (``Outcome``, ``Result``); the guard that runs a handler against an inbox
+is in ``mongo_outbox.guard`` and is importable from here too.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -25,19 +27,32 @@ from bson.codec_options import CodecOptions, DatetimeConversion
 from pymongo.errors import OperationFailure
 
 from mongo_outbox.errors import ConfigurationError, DeadLettered, RetryLater
-from mongo_outbox.events import utc_now
+from mongo_outbox.events import Event, utc_now
 from mongo_outbox.settings import Duration, interval
 
 if TYPE_CHECKING:
     from mongo_outbox.guard import Guarded, inbox_guard
 
-__all__ = ["DeadLettered", "Guarded", "Inbox", "Outcome", "Result", "RetryLater", "inbox_guard"]
+__all__ = [
+    "DeadLetter",
+    "DeadLettered",
+    "Guarded",
+    "Inbox",
+    "Outcome",
+    "Result",
+    "RetryLater",
+    "inbox_guard",
+]
 
 # The inbox reads its own dates back whatever the user's client decodes them as (naive
 # datetimes, or DatetimeMS with ``datetime_conversion=DATETIME_MS``), and its records as dicts.
 _CODEC: CodecOptions[dict[str, Any]] = CodecOptions(
     tz_aware=True, datetime_conversion=DatetimeConversion.DATETIME
 )
+
+
+DeadLetter = Callable[[Event, str], Awaitable[None]]
+"""``async dead_letter(event, reason)``: where a poison message goes, e.g. a publisher's DLQ."""
 
 
 class Outcome(enum.Enum):
