@@ -14,7 +14,7 @@
     │       └── BrokerFullError      the broker refused for want of room (queue or stream full)
     ├── ChangeStreamError        a change stream failed in a way resuming cannot fix
     └── InboxError
-        ├── MessageIdentityError a message arrived without an id to deduplicate on
+        ├── MessageIdentityError a message has no usable id to deduplicate on
         ├── PoisonMessage        raise it from a handler: never retry this message
         ├── RetryLater           a guarded handler failed for now: deliver again after ``delay``
         └── DeadLettered         a guarded message is poison: recorded and dead-lettered
@@ -119,7 +119,12 @@ class InboxError(OutboxError):
 
 
 class MessageIdentityError(InboxError, ValueError):
-    pass
+    """A message has no id to deduplicate on, or one that is not a non-empty string;
+    ``message_id`` is what it had."""
+
+    def __init__(self, message: str, *, message_id: object = None) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 class PoisonMessage(InboxError):

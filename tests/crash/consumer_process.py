@@ -12,7 +12,6 @@ import asyncio
 import os
 import signal
 import sys
-from datetime import timedelta
 from typing import Any
 
 import aio_pika
@@ -31,7 +30,7 @@ def die() -> None:
 
 def billing(db: Any, transactional: bool, point: str) -> Any:
     seen = 0
-    inbox = Inbox(db, consumer="billing", transactional=transactional, lease=timedelta(seconds=1))
+    inbox = Inbox(db, consumer="billing", transactional=transactional, processing_lease=1.0)
 
     @inbox_guard(inbox)
     async def bill(event: Event, session: Any, *, attempt: int) -> None:

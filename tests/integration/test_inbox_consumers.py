@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import aio_pika
+import pytest
 
 from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guard
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
@@ -155,6 +159,7 @@ class FakeRabbitMQMessage:
     def __init__(self, body: bytes) -> None:
         self.message_id: str | None = None
         self.body = body
+        self.headers: dict[str, object] = {}
         self.settled: list[str] = []
 
     async def reject(self, requeue: bool = False) -> None:
@@ -177,3 +182,143 @@ async def test_rabbitmq_message_without_id_is_rejected_not_processed(db: Any) ->
     assert message.settled == ["reject(requeue=False)"]
     assert len(reasons) == 1 and "no id" in reasons[0]
     assert await db.invoices.count_documents({}) == 0
+
+
+@contextlib.asynccontextmanager
+async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """Run a consumer in a task; stop it (or, failing that, cancel it) whatever happens."""
+    task = asyncio.create_task(consumer)
+    try:
+        yield task
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.TimeoutError):  # wait_for cancelled it
+            await asyncio.wait_for(task, 10)
+
+
+async def until(condition: Any, seconds: float = 15.0) -> None:
+    """Poll an async condition until it holds, or fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def always_failing(db: Any, runs: list[int], dead: list[str], **inbox: Any) -> Any:
+    async def dead_letter(event: Event, reason: str) -> None:
+        dead.append(reason)
+
+    @inbox_guard(
+        Inbox(db, consumer="billing", **inbox),
+        max_attempts=5,
+        backoff=Backoff(initial=0.01, maximum=0.02),
+        dead_letter=dead_letter,
+    )
+    async def bill(event: Event, session: Any, *, attempt: int) -> None:
+        runs.append(attempt)
+        raise ConnectionError("ledger down")
+
+    return bill
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
+    db: Any, amqp_connection: Any, unique: str, ordered: bool
+) -> None:
+    """A retry waits up to Backoff.maximum (here 300 s) in the process; stop must not."""
+    channel = await amqp_connection.channel()
+    queue = await channel.declare_queue(unique, exclusive=True)
+    event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
+    body = event.model_dump_json().encode()
+    await channel.default_exchange.publish(
+        aio_pika.Message(body, message_id=event.id), routing_key=unique
+    )
+
+    @inbox_guard(Inbox(db, consumer="billing", transactional=False), backoff=Backoff(initial=300))
+    async def bill(event: Event, session: Any) -> None:
+        raise ConnectionError("ledger busy")
+
+    async def failed_once() -> bool:
+        return await db.inbox.count_documents({"status": "retrying"}) == 1
+
+    stop = asyncio.Event()
+    async with consuming(consume_rabbitmq(queue, bill, ordered=ordered, stop=stop), stop) as task:
+        await until(failed_once)  # the message is held for its retry delay now
+        started = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        stopped_in = time.monotonic() - started
+    assert stopped_in < 1.0, f"stop took {stopped_in:.1f}s"
+    again = await queue.get(timeout=5)
+    assert (again.message_id, again.redelivered) == (event.id, True)
+    await again.ack()
+    await channel.close()
+
+
+async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """x-delivery-limit 2 with max_attempts 5: the broker would drop the message after its
+    third delivery, never dead-lettered, its record left ``retrying``."""
+    channel = await amqp_connection.channel()
+    queue = await channel.declare_queue(
+        unique, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 2}
+    )
+    try:
+        event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
+        await channel.default_exchange.publish(
+            aio_pika.Message(event.model_dump_json().encode(), message_id=event.id),
+            routing_key=unique,
+        )
+        runs: list[int] = []
+        dead: list[str] = []
+        stop = asyncio.Event()
+        guarded = always_failing(db, runs, dead, transactional=False)
+
+        async def dead_lettered() -> bool:
+            return bool(dead)
+
+        async with consuming(consume_rabbitmq(queue, guarded, stop=stop), stop):
+            await until(dead_lettered)
+        assert runs == [1, 2, 3]
+        assert dead == [
+            "gave up after 3 on the broker's last delivery: ConnectionError: ledger down"
+        ]
+        [record] = await db.inbox.find().to_list(None)
+        assert (record["status"], record["attempts"]) == ("failed", 3)
+        assert await queue.get(fail=False, timeout=1) is None
+    finally:
+        await queue.delete(if_unused=False, if_empty=False)
+        await channel.close()
+
+
+async def test_nats_consumer_s_last_delivery_is_dead_lettered(
+    db: Any, nats_client: Any, nats_stream: str
+) -> None:
+    """max_deliver 3 with max_attempts 5: the broker would stop after the third delivery."""
+    js = nats_client.jetstream()
+    subject = f"{nats_stream}.>"
+    await js.add_consumer(
+        nats_stream, durable_name="billing", max_deliver=3, filter_subject=subject
+    )
+    event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
+    await js.publish(
+        f"{nats_stream}.order", event.model_dump_json().encode(), headers={"Nats-Msg-Id": event.id}
+    )
+    runs: list[int] = []
+    dead: list[str] = []
+    stop = asyncio.Event()
+    guarded = always_failing(db, runs, dead, transactional=False)
+
+    async def dead_lettered() -> bool:
+        return bool(dead)
+
+    consumer = consume_nats(js, subject, "billing", guarded, stream=nats_stream, stop=stop)
+    async with consuming(consumer, stop):
+        await until(dead_lettered)
+    assert runs == [1, 2, 3]
+    assert dead == ["gave up after 3 on the broker's last delivery: ConnectionError: ledger down"]
+    [record] = await db.inbox.find().to_list(None)
+    assert (record["status"], record["attempts"]) == ("failed", 3)
+    info = await js.consumer_info(nats_stream, "billing")
+    assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -133,7 +133,7 @@ async def test_duplicate_storm_across_consumers_commits_the_effect_once(
 
         @inbox_guard(
             # A short lease: a duplicate in leased mode comes back when the claim's lease ends.
-            Inbox(mine, consumer="billing", transactional=transactional, lease=LEASE),
+            Inbox(mine, consumer="billing", transactional=transactional, processing_lease=LEASE),
             max_attempts=1,
             backoff=FAST,
             dead_letter=dead_letter,
@@ -303,7 +303,7 @@ async def test_unreachable_inbox_means_retry_not_a_crash_or_a_dead_letter(
 
 
 async def test_leased_claim_of_a_crashed_handler_is_retried_after_the_lease(db: Any) -> None:
-    inbox = Inbox(db, consumer="mailer", transactional=False, lease=timedelta(seconds=0.5))
+    inbox = Inbox(db, consumer="mailer", transactional=False, processing_lease=0.5)
     await inbox.ensure_indexes()
     attempts: list[int] = []
 
