@@ -17,6 +17,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox._callables import is_async_callable
 from mongo_outbox._inbox_attempts import Attempts
 from mongo_outbox._inbox_store import InboxStore
 from mongo_outbox.backoff import Backoff
@@ -221,13 +222,7 @@ def qualified_name(handler: Callable[..., Any]) -> str:
 
 
 def _require_coroutine(function: object, what: str) -> None:
-    target = function
-    while isinstance(target, functools.partial):
-        target = target.func
-    if inspect.iscoroutinefunction(target):
-        return
-    call = getattr(target, "__call__", None)  # noqa: B004 - the method itself is inspected
-    if not inspect.isclass(target) and call is not None and inspect.iscoroutinefunction(call):
+    if is_async_callable(function):
         return
     raise TypeError(
         f"the {what} must be an async function (async def), not {function!r}: the guard "

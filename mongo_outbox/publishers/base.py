@@ -4,13 +4,12 @@ how a client's failure becomes the error the relay acts on, and how a URL is sho
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from mongo_outbox._callables import is_async_callable
 from mongo_outbox.errors import (
     BrokerFullError,
     BrokerUnavailableError,
@@ -112,19 +111,6 @@ def full_error(broker: str, error: BaseException, event: Event) -> BrokerFullErr
 
 def closed_error(publisher: object, event: Event) -> BrokerUnavailableError:
     return BrokerUnavailableError(f"{type(publisher).__name__} is closed", event_id=event.id)
-
-
-def is_async_callable(function: object) -> bool:
-    """Whether calling ``function`` returns a coroutine: an ``async def`` function or method, a
-    ``functools.partial`` of one, or an object whose ``__call__`` is one."""
-    while isinstance(function, functools.partial):
-        function = function.func
-    if inspect.iscoroutinefunction(function):
-        return True
-    call = getattr(function, "__call__", None)  # noqa: B004 - the method itself is inspected
-    return (
-        call is not None and not inspect.isroutine(function) and inspect.iscoroutinefunction(call)
-    )
 
 
 def check_publisher(publisher: object) -> None:

@@ -19,7 +19,7 @@ from pymongo import AsyncMongoClient
 
 from mongo_outbox import Backoff, ChangeStreamRelay, Outbox, RelaySettings
 from mongo_outbox.publishers import NatsPublisher
-from tests.crash.relay_process import KillAfter, die
+from tests.support.crash import KillAfter, die
 from tests.support.servers import NATS_URL
 
 

@@ -9,46 +9,15 @@ POINT: "before_write" (inside the handler), "after_write" (handler done, not com
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from typing import Any
 
 import aio_pika
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Event, Inbox, inbox_guard
 from mongo_outbox.consumers import handle_rabbitmq_message
+from tests.support.crash import CRASH_ON, billing, die
 from tests.support.servers import RABBITMQ_URL
-
-CRASH_ON = 3
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def billing(db: Any, transactional: bool, point: str) -> Any:
-    seen = 0
-    inbox = Inbox(db, consumer="billing", transactional=transactional, processing_lease=1.0)
-
-    @inbox_guard(inbox)
-    async def bill(event: Event, session: Any, *, attempt: int) -> None:
-        nonlocal seen
-        seen += 1
-        if point == "before_write" and seen == CRASH_ON:
-            die()
-        # Idempotent on the event id, as a handler without transactions must be.
-        await db.invoices.update_one(
-            {"_id": event.id},
-            {"$setOnInsert": {"attempt": attempt}},
-            upsert=True,
-            session=session,
-        )
-        if point == "after_write" and seen == CRASH_ON:
-            die()
-
-    return bill
 
 
 class DieOnAck:

@@ -8,38 +8,15 @@ BROKER is "nats" (TARGET: the stream, also the subject prefix) or "rabbitmq" (TA
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox import Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
+from tests.support.crash import KillAfter
 from tests.support.servers import NATS_URL, RABBITMQ_URL
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillAfter:
-    """Publishes through ``inner``; once ``limit`` events are confirmed, dies on the spot."""
-
-    def __init__(self, inner: Publisher, limit: int) -> None:
-        self.inner = inner
-        self.limit = limit
-        self.confirmed = 0
-
-    async def publish(self, event: Event) -> None:
-        await self.inner.publish(event)
-        self.confirmed += 1
-        if self.confirmed >= self.limit:
-            die()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def main(

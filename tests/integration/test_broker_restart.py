@@ -24,8 +24,8 @@ from mongo_outbox import (
     RelaySettings,
 )
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from tests.integration.test_publishers import bind_queue
 from tests.support.brokers import Broker, Gate, KillsTheBroker
+from tests.support.messages import bind_queue
 
 FAST = Backoff(initial=0.05, maximum=0.3)
 SETTINGS = RelaySettings(

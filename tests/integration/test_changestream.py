@@ -26,6 +26,7 @@ from mongo_outbox.changestream import ChangeBatch
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.changestream_sources import MongoEcoSource, ScriptedSource, inserts
 from tests.support.servers import NATS_URL
+from tests.support.waiting import until
 
 FAST = Backoff(initial=0.01, maximum=0.05)
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,14 +87,6 @@ async def stopped(relay: ChangeStreamRelay, task: asyncio.Task[None]) -> None:
 
 async def checkpoint(db: Any) -> dict[str, Any]:
     return await db.outbox_relays.find_one({"_id": "orders-relay"}) or {}
-
-
-async def until(condition: Any, timeout: float = 10) -> None:
-    async def poll() -> None:
-        while not await condition():  # noqa: ASYNC110 - polling the database, no event to wait on
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout)
 
 
 async def test_first_start_sweeps_then_follows_and_checkpoints(db: Any, outbox: Outbox) -> None:

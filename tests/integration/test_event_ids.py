@@ -15,12 +15,7 @@ from mongo_outbox import ConcurrencyError, DuplicateEventError, Event, Outbox, P
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.contents import contents
-
-MODES = ["collection", "embedded"]
-
-
-def make_outbox(db: Any, mode: str) -> Outbox:
-    return Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+from tests.support.outboxes import MODES, make_outbox
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,7 +16,7 @@ import pytest
 from mongo_outbox import Event
 from mongo_outbox.consumers import consume_rabbitmq
 from mongo_outbox.publishers import RabbitMQPublisher
-from tests.crash.consumer_process import billing
+from tests.support.crash import billing
 from tests.support.servers import RABBITMQ_URL, MongoServer
 
 ROOT = Path(__file__).resolve().parents[2]

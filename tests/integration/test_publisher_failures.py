@@ -25,21 +25,10 @@ from nats.js.api import DiscardPolicy
 from mongo_outbox import BrokerFullError, BrokerUnavailableError, Event, InvalidEventError
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from mongo_outbox.publishers.base import unavailable
-from tests.integration.test_publishers import bind_queue, drain_queue, event, read_stream
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
+from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.servers import NATS_URL, RABBITMQ_URL
-
-
-async def eventually(attempt: Callable[[], Awaitable[Any]], seconds: float = 30) -> Any:
-    """``attempt()``'s result once it stops raising a broker outage; fails after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return await attempt()
-        except BrokerUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+from tests.support.waiting import eventually
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ and many messages in flight at once. The relay end to end is in test_relay_broke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
@@ -21,20 +20,9 @@ from mongo_outbox.publishers import (
     RabbitMQPublisher,
 )
 from mongo_outbox.publishers.base import unavailable
+from tests.support.messages import bind_queue, drain_queue, event, read_stream
+from tests.support.outboxes import assert_in_order
 from tests.support.servers import NATS_URL, RABBITMQ_URL
-
-
-def event(**fields: Any) -> Event:
-    base: dict[str, Any] = {
-        "type": "order.placed",
-        "payload": {"total": 12.5, "items": [1, 2], "note": "café"},
-        "aggregate_type": "orders",
-        "aggregate_id": 7,
-        "sequence": 3,
-        "headers": {"tenant": "acme", "trace": "t-1"},
-        "correlation_id": "corr-1",
-    }
-    return Event(**(base | fields))
 
 
 def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
@@ -43,49 +31,6 @@ def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
         [event(aggregate_id=a, sequence=s) for a in range(aggregates)]
         for s in range(1, per_aggregate + 1)
     ]
-
-
-def assert_in_aggregate_order(received: Sequence[Event], sent: Sequence[Event]) -> None:
-    assert len(received) == len(sent)
-    assert {e.id: e for e in received} == {e.id: e for e in sent}
-    # Same events; and each aggregate's arrive in sequence order.
-    for aggregate in {e.aggregate_id for e in sent}:
-        sequences = [e.sequence or 0 for e in received if e.aggregate_id == aggregate]
-        assert sequences == sorted(sequences), f"aggregate {aggregate}: {sequences}"
-
-
-async def read_stream(nats_client: Any, stream: str, count: int) -> list[Any]:
-    """Every message in ``stream``, in stream order, which must hold exactly ``count``."""
-    js = nats_client.jetstream()
-    info = await js.stream_info(stream)
-    assert info.state.messages == count
-    sub = await js.subscribe(f"{stream}.>", ordered_consumer=True)
-    try:
-        return [await sub.next_msg(timeout=5) for _ in range(count)]
-    finally:
-        await sub.unsubscribe()
-
-
-async def bind_queue(channel: Any, exchange: str, pattern: str = "#") -> Any:
-    """An exclusive queue bound to ``exchange`` (declared durable topic if it is not yet)."""
-    declared = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-    queue = await channel.declare_queue(exclusive=True)
-    await queue.bind(declared, pattern)
-    return queue
-
-
-async def drain_queue(queue: Any, count: int) -> list[Any]:
-    """``count`` messages from ``queue``, acked; and then nothing more is there.
-
-    Every message was confirmed before this runs, and RabbitMQ confirms a routed message
-    only once its queue holds it, so ``get`` need not wait."""
-    messages = []
-    for _ in range(count):
-        message = await queue.get(timeout=5)
-        await message.ack()
-        messages.append(message)
-    assert await queue.get(fail=False, timeout=5) is None
-    return messages
 
 
 class InFlight:
@@ -294,7 +239,7 @@ async def test_nats_publishes_overlap_and_keep_per_aggregate_order(
     assert js.peak > 1
     messages = await read_stream(nats_client, nats_stream, 500)
     received = [Event.from_json(m.data) for m in messages]
-    assert_in_aggregate_order(received, [e for wave in sent for e in wave])
+    assert_in_order(received, [e for wave in sent for e in wave], once=True)
 
 
 async def test_nats_connect_fails_loudly_when_the_server_is_not_there() -> None:
@@ -423,7 +368,7 @@ async def test_rabbitmq_publishes_overlap_and_keep_per_aggregate_order(
     assert exchange.peak > 1  # confirms were awaited together, not one round trip each
     await confirming.close()
     received = [Event.from_json(m.body) for m in await drain_queue(queue, 500)]
-    assert_in_aggregate_order(received, [e for wave in sent for e in wave])
+    assert_in_order(received, [e for wave in sent for e in wave], once=True)
 
 
 async def test_rabbitmq_connect_fails_loudly_when_the_server_is_not_there() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import defaultdict
 from datetime import timedelta
 from typing import Any
 
@@ -14,13 +13,15 @@ from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox._store import store_for
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
+from tests.support.outboxes import (
+    MODES,
+    assert_in_order,
+    make_due,
+    make_outbox,
+    save_history,
+)
 
-MODES = ["collection", "embedded"]
 FAST = Backoff(initial=0.01, maximum=0.05)
-
-
-def make_outbox(db: Any, mode: str, **options: Any) -> Outbox:
-    return Outbox(db, mode=mode, collections=["orders"], **options)  # type: ignore[arg-type]
 
 
 async def history(db: Any, mode: str, aggregates: int, saves: int) -> tuple[Outbox, list[Event]]:
@@ -28,35 +29,6 @@ async def history(db: Any, mode: str, aggregates: int, saves: int) -> tuple[Outb
     outbox = make_outbox(db, mode)
     await outbox.ensure_indexes()
     return outbox, await save_history(outbox, db, aggregates, saves)
-
-
-async def save_history(outbox: Outbox, db: Any, aggregates: int, saves: int) -> list[Event]:
-    """``saves`` saves per aggregate, two events each, interleaved across aggregates."""
-    events: list[Event] = []
-    for step in range(saves):
-        for aggregate in range(aggregates):
-            saved = await outbox.save_with_events(
-                None,
-                db.orders,
-                {"_id": aggregate, "step": step},
-                [Event(type="changed", payload={"step": step}), Event(type="noted")],
-            )
-            events += saved.events
-    return events
-
-
-def assert_in_order(published: list[Event], saved: list[Event]) -> None:
-    """Every saved event was published, and per aggregate the first publications follow
-    sequence order (republished duplicates may follow, with the same id)."""
-    assert {e.id for e in published} == {e.id for e in saved}
-    firsts: dict[Any, list[int]] = defaultdict(list)
-    seen: set[str] = set()
-    for event in published:
-        if event.id not in seen:
-            seen.add(event.id)
-            firsts[event.aggregate_id].append(event.sequence or 0)
-    for sequences in firsts.values():
-        assert sequences == sorted(sequences) == list(range(1, len(sequences) + 1))
 
 
 async def drain_until(relays: list[PollingRelay], count: int, rounds: int = 400) -> int:
@@ -76,7 +48,7 @@ async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str
     relay = PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=7))
     assert await relay.drain() == len(saved) == 20
     assert await relay.drain() == 0
-    assert_in_order(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=False)
     assert len(publisher.events) == len(saved)
     if mode == "collection":
         entries = await db.outbox.find().to_list(None)
@@ -100,7 +72,7 @@ async def test_order_holds_through_random_failures(db: Any, mode: str) -> None:
     relay = PollingRelay(outbox, publisher, settings=RelaySettings(batch_size=10, backoff=FAST))
     assert await drain_until([relay], len(saved)) == len(saved)
     assert relay.stats.failed > 0
-    assert_in_order(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=False)
 
 
 class OverlapDetector(MemoryPublisher):
@@ -141,7 +113,7 @@ async def test_relays_side_by_side_never_overlap_and_keep_order(db: Any, mode: s
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert publisher.overlaps == []
     assert len(publisher.events) == len(saved)  # live leases: nothing published twice
-    assert_in_order(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=False)
     assert sum(r.stats.published for r in relays) == len(saved)
 
 
@@ -173,7 +145,7 @@ async def test_failing_head_waits_alone(db: Any, mode: str) -> None:
     assert await relay.drain() == 0  # backing off, not hammering
     broken = False
     relay.backoff = FAST
-    await _make_due(db, outbox)
+    await make_due(db, outbox)
     assert await relay.drain() == 4
     assert [e.sequence for e in publisher.events if e.aggregate_id == 0] == [1, 2, 3, 4]
 
@@ -189,7 +161,7 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, mode: str) ->
     relay = PollingRelay(outbox, publisher, settings=RelaySettings(backoff=FAST, max_attempts=2))
     for _ in range(4):
         await relay.drain()
-        await _make_due(db, outbox)
+        await make_due(db, outbox)
     # Parked after two attempts, it no longer holds back even its own aggregate.
     assert poison.id not in {e.id for e in publisher.events} and len(publisher.events) == 7
     assert [e.sequence for e in publisher.events if e.aggregate_id == 0] == [2, 3, 4]
@@ -242,18 +214,6 @@ async def test_a_document_left_with_only_parked_entries_is_not_held(db: Any) -> 
     assert [e["_id"] for e in await other.parked()] == [poison.id]
 
 
-async def _make_due(db: Any, outbox: Outbox) -> None:
-    """Skip the remaining backoff, as waiting it out would."""
-    from mongo_outbox.events import utc_now
-
-    if outbox.mode == "collection":
-        await db.outbox.update_many({"status": "pending"}, {"$set": {"available_at": utc_now()}})
-    else:
-        await db.orders.update_many(
-            {outbox.due_field: {"$ne": None}}, {"$set": {outbox.due_field: utc_now()}}
-        )
-
-
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_dead_relays_claims_come_back_after_the_lease(db: Any, mode: str) -> None:
     outbox, saved = await history(db, mode, aggregates=3, saves=1)
@@ -265,7 +225,7 @@ async def test_a_dead_relays_claims_come_back_after_the_lease(db: Any, mode: str
     assert await relay.drain() == 0
     await asyncio.sleep(1.1)
     assert await relay.drain() == len(saved)
-    assert_in_order(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=False)
 
 
 async def test_a_claim_held_elsewhere_blocks_later_events_of_its_aggregate(db: Any) -> None:

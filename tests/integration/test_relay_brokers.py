@@ -12,24 +12,13 @@ import pytest
 
 from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
-from tests.integration.test_publisher_failures import eventually
-from tests.integration.test_publishers import (
-    assert_in_aggregate_order,
-    bind_queue,
-    drain_queue,
-    read_stream,
-)
+from tests.support.messages import bind_queue, drain_queue, read_stream
+from tests.support.outboxes import MODES, assert_in_order, make_outbox, unsettled
 from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.waiting import eventually
 
-MODES = ["collection", "embedded"]
 RETRY_FAST = Backoff(initial=0.01, maximum=0.05)
 ONE_ATTEMPT = RelaySettings(publish_timeout=5, backoff=RETRY_FAST, max_attempts=1)
-
-
-def make_outbox(db: Any, mode: str) -> Outbox:
-    if mode == "embedded":
-        return Outbox(db, mode="embedded", collections=["orders"])
-    return Outbox(db)
 
 
 async def save_history(outbox: Outbox, db: Any, orders: int, saves: int) -> list[Event]:
@@ -57,16 +46,6 @@ async def save_and_abort(client: Any, outbox: Outbox, db: Any) -> None:
                         session, db.orders, {"_id": order}, [Event(type="order.aborted")]
                     )
                 raise RuntimeError("abort on purpose")
-
-
-async def unsettled(outbox: Outbox, db: Any) -> list[dict[str, Any]]:
-    """Outbox entries not yet published, in either mode."""
-    if outbox.mode == "collection":
-        entries: list[dict[str, Any]] = await db.outbox.find(
-            {"status": {"$ne": "published"}}
-        ).to_list(None)
-        return entries
-    return [entry async for doc in db.orders.find() for entry in doc.get("_outbox", [])]
 
 
 async def drain_until(relay: PollingRelay, expected: int, rounds: int = 200) -> int:
@@ -125,7 +104,7 @@ async def test_every_saved_event_arrives_once_in_aggregate_order(
         messages = await drain_queue(queue, len(committed))
         assert all(m.message_id == Event.from_json(m.body).id for m in messages)
         received = [Event.from_json(m.body) for m in messages]
-    assert_in_aggregate_order(received, committed)  # exactly once; the aborted ones never
+    assert_in_order(received, committed, once=True)  # exactly once; the aborted ones never
     for order in range(12):
         assert [e.sequence for e in received if e.aggregate_id == order] == [1, 2, 3, 4, 5, 6]
 
@@ -178,7 +157,7 @@ async def test_relay_backs_off_while_a_stream_is_missing_then_delivers_in_order(
         for name, sent in ((f"{unique}even", even), (f"{unique}odd", odd)):
             messages = await read_stream(nats_client, name, len(sent))
             received = [Event.from_json(m.data) for m in messages]
-            assert_in_aggregate_order(received, sent)  # the retried ones kept their ids
+            assert_in_order(received, sent, once=True)  # the retried ones kept their ids
             assert [m.headers["Nats-Msg-Id"] for m in messages] == [e.id for e in received]
     finally:
         await publisher.aclose()
@@ -211,7 +190,7 @@ async def test_relay_retries_unroutable_messages_until_a_queue_is_bound(
     assert await unsettled(outbox, db) == []
     messages = await drain_queue(queue, len(committed))
     assert [m.message_id for m in messages] == [Event.from_json(m.body).id for m in messages]
-    assert_in_aggregate_order([Event.from_json(m.body) for m in messages], committed)
+    assert_in_order([Event.from_json(m.body) for m in messages], committed, once=True)
 
 
 async def publish_all(relay: PollingRelay, outbox: Outbox, db: Any, between: Any = None) -> None:

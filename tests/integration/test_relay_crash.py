@@ -14,6 +14,7 @@ import pytest
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
+from tests.support.outboxes import assert_in_order, unsettled
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,12 +49,6 @@ async def save_orders(outbox: Outbox, db: Any) -> list[Event]:
     return saved
 
 
-async def unpublished(outbox: Outbox, db: Any) -> int:
-    if outbox.mode == "collection":
-        return int(await db.outbox.count_documents({"status": "pending"}))
-    return sum(len(d["_outbox"]) for d in await db.orders.find().to_list(None))
-
-
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_killed_relay_loses_nothing_rabbitmq(
     mongo: MongoServer, db: Any, amqp_connection: Any, unique: str, mode: str
@@ -68,7 +63,7 @@ async def test_killed_relay_loses_nothing_rabbitmq(
 
     await run_crashing_relay(mongo, db, mode, "rabbitmq", unique)
     # It died after 7 confirms and before marking them: all 24 still count as unpublished.
-    assert await unpublished(outbox, db) == len(saved)
+    assert len(await unsettled(outbox, db)) == len(saved)
     publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
     relay = PollingRelay(outbox, publisher)
     assert await relay.drain() == 0  # the dead relay's lease still holds
@@ -86,7 +81,7 @@ async def test_killed_relay_loses_nothing_rabbitmq(
     assert all(message_id == event.id for message_id, event in received)
     assert set(ids) == {e.id for e in saved}
     assert len(ids) == len(saved) + 7  # the 7 confirmed before the kill arrive twice, same ids
-    assert_first_publications_in_order(e for _, e in received)
+    assert_in_order([e for _, e in received], saved, once=False)
 
 
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
@@ -110,14 +105,4 @@ async def test_killed_relay_loses_nothing_nats(
     await sub.unsubscribe()
     assert all(m.headers["Nats-Msg-Id"] == Event.from_json(m.data).id for m in messages)
     assert {Event.from_json(m.data).id for m in messages} == {e.id for e in saved}
-    assert_first_publications_in_order(Event.from_json(m.data) for m in messages)
-
-
-def assert_first_publications_in_order(received: Any) -> None:
-    seen: set[str] = set()
-    sequences: dict[Any, list[int]] = {}
-    for event in received:
-        if event.id not in seen:
-            seen.add(event.id)
-            sequences.setdefault(event.aggregate_id, []).append(event.sequence)
-    assert all(s == [1, 2, 3] for s in sequences.values()), sequences
+    assert_in_order([Event.from_json(m.data) for m in messages], saved, once=False)

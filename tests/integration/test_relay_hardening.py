@@ -7,7 +7,6 @@ goes through the real NATS or RabbitMQ."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from datetime import timedelta
 from typing import Any
 
@@ -26,14 +25,10 @@ from mongo_outbox._store import store_for
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.brokers import Broker, KillsTheBroker
 from tests.support.changestream_sources import ScriptedSource
+from tests.support.outboxes import MODES, assert_in_order, make_outbox
 from tests.support.waiting import until
 
-MODES = ["collection", "embedded"]
 FAST = Backoff(initial=0.01, maximum=0.05)
-
-
-def make_outbox(db: Any, mode: str) -> Outbox:
-    return Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
 
 
 async def save(outbox: Outbox, db: Any, aggregates: int, events: int) -> list[Event]:
@@ -46,16 +41,6 @@ async def save(outbox: Outbox, db: Any, aggregates: int, events: int) -> list[Ev
             )
             saved += result.events
     return saved
-
-
-def assert_in_order_once(published: list[Event], saved: list[Event]) -> None:
-    counts = Counter(e.id for e in published)
-    assert {i for i, n in counts.items() if n > 1} == set(), "published twice"
-    assert set(counts) == {e.id for e in saved}
-    for aggregate in {e.aggregate_id for e in saved}:
-        assert [e.sequence for e in published if e.aggregate_id == aggregate] == sorted(
-            e.sequence for e in saved if e.aggregate_id == aggregate
-        )
 
 
 class SlowBroker(MemoryPublisher):
@@ -86,7 +71,7 @@ async def test_one_polling_relay_runs_one_loop_at_a_time(db: Any) -> None:
     await publisher.wait_for(len(saved))
     relay.stop()
     await asyncio.wait_for(task, 5)
-    assert_in_order_once(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=True)
     assert await relay.drain() == 0  # usable again once the loop ended
 
 
@@ -174,7 +159,7 @@ async def test_a_cancellation_from_inside_the_publisher_does_not_stop_the_relay(
     await asyncio.wait_for(task, 5)
     assert relay.stats.errors_by_type == {"BrokerUnavailableError": 3}
     assert await relay.parked() == []  # not the events' fault
-    assert_in_order_once(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=True)
 
 
 # -- undecodable entries ----------------------------------------------------------------------
@@ -206,7 +191,7 @@ async def test_an_unreadable_entry_is_parked_with_its_error_and_the_rest_goes_on
     publisher = MemoryPublisher()
     relay = PollingRelay(outbox, publisher)
     assert await relay.drain() == len(saved)
-    assert_in_order_once(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=True)
     [parked] = await relay.parked()
     assert parked["_id"] == "bad" and "cannot be read" in parked["last_error"]
     assert await relay.drain() == 0  # and it stays parked: no hot loop on it
@@ -229,7 +214,7 @@ async def test_a_slow_broker_never_lets_two_polling_relays_publish_an_event_twic
     for relay in relays:
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert_in_order_once(broker.events, saved)
+    assert_in_order(broker.events, saved, once=True)
 
 
 async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any) -> None:
@@ -262,7 +247,7 @@ async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any)
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert both == 0, f"both active in {both} of {samples} samples"
-    assert_in_order_once(broker.events, saved)
+    assert_in_order(broker.events, saved, once=True)
 
 
 async def test_a_deleted_checkpoint_never_leaves_two_relays_active_for_good(db: Any) -> None:
@@ -408,7 +393,7 @@ async def test_a_wave_wider_than_the_in_flight_window_never_outlives_its_claim(
     for relay in relays:
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert_in_order_once(broker.events, saved)
+    assert_in_order(broker.events, saved, once=True)
 
 
 async def test_an_entry_that_is_not_a_document_is_parked_and_its_neighbours_go_on(
@@ -420,7 +405,7 @@ async def test_an_entry_that_is_not_a_document_is_parked_and_its_neighbours_go_o
     publisher = MemoryPublisher()
     relay = PollingRelay(outbox, publisher)
     assert await relay.drain() == len(saved)
-    assert_in_order_once(publisher.events, saved)
+    assert_in_order(publisher.events, saved, once=True)
     parked = await relay.parked()
     assert sorted(str(p["entry"]) for p in parked) == ["7", "None"]
     assert all("not a document" in p["last_error"] for p in parked)
@@ -495,3 +480,29 @@ async def test_drain_ends_while_a_writer_keeps_saving(db: Any) -> None:
     finally:
         stop.set()
         await writing
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_that_decodes_dates_as_milliseconds_gets_the_same_status(
+    mongo: Any, db: Any, mode: str
+) -> None:
+    from bson.codec_options import DatetimeConversion
+    from pymongo import AsyncMongoClient
+
+    await save(make_outbox(db, mode), db, aggregates=2, events=1)
+    other: Any = AsyncMongoClient(mongo.uri, datetime_conversion=DatetimeConversion.DATETIME_MS)
+    try:
+        outbox = make_outbox(other[db.name], mode)
+        refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
+        relay = ChangeStreamRelay(
+            outbox, refusing, name="r", source=ScriptedSource(),
+            settings=RelaySettings(max_attempts=1),
+        )  # fmt: skip
+        status = await relay.status()
+        assert status.pending == 2 and status.oldest_pending_age is not None
+        await relay.drain()
+        status = await relay.status()
+        assert (status.pending, status.parked) == (0, 2)
+        assert all(p["last_error"] for p in await relay.parked())
+    finally:
+        await other.close()

@@ -20,15 +20,8 @@ from mongo_outbox import (
 )
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.contents import contents
+from tests.support.outboxes import MODES, make_outbox
 from tests.support.servers import MongoServer
-
-MODES = ["collection", "embedded"]
-
-
-def make_outbox(db: Any, mode: str) -> Outbox:
-    if mode == "embedded":
-        return Outbox(db, mode="embedded", collections=["orders"])
-    return Outbox(db)
 
 
 async def stored_events(outbox: Outbox, db: Any) -> list[dict[str, Any]]:

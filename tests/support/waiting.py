@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mongo_outbox import BrokerUnavailableError
 
 
 async def until(
@@ -22,3 +26,15 @@ async def until(
         if loop.time() > deadline:
             raise AssertionError(f"{getattr(condition, '__name__', condition)} still false")
         await asyncio.sleep(every)
+
+
+async def eventually(attempt: Callable[[], Awaitable[Any]], seconds: float = 30) -> Any:
+    """``attempt()``'s result once it stops raising a broker outage; fails after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return await attempt()
+        except BrokerUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)

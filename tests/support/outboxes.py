@@ -1,0 +1,80 @@
+"""Outboxes for tests, in either mode, and what to look at in them: histories of saves, the
+entries not yet published, the order a broker received an aggregate's events in."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from mongo_outbox import Event, Outbox
+from mongo_outbox.events import utc_now
+
+MODES = ["collection", "embedded"]
+
+
+def make_outbox(db: Any, mode: str = "collection", **options: Any) -> Outbox:
+    """An Outbox of ``mode``; embedded mode scans the ``orders`` collection."""
+    return Outbox(db, mode=mode, collections=["orders"], **options)  # type: ignore[arg-type]
+
+
+async def save_history(
+    outbox: Outbox,
+    db: Any,
+    aggregates: int,
+    saves: int,
+    types: Sequence[str] = ("changed", "noted"),
+) -> list[Event]:
+    """``saves`` saves per order, one event of each of ``types`` each, interleaved across
+    orders (ids 0 to ``aggregates`` - 1)."""
+    events: list[Event] = []
+    for step in range(saves):
+        for aggregate in range(aggregates):
+            saved = await outbox.save_with_events(
+                None,
+                db.orders,
+                {"_id": aggregate, "step": step},
+                [Event(type=kind, payload={"step": step}) for kind in types],
+            )
+            events += saved.events
+    return events
+
+
+async def unsettled(outbox: Outbox, db: Any) -> list[dict[str, Any]]:
+    """Outbox entries not yet published (pending or parked), in either mode."""
+    if outbox.mode == "collection":
+        entries: list[dict[str, Any]] = await db.outbox.find(
+            {"status": {"$ne": "published"}}
+        ).to_list(None)
+        return entries
+    return [entry async for doc in db.orders.find() for entry in doc.get("_outbox") or []]
+
+
+async def make_due(db: Any, outbox: Outbox) -> None:
+    """Skip the remaining backoff of every pending entry, as waiting it out would."""
+    if outbox.mode == "collection":
+        await db.outbox.update_many({"status": "pending"}, {"$set": {"available_at": utc_now()}})
+    else:
+        await db.orders.update_many(
+            {outbox.due_field: {"$ne": None}}, {"$set": {outbox.due_field: utc_now()}}
+        )
+
+
+def assert_in_order(published: Sequence[Event], saved: Sequence[Event], *, once: bool) -> None:
+    """Every saved event was published, nothing else was, and per aggregate the first
+    publications follow sequence order. ``once``: no event was published twice (else
+    republished duplicates may follow, with the same id)."""
+    assert {e.id for e in published} == {e.id for e in saved}
+    if once:
+        assert len(published) == len(saved), "an event was published twice"
+    firsts: dict[Any, list[int]] = defaultdict(list)
+    seen: set[str] = set()
+    for event in published:
+        if event.id not in seen:
+            seen.add(event.id)
+            firsts[(event.aggregate_type, event.aggregate_id)].append(event.sequence or 0)
+    expected: dict[Any, list[int]] = defaultdict(list)
+    for event in saved:
+        expected[(event.aggregate_type, event.aggregate_id)].append(event.sequence or 0)
+    for aggregate, sequences in firsts.items():
+        assert sequences == sorted(expected[aggregate]), f"aggregate {aggregate}: {sequences}"
