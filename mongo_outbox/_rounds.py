@@ -2,14 +2,17 @@
 
 Wave k holds the k-th claimed event of every aggregate: an event goes out only once its
 predecessor is confirmed, so a failure can never let a later event overtake it. A round starts
-no wave that could outlast its claim (``claim_lease`` minus a tenth for the settle), so a slow
-broker cannot let the claim run out while this relay still publishes, and stops before the next
-wave the moment its caller's ``lost`` event is set (a relay that lost its leader lease).
+no publish that could outlast its claim (``claim_lease`` minus a tenth for the settle), also in
+a wave wider than ``max_in_flight``, so a slow broker cannot let the claim run out while this
+relay still publishes; and it stops before the next wave the moment its caller's ``lost`` event
+is set (a relay that lost its leader lease).
 
 Failures are classified here (see docs/failures.md): an event the broker cannot carry is parked
 at once; a failure for want of a broker waits without counting, its delay growing with the
-event's own waits, and is woken as soon as the broker confirms anything again; anything else
-counts an attempt, and ``max_attempts`` parks the event.
+event's own waits, and is woken as soon as the broker confirms anything again; a full or missing
+destination waits out its own delay (a missing one counts once it has waited ``max_attempts``
+times while others are confirmed); anything else counts an attempt, and ``max_attempts`` parks
+the event.
 """
 
 from __future__ import annotations
