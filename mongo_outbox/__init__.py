@@ -7,6 +7,7 @@ at least once and in order per aggregate (``PollingRelay``), and consume them ef
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
+    AggregateNotFoundError,
     BrokerFullError,
     BrokerUnavailableError,
     ChangeStreamError,
@@ -37,6 +38,7 @@ from mongo_outbox.relay import PollingRelay, RelayStats
 from mongo_outbox.settings import RelaySettings
 
 __all__ = [
+    "AggregateNotFoundError",
     "Backoff",
     "BrokerFullError",
     "BrokerUnavailableError",

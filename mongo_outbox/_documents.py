@@ -191,7 +191,7 @@ class DocumentWriter:
         sets: dict[str, Any] = {}
         if (found or {}).get(self.due_field) is None:
             # Due now unless a due time is there already: a relay's lease or backoff stays.
-            conditions[self.due_field] = {"$exists": False}
+            conditions[self.due_field] = None  # null or missing
             sets[self.due_field] = now
         assert isinstance(plan.update, dict)
         update = with_operators(
