@@ -19,7 +19,6 @@ from typing import Any, Literal
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
 
 from mongo_outbox._aggregates import type_map
-from mongo_outbox._codec import encode
 from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._event_ids import EventIds
 from mongo_outbox._plans import Plan, Rules
@@ -148,11 +147,14 @@ class OutboxCore:
         else:
             version, last = yield from self._documents.write(plan, session, now)
         first = last - n + 1
-        events = [e.model_copy(update={"sequence": first + i}) for i, e in enumerate(plan.events)]
+        events = [
+            e.model_copy(update=plan.stamp | {"sequence": first + i})
+            for i, e in enumerate(plan.events)
+        ]
         if self.mode == "collection" and events:
+            pending = {"status": "pending", "available_at": now, "attempts": 0}
             entries = [
-                encode(e, "_id") | {"status": "pending", "available_at": now, "attempts": 0}
-                for e in events
+                entry | {"sequence": first + i} | pending for i, entry in enumerate(plan.entries)
             ]
             try:
                 if len(entries) == 1:  # the cheaper command for the commonest case

@@ -28,7 +28,6 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
-from mongo_outbox._codec import encode
 from mongo_outbox._plans import Plan
 from mongo_outbox._refusals import (
     at_version,
@@ -116,7 +115,7 @@ class DocumentWriter:
         document = plan.body | {"_version": 1, "_sequence": n}
         if self.mode == "embedded":
             document[self.field] = [
-                encode(e, "id") | {"sequence": i} for i, e in enumerate(plan.events, start=1)
+                entry | {"sequence": i} for i, entry in enumerate(plan.entries, start=1)
             ]
             if n:
                 document[self.due_field] = now
@@ -180,8 +179,7 @@ class DocumentWriter:
             raise conflict(plan)
         base = (found or {}).get("_sequence")
         entries = [
-            encode(e, "id") | {"sequence": (base or 0) + i}
-            for i, e in enumerate(plan.events, start=1)
+            entry | {"sequence": (base or 0) + i} for i, entry in enumerate(plan.entries, start=1)
         ]
         conditions: dict[str, Any] = {
             "_sequence": base if base is not None else {"$exists": False},
@@ -218,11 +216,11 @@ class DocumentWriter:
             entries = [
                 {
                     "$mergeObjects": [
-                        {"$literal": encode(e, "id")},
+                        {"$literal": entry},
                         {"sequence": {"$add": [base, i]}},
                     ]
                 }
-                for i, e in enumerate(plan.events, start=1)
+                for i, entry in enumerate(plan.entries, start=1)
             ]
             if n or plan.kind == "save":
                 sets[self.field] = {"$concatArrays": [{"$ifNull": [f"${self.field}", []]}, entries]}

@@ -37,6 +37,11 @@ class Plan:
     collection: Any
     doc_id: Any
     events: list[Event]
+    """The caller's events, checked; ``stamp`` and a sequence make them the stored ones."""
+    entries: list[dict[str, Any]]
+    """The events encoded as entries (id under ``id`` in embedded mode, else ``_id``), stamped."""
+    stamp: dict[str, Any]
+    """``aggregate_type`` and ``aggregate_id`` of the events."""
     expected_version: int | None = None
     body: dict[str, Any] = field(default_factory=dict)
     """save: the document's fields, without those the outbox owns."""
@@ -83,11 +88,13 @@ class Rules:
                 )
             document["_id"] = ObjectId()  # as insert_one does
         doc_id = document["_id"]
-        stamped = self._stamp(events, name, doc_id)
+        checked, stamp = self._stamp(events, name, doc_id)
         body = {k: v for k, v in document.items() if k not in self.owned}
         size = encoded_size(body, collection, "the document")
-        self._check_sizes(collection, stamped, size)
-        return Plan("save", collection, doc_id, stamped, expected_version, body=body)
+        entries = self._entries(collection, checked, stamp, size)
+        return Plan(
+            "save", collection, doc_id, checked, entries, stamp, expected_version, body=body
+        )
 
     def update(
         self,
@@ -110,18 +117,20 @@ class Rules:
                 collection=name,
             )
         doc_id = id_of(query, name)
-        checked = check_update(update, self.owned, name)
-        _check_encodable({"q": query, "u": checked}, collection, "the filter or update")
-        stamped = self._stamp(events, name, doc_id)
-        self._check_sizes(collection, stamped, 0)
+        change = check_update(update, self.owned, name)
+        _check_encodable({"q": query, "u": change}, collection, "the filter or update")
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
         return Plan(
             "update",
             collection,
             doc_id,
-            stamped,
+            checked,
+            entries,
+            stamp,
             expected_version,
             query=dict(query),
-            update=checked,
+            update=change,
             upsert=upsert,
         )
 
@@ -149,9 +158,18 @@ class Rules:
             )
         doc_id = id_of(query, name)
         _check_encodable({"q": query}, collection, "the filter")
-        stamped = self._stamp(events, name, doc_id)
-        self._check_sizes(collection, stamped, 0)
-        return Plan("delete", collection, doc_id, stamped, expected_version, query=dict(query))
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
+        return Plan(
+            "delete",
+            collection,
+            doc_id,
+            checked,
+            entries,
+            stamp,
+            expected_version,
+            query=dict(query),
+        )
 
     def add(self, session: Any, collection: Any, doc_id: Any, events: Sequence[Event]) -> Plan:
         name = self._check_collection(collection, session)
@@ -167,9 +185,9 @@ class Rules:
             )
         query = {"_id": doc_id}
         _check_encodable({"q": query}, collection, "the aggregate id")
-        stamped = self._stamp(events, name, doc_id)
-        self._check_sizes(collection, stamped, 0)
-        return Plan("add", collection, doc_id, stamped, query=query)
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
+        return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
 
     def _check_collection(self, collection: Any, session: Any) -> str:
         name: str = collection.name
@@ -194,15 +212,18 @@ class Rules:
             )
         return name
 
-    def _stamp(self, events: Sequence[Event], name: str, doc_id: Any) -> list[Event]:
-        stamp: dict[str, str | int] = {
+    def _stamp(
+        self, events: Iterable[Event], name: str, doc_id: Any
+    ) -> tuple[list[Event], dict[str, Any]]:
+        """The events, checked, and the stamp that makes them this aggregate's."""
+        stamp: dict[str, Any] = {
             "aggregate_type": type_of(self.aggregate_types, name),
             "aggregate_id": aggregate_id(doc_id, name),
         }
         if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
             raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
         seen: set[str] = set()
-        stamped = []
+        checked = []
         for event in events:
             if not isinstance(event, Event):
                 raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
@@ -217,15 +238,19 @@ class Rules:
                         f"publishes as {value!r}",
                         event_id=event.id,
                     )
-            stamped.append(event.model_copy(update=stamp))
-        return stamped
+            checked.append(event)
+        return checked, stamp
 
-    def _check_sizes(self, collection: Any, events: list[Event], document_size: int) -> None:
+    def _entries(
+        self, collection: Any, events: list[Event], stamp: dict[str, Any], document_size: int
+    ) -> list[dict[str, Any]]:
+        """The events as stored entries; InvalidAggregateError for sizes beyond MongoDB's."""
         name = collection.name
         id_key = "id" if self.mode == "embedded" else "_id"
+        entries = [encode(e, id_key) | stamp for e in events]
         sizes = [
-            encoded_size(encode(e, id_key), collection, f"event {e.id}") + _ENTRY_OVERHEAD
-            for e in events
+            encoded_size(entry, collection, f"event {e.id}") + _ENTRY_OVERHEAD
+            for e, entry in zip(events, entries, strict=True)
         ]
         if self.mode == "embedded":
             check_size(document_size + sum(sizes), name, "the document with its new events")
@@ -233,6 +258,7 @@ class Rules:
             check_size(document_size, name, "the document")
             for event, entry_size in zip(events, sizes, strict=True):
                 check_size(entry_size, name, f"event {event.id}")
+        return entries
 
 
 def _check_expected(expected_version: Any, name: str) -> None:
