@@ -188,9 +188,12 @@ class DocumentWriter:
         }
         sets: dict[str, Any] = {}
         if (found or {}).get(self.due_field) is None:
-            # Due now unless a due time is there already: a relay's lease or backoff stays.
-            conditions[self.due_field] = None  # null or missing
+            conditions[self.due_field] = None  # still not due (null or missing): make it due now
             sets[self.due_field] = now
+        else:
+            # A due time is kept (a relay's lease or backoff), but only if it is still there: a
+            # relay's settle may have removed it since the read, which would strand the entries.
+            conditions[self.due_field] = {"$ne": None}
         assert isinstance(plan.update, dict)
         update = with_operators(
             plan.update,

@@ -3,10 +3,11 @@ they name, counters move as for a save, and bad input writes nothing."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from pymongo import MongoClient
+from pymongo.asynchronous.collection import AsyncCollection
 
 from mongo_outbox import (
     AggregateNotFoundError,
@@ -15,6 +16,7 @@ from mongo_outbox import (
     Event,
     InvalidAggregateError,
     InvalidEventError,
+    Outbox,
     PollingRelay,
 )
 from mongo_outbox.publishers import MemoryPublisher
@@ -376,3 +378,34 @@ def test_a_sync_update_joins_the_callers_transaction(
         assert db.audit.count_documents({}) == 1
     finally:
         sync_client.drop_database(db.name)
+
+
+class CollectionWithAHookAfterItsFirstRead(AsyncCollection[Any]):
+    """A fake around the real collection: its first ``find_one`` runs ``hook`` before it
+    returns, to put a concurrent writer between the outbox's read and its write."""
+
+    hooks: ClassVar[list[Any]] = []
+
+    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        found = await super().find_one(*args, **kwargs)
+        while self.hooks:
+            await self.hooks.pop()()
+        return found
+
+
+async def test_an_embedded_update_racing_a_relays_settle_still_makes_its_events_due(
+    db: Any,
+) -> None:
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+
+    async def relay_publishes_meanwhile() -> None:
+        # The relay publishes "a" and, with nothing left, takes the document out of its index.
+        assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
+
+    CollectionWithAHookAfterItsFirstRead.hooks.append(relay_publishes_meanwhile)
+    orders = CollectionWithAHookAfterItsFirstRead(db, "orders")
+    await outbox.update_with_events(None, orders, {"_id": 1}, {"$set": {"x": 1}}, [Event(type="b")])
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 1
+    assert [e.type for e in publisher.events] == ["b"]
