@@ -20,6 +20,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, 
 
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
+from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._event_ids import EventIds
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 Mode = Literal["collection", "embedded"]
 Written = tuple[Any, int, list[Event]]
 """A write's result: the aggregate's ``_id``, its new version, the events as stored."""
-
-_DUPLICATE_KEY = 11000
 
 
 class OutboxCore:
@@ -175,4 +174,4 @@ class OutboxCore:
 def _duplicate(error: BulkWriteError | DuplicateKeyError) -> bool:
     if isinstance(error, DuplicateKeyError):
         return True
-    return any(e.get("code") == _DUPLICATE_KEY for e in write_errors(error))
+    return any(e.get("code") == DUPLICATE_KEY for e in write_errors(error))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+DUPLICATE_KEY = 11000  # DuplicateKey, in a bulk write's writeErrors
+
 
 async def start_session(client: Any) -> Any:
     """A new session of ``client``, to be used with ``async with``."""

@@ -32,12 +32,12 @@ from typing import Any
 
 from pymongo.errors import BulkWriteError
 
+from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import utc_now
 
-_DUPLICATE_KEY = 11000
 _ATTEMPTS = 3  # a reservation that expires between our insert and our read is tried again
 
 
@@ -77,7 +77,7 @@ class EventIds:
             except BulkWriteError as error:
                 failed = {wanted[e["index"]]: e.get("code") for e in write_errors(error)}
                 reserved += [i for i in wanted if i not in failed]
-                if any(code != _DUPLICATE_KEY for code in failed.values()):
+                if any(code != DUPLICATE_KEY for code in failed.values()):
                     yield from self.release(reserved, collection, doc_id, session)
                     raise error
                 mine = yield from self._owned(list(failed), collection, doc_id, session, reserved)
