@@ -1,7 +1,9 @@
 """mongo-outbox: reliable event publishing from MongoDB.
 
-Save an aggregate and its events atomically (``Outbox.save_with_events``), relay them to a broker
-at least once and in order per aggregate (``PollingRelay``), and consume them effectively once.
+Write an aggregate and its events atomically (``Outbox.save_with_events``, ``update_with_events``,
+``delete_with_events``, ``add_events``; ``mongo_outbox.sync.Outbox`` for PyMongo's sync client),
+relay them to a broker at least once and in order per aggregate (``PollingRelay``), and consume
+them effectively once.
 """
 
 from mongo_outbox.backoff import Backoff

@@ -101,7 +101,8 @@ class DocumentWriter:
         except OperationFailure as error:
             if error.code in _TOO_LARGE:
                 raise too_large(plan, error) from error
-            if plan.kind == "update" and error.code in _REFUSED_UPDATE:
+            transient = error.has_error_label("TransientTransactionError")
+            if plan.kind == "update" and error.code in _REFUSED_UPDATE and not transient:
                 raise InvalidAggregateError(
                     f"MongoDB refused the update of {plan.collection.name} {plan.doc_id!r}: "
                     f"{error.details.get('errmsg') if error.details else error} "
