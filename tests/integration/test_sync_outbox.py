@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import bson
@@ -17,7 +17,7 @@ from mongo_outbox.publishers import NatsPublisher
 from tests.integration.test_publishers import read_stream
 from tests.support.apis import Writer
 from tests.support.contents import contents
-from tests.support.servers import NATS_URL
+from tests.support.servers import NATS_URL, MongoServer
 from tests.support.waiting import until
 
 MODES = ["collection", "embedded"]
@@ -184,3 +184,30 @@ async def test_the_async_relays_publish_what_the_sync_api_saved_to_nats(
     for aggregate in {e.aggregate_id for e in committed}:
         numbers = [e.sequence for e in received if e.aggregate_id == aggregate]
         assert numbers == list(range(1, len(numbers) + 1)), aggregate
+
+
+def test_the_sync_outbox_refuses_collections_and_sessions_of_other_clients(
+    client: Any, sync_client: MongoClient[Any], mongo: MongoServer
+) -> None:
+    from mongo_outbox import InvalidAggregateError
+    from mongo_outbox.sync import Outbox as SyncOutbox
+
+    shop = sync_client[f"t_{uuid.uuid4().hex[:12]}"]
+    outbox = SyncOutbox(shop)
+    other: MongoClient[Any] = MongoClient(mongo.uri)
+    try:
+        with other.start_session() as session:
+            writes: list[Callable[[], object]] = [
+                lambda: outbox.save_with_events(None, client[shop.name].orders, {"_id": 1}, []),
+                lambda: outbox.update_with_events(
+                    None, other[shop.name].orders, {"_id": 1}, {"$set": {"a": 1}}, []
+                ),
+                lambda: outbox.delete_with_events(session, shop.orders, {"_id": 1}, []),
+            ]
+            for write in writes:
+                with pytest.raises(InvalidAggregateError):
+                    write()
+        assert shop.list_collection_names() == []
+    finally:
+        other.close()
+        sync_client.drop_database(shop.name)
