@@ -16,7 +16,8 @@ from typing import Any
 
 from benchmarks.bench_publishers import bounded, make_events
 from benchmarks.common import NATS_URL, RABBITMQ_URL, client, header, say, standalone, unique
-from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay
+from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay, Saved
+from mongo_outbox._steps import run_async
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 
 EVENTS = 100
@@ -57,7 +58,8 @@ async def commit(outbox: Outbox, orders: Any, n: int, emulated: bool) -> Any:
     event = [Event(type="t")]
     if not emulated:
         return await outbox.save_with_events(None, orders, {"_id": n}, event)
-    return await outbox._write(outbox._plan(None, orders, {"_id": n}, event, None), None)
+    plan = outbox._rules.save(None, orders, {"_id": n}, event, None)
+    return Saved(*await run_async(outbox._write(plan, None)))
 
 
 async def latency(mongo: Any, kind: str, emulated: bool) -> list[float]:

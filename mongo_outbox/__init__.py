@@ -1,12 +1,15 @@
 """mongo-outbox: reliable event publishing from MongoDB.
 
-Save an aggregate and its events atomically (``Outbox.save_with_events``), relay them to a broker
-at least once and in order per aggregate (``PollingRelay``), and consume them effectively once.
+Write an aggregate and its events atomically (``Outbox.save_with_events``, ``update_with_events``,
+``delete_with_events``, ``add_events``; ``mongo_outbox.sync.Outbox`` for PyMongo's sync client),
+relay them to a broker at least once and in order per aggregate (``PollingRelay``), and consume
+them effectively once.
 """
 
 from mongo_outbox.backoff import Backoff
 from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
+    AggregateNotFoundError,
     BrokerFullError,
     BrokerUnavailableError,
     ChangeStreamError,
@@ -37,6 +40,7 @@ from mongo_outbox.relay import PollingRelay, RelayStats
 from mongo_outbox.settings import RelaySettings
 
 __all__ = [
+    "AggregateNotFoundError",
     "Backoff",
     "BrokerFullError",
     "BrokerUnavailableError",

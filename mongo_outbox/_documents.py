@@ -1,27 +1,46 @@
 """How an aggregate document is written, and what a refused write means.
 
-A document that must not exist yet (``expected_version=0``) is created with a plain insert: an
-existing document, with or without a ``_version``, fails it on its ``_id``, and an insert is the
-cheapest create. Any other save is one ``findAndModify`` whose update pipeline replaces the
-document's fields and keeps its counters: ``_version`` (one step per save) and ``_sequence`` (one
-step per event). In embedded mode the same write appends the entries and sets the due time.
+Each write also moves the document's counters: ``_version`` one step, ``_sequence`` one step per
+event. It returns both as they are after the write, and the events are numbered from them.
 
-When the update matches nothing, one read tells why: an event of the save is already pending in
-the document (a save repeated after it succeeded), or the version moved on.
+- save, ``expected_version=0``: a plain insert. An existing document, with or without a
+  ``_version``, fails it on its ``_id``, and an insert is the cheapest create.
+- save otherwise: one ``findAndModify`` whose update pipeline replaces the document's fields and
+  keeps its counters (and in embedded mode appends the entries and sets the due time).
+- update: one ``findAndModify`` with the caller's update and the outbox's part merged in: ``$inc``
+  of the counters for operators, a last ``$set`` stage for a pipeline. In embedded mode the
+  entries' sequences come from the stored ``_sequence``, which an operator update cannot read:
+  there the write is preceded by a read of the counters, and guarded by them (a concurrent write
+  makes it match nothing, and it is tried again).
+- delete: one ``findAndModify`` that removes the document and returns its counters.
+- add (events beside the caller's own writes): one ``findAndModify`` of ``$inc`` alone.
+
+When a write matches nothing, ``_refusals.py`` reads why: an error, or a concurrent write that got
+in first, and then the write is tried again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from pymongo import ReturnDocument
-from pymongo.errors import BulkWriteError, DocumentTooLarge, DuplicateKeyError, OperationFailure
+from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
-from mongo_outbox._codec import encode
-from mongo_outbox.errors import ConcurrencyError, DuplicateEventError, InvalidAggregateError
-from mongo_outbox.events import Event
+from mongo_outbox._plans import Plan
+from mongo_outbox._refusals import (
+    at_version,
+    conflict,
+    explain,
+    not_found,
+    on_id,
+    read,
+    too_large,
+)
+from mongo_outbox._steps import Steps, call
+from mongo_outbox._updates import guarded, with_operators
+from mongo_outbox.errors import InvalidAggregateError
 
 _TOO_LARGE = frozenset(
     {
@@ -30,6 +49,32 @@ _TOO_LARGE = frozenset(
         17420,  # the document to upsert exceeds the limit
     }
 )
+# The server refused the caller's update for this document: the input's fault, nothing written.
+_REFUSED_UPDATE = frozenset(
+    {
+        2,  # BadValue
+        9,  # FailedToParse
+        14,  # TypeMismatch
+        15,  # Overflow
+        16,  # InvalidLength
+        28,  # PathNotViable
+        40,  # ConflictingUpdateOperators
+        52,  # DollarPrefixedFieldName
+        54,  # NotSingleValueField
+        55,  # InvalidDBRef
+        56,  # EmptyFieldName
+        57,  # DottedFieldName
+        66,  # ImmutableField
+        241,  # ConversionFailure
+        16554,  # $add of a value that is not a number or date
+        16555,  # $multiply of a value that is not a number
+        16556,  # $subtract of values that do not subtract
+        16702,  # $concat of a value that is not a string
+        40324,  # an unknown pipeline stage
+    }
+)
+_ATTEMPTS = 3  # a write that a concurrent one keeps overtaking ends in ConcurrencyError
+_COUNTERS = {"_version": 1, "_sequence": 1}
 
 
 class DocumentWriter:
@@ -41,146 +86,213 @@ class DocumentWriter:
         self.due_field = due_field
         self.claim_field = claim_field
         self.wait_field = wait_field
+        self._entries = field if mode == "embedded" else None
 
-    async def write(self, plan: Plan, session: Any, now: datetime) -> tuple[int, int]:
+    def write(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
         """Write the document; return its new ``_version`` and ``_sequence``."""
         try:
-            if plan.expected_version == 0:
-                return await self._insert(plan, session, now)
-            return await self._update(plan, session, now)
+            if plan.kind == "save" and plan.expected_version == 0:
+                return (yield from self._insert(plan, session, now))
+            if plan.kind == "delete":
+                return (yield from self._delete(plan, session))
+            return (yield from self._update(plan, session, now))
         except DocumentTooLarge as error:
-            raise _too_large(plan, error) from error
+            raise too_large(plan, error) from error
         except OperationFailure as error:
             if error.code in _TOO_LARGE:
-                raise _too_large(plan, error) from error
+                raise too_large(plan, error) from error
+            transient = error.has_error_label("TransientTransactionError")
+            if plan.kind == "update" and error.code in _REFUSED_UPDATE and not transient:
+                raise InvalidAggregateError(
+                    f"MongoDB refused the update of {plan.collection.name} {plan.doc_id!r}: "
+                    f"{error.details.get('errmsg') if error.details else error} "
+                    f"(code {error.code})",
+                    collection=plan.collection.name,
+                ) from error
             raise
 
-    async def _insert(self, plan: Plan, session: Any, now: datetime) -> tuple[int, int]:
+    def _insert(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
         n = len(plan.events)
         document = plan.body | {"_version": 1, "_sequence": n}
         if self.mode == "embedded":
             document[self.field] = [
-                encode(e, "id") | {"sequence": i} for i, e in enumerate(plan.events, start=1)
+                entry | {"sequence": i} for i, entry in enumerate(plan.entries, start=1)
             ]
             if n:
                 document[self.due_field] = now
         try:
-            await plan.collection.insert_one(document, session=session)
+            yield call(plan.collection, "insert_one", document, session=session)
         except DuplicateKeyError as error:
-            if not _on_id(error):
+            if not on_id(error):
                 raise
-            raise _conflict(plan) from error
+            raise conflict(plan) from error
         return 1, n
 
-    async def _update(self, plan: Plan, session: Any, now: datetime) -> tuple[int, int]:
+    def _update(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
+        embedded = self.mode == "embedded" and bool(plan.events)
+        for _ in range(_ATTEMPTS):
+            if embedded and isinstance(plan.update, dict):
+                found = yield from read(plan, {"_id": plan.doc_id}, session, self.due_field)
+                written = yield from self._write_known(plan, session, now, found)
+            else:
+                written = yield from self._write_blind(plan, session, now)
+            if written is not None:
+                return written
+            yield from explain(plan, session, self._entries, self.due_field)
+        raise conflict(plan)
+
+    def _write_blind(
+        self, plan: Plan, session: Any, now: datetime
+    ) -> Steps[tuple[int, int] | None]:
+        """One write that moves the counters where they are: no need to read them first."""
+        conditions = _version_guard(plan.expected_version)
+        if self.mode == "embedded" and plan.events:
+            # A retried write whose events are already pending here must not add them twice.
+            conditions[f"{self.field}.id"] = {"$nin": [e.id for e in plan.events]}
+        sets = self._counted(plan, now)
+        if plan.kind == "save":
+            # Replace the fields, keep the counters (and the embedded fields): one stage.
+            update: Any = [{"$replaceWith": {"$mergeObjects": [{"$literal": plan.body}, sets]}}]
+            query, upsert = {"_id": plan.doc_id}, plan.expected_version is None
+        elif isinstance(plan.update, dict):
+            update = with_operators(
+                plan.update, {"$inc": {"_version": 1, "_sequence": len(plan.events)}}
+            )
+            query, upsert = plan.query, plan.upsert
+        else:
+            update = [*(plan.update or []), {"$set": sets}]
+            query, upsert = plan.query, plan.upsert
+        return (
+            yield from self._find_and_modify(
+                plan, guarded(query, conditions), update, upsert, session
+            )
+        )
+
+    def _write_known(
+        self, plan: Plan, session: Any, now: datetime, found: Mapping[str, Any] | None
+    ) -> Steps[tuple[int, int] | None]:
+        """Embedded mode, an operator update with events: the entries are numbered from the
+        counters just read, and the write holds only if they are still those."""
+        if found is None and not plan.upsert:
+            return None
+        expected = plan.expected_version
+        if not at_version(found, expected):
+            raise conflict(plan)
+        base = (found or {}).get("_sequence")
+        entries = [
+            entry | {"sequence": (base or 0) + i} for i, entry in enumerate(plan.entries, start=1)
+        ]
+        conditions: dict[str, Any] = {
+            "_sequence": base if base is not None else {"$exists": False},
+            f"{self.field}.id": {"$nin": [e.id for e in plan.events]},
+            **_version_guard(expected),
+        }
+        sets: dict[str, Any] = {}
+        if (found or {}).get(self.due_field) is None:
+            conditions[self.due_field] = None  # still not due (null or missing): make it due now
+            sets[self.due_field] = now
+        else:
+            # A due time is kept (a relay's lease or backoff), but only if it is still there: a
+            # relay's settle may have removed it since the read, which would strand the entries.
+            conditions[self.due_field] = {"$ne": None}
+        assert isinstance(plan.update, dict)
+        update = with_operators(
+            plan.update,
+            {
+                "$inc": {"_version": 1, "_sequence": len(entries)},
+                "$push": {self.field: {"$each": entries}},
+                "$set": sets,
+            },
+        )
+        query = guarded(plan.query, conditions)
+        upsert = plan.upsert and found is None
+        return (yield from self._find_and_modify(plan, query, update, upsert, session))
+
+    def _counted(self, plan: Plan, now: datetime) -> dict[str, Any]:
+        """The ``$set`` stage that moves the counters (and appends embedded entries)."""
         n = len(plan.events)
         sets: dict[str, Any] = {
             "_version": {"$add": [{"$ifNull": ["$_version", 0]}, 1]},
             "_sequence": {"$add": [{"$ifNull": ["$_sequence", 0]}, n]},
         }
-        query: dict[str, Any] = {"_id": plan.doc_id}
-        if plan.expected_version is not None:
-            query["_version"] = plan.expected_version
         if self.mode == "embedded":
             base = {"$ifNull": ["$_sequence", 0]}
             entries = [
                 {
                     "$mergeObjects": [
-                        {"$literal": encode(e, "id")},
+                        {"$literal": entry},
                         {"sequence": {"$add": [base, i]}},
                     ]
                 }
-                for i, e in enumerate(plan.events, start=1)
+                for i, entry in enumerate(plan.entries, start=1)
             ]
-            sets[self.field] = {"$concatArrays": [{"$ifNull": [f"${self.field}", []]}, entries]}
-            # Keep a live claim's due time, so a relay's lease survives a concurrent save.
-            sets[self.due_field] = (
-                {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
+            if n or plan.kind == "save":
+                sets[self.field] = {"$concatArrays": [{"$ifNull": [f"${self.field}", []]}, entries]}
+                # Keep a live claim's due time, so a relay's lease survives a concurrent save.
+                sets[self.due_field] = (
+                    {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
+                )
+            if plan.kind == "save":
+                # The relay's own fields survive a save: $replaceWith would drop them otherwise.
+                sets[self.claim_field] = f"${self.claim_field}"
+                sets[self.wait_field] = f"${self.wait_field}"
+        return sets
+
+    def _find_and_modify(
+        self, plan: Plan, query: dict[str, Any], update: Any, upsert: bool, session: Any
+    ) -> Steps[tuple[int, int] | None]:
+        try:
+            stored = yield call(
+                plan.collection,
+                "find_one_and_update",
+                query,
+                update,
+                upsert=upsert,
+                projection=_COUNTERS,
+                return_document=ReturnDocument.AFTER,
+                session=session,
             )
-            # The relay's own fields survive a save: $replaceWith would drop them otherwise.
-            sets[self.claim_field] = f"${self.claim_field}"
-            sets[self.wait_field] = f"${self.wait_field}"
-            if n:
-                # A retried save whose events are already pending here must not add them twice.
-                query[f"{self.field}.id"] = {"$nin": [e.id for e in plan.events]}
-        pipeline = [{"$replaceWith": {"$mergeObjects": [{"$literal": plan.body}, sets]}}]
-        for _ in range(2):
-            try:
-                stored = await plan.collection.find_one_and_update(
-                    query,
-                    pipeline,
-                    upsert=plan.expected_version is None,
-                    projection={"_version": 1, "_sequence": 1},
-                    return_document=ReturnDocument.AFTER,
-                    session=session,
-                )
-            except DuplicateKeyError as error:
-                if not _on_id(error):
-                    raise
-                # The upsert matched nothing and its insert hit the document that is there.
-                stored = None
-            if stored is not None:
-                return stored["_version"], stored["_sequence"]
-            await self._refusal(plan, session)
-        raise _conflict(plan)
+        except DuplicateKeyError as error:
+            if not on_id(error):
+                raise
+            # The upsert matched nothing and its insert hit the document that is there.
+            return None
+        if stored is None:
+            return None
+        return stored["_version"], stored["_sequence"]
 
-    async def _refusal(self, plan: Plan, session: Any) -> None:
-        """Why the update matched nothing: raise it, or return if a retry may succeed."""
-        ids = [e.id for e in plan.events]
-        query = {"_id": plan.doc_id, f"{self.field}.id": {"$in": ids}}
-        if self.mode == "embedded" and ids:
-            try:
-                holder = await plan.collection.find_one(query, {"_id": 1}, session=session)
-            except OperationFailure:  # the refusal aborted the caller's transaction
-                holder = await plan.collection.find_one(query, {"_id": 1})
-            if holder is not None:
-                raise DuplicateEventError(
-                    f"{plan.collection.name} {plan.doc_id!r} already holds a pending event of "
-                    f"these ids: {ids}",
-                    collection=plan.collection.name,
-                )
-        if plan.expected_version is not None:
-            raise _conflict(plan)
-        # No expected version: a concurrent save created the document meanwhile; try again.
+    def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
+        query = guarded(plan.query, _version_guard(plan.expected_version))
+        for _ in range(_ATTEMPTS):
+            removed = yield call(
+                plan.collection, "find_one_and_delete", query, projection=_COUNTERS, session=session
+            )
+            if removed is not None:
+                version = removed.get("_version", 0) + 1
+                return version, removed.get("_sequence", 0) + len(plan.events)
+            yield from explain(plan, session, self._entries, self.due_field)
+        raise conflict(plan)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One save, checked: what to write where, and the version it expects."""
-
-    collection: Any
-    body: dict[str, Any]
-    doc_id: Any
-    events: list[Event]
-    expected_version: int | None
-
-
-def _conflict(plan: Plan) -> ConcurrencyError:
-    return ConcurrencyError(
-        f"{plan.collection.name} {plan.doc_id!r} is not at version {plan.expected_version}"
-        + (" (it exists already)" if plan.expected_version == 0 else ""),
-        collection=plan.collection.name,
-        aggregate_id=plan.doc_id,
-        expected_version=plan.expected_version or 0,
+def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
+    """add_events: move the counters of a document the caller wrote in its own transaction."""
+    stored = yield call(
+        plan.collection,
+        "find_one_and_update",
+        {"_id": plan.doc_id},
+        {"$inc": {"_version": 1, "_sequence": len(plan.events)}},
+        projection=_COUNTERS,
+        return_document=ReturnDocument.AFTER,
+        session=session,
     )
+    if stored is None:
+        raise not_found(plan, exists=False)
+    return stored["_version"], stored["_sequence"]
 
 
-def _too_large(plan: Plan, error: Exception) -> InvalidAggregateError:
-    return InvalidAggregateError(
-        f"{plan.collection.name} {plan.doc_id!r}: the document with its pending events would be "
-        f"too large for MongoDB ({error}); keep the relay running, or save fewer events",
-        collection=plan.collection.name,
-    )
-
-
-def _on_id(error: DuplicateKeyError) -> bool:
-    details = error.details or {}
-    pattern = details.get("keyPattern")
-    if pattern is not None:
-        return dict(pattern) == {"_id": 1}
-    return " index: _id_ " in str(details.get("errmsg", error))
-
-
-def write_errors(error: BulkWriteError) -> list[dict[str, Any]]:
-    errors: list[dict[str, Any]] = error.details.get("writeErrors", [])
-    return errors
+def _version_guard(expected: int | None) -> dict[str, Any]:
+    if expected is None:
+        return {}
+    # 0 (must not exist yet) matches no document, so an upsert must insert: an existing
+    # document, even one without _version, fails that insert on its _id.
+    return {"_version": expected if expected else {"$lt": 0}}

@@ -32,8 +32,9 @@ from typing import Any
 
 from pymongo.errors import BulkWriteError
 
-from mongo_outbox._documents import write_errors
 from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._refusals import write_errors
+from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import utc_now
 
@@ -47,22 +48,22 @@ class EventIds:
         self.registry = registry
         self.retention = retention
 
-    async def ensure_index(self) -> None:
-        await self.registry.create_index("expire_at", expireAfterSeconds=0, name="ttl")
+    def ensure_index(self) -> Steps[None]:
+        yield call(self.registry, "create_index", "expire_at", expireAfterSeconds=0, name="ttl")
 
-    async def reserve(
+    def reserve(
         self, ids: Sequence[str], collection: str, doc_id: Any, session: Any
-    ) -> list[str]:
+    ) -> Steps[list[str]]:
         """Reserve ``ids`` for the document ``doc_id`` of ``collection``; return the ids this call
         reserved (not those a crashed earlier save of the same document had). Raises
         DuplicateEventError, having reserved nothing, if an id belongs to another document."""
         if not ids:
             return []
         if session is not None and session.in_transaction:
-            mine = await self._owned(list(ids), collection, doc_id, session, [])
+            mine = yield from self._owned(list(ids), collection, doc_id, session, [])
             missing = [i for i in ids if i not in mine]
             try:
-                await self._insert(missing, collection, doc_id, session)
+                yield from self._insert(missing, collection, doc_id, session)
             except BulkWriteError as error:
                 # A concurrent save took the id since our read; the transaction is aborted.
                 raise _duplicate(error, collection) from error
@@ -71,37 +72,45 @@ class EventIds:
         wanted = list(ids)
         for _ in range(_ATTEMPTS):
             try:
-                await self._insert(wanted, collection, doc_id, session)
+                yield from self._insert(wanted, collection, doc_id, session)
                 return reserved + wanted
             except BulkWriteError as error:
                 failed = {wanted[e["index"]]: e.get("code") for e in write_errors(error)}
                 reserved += [i for i in wanted if i not in failed]
                 if any(code != DUPLICATE_KEY for code in failed.values()):
-                    await self.release(reserved, collection, doc_id, session)
-                    raise
-                mine = await self._owned(list(failed), collection, doc_id, session, reserved)
+                    yield from self.release(reserved, collection, doc_id, session)
+                    raise error
+                mine = yield from self._owned(list(failed), collection, doc_id, session, reserved)
                 # Whatever is neither ours nor another's expired since the insert: try again.
                 wanted = [i for i in failed if i not in mine]
             if not wanted:
                 return reserved
-        await self.release(reserved, collection, doc_id, session)
+        yield from self.release(reserved, collection, doc_id, session)
         raise DuplicateEventError(
             f"event ids {wanted} kept colliding in {self.registry.name}", collection=collection
         )
 
-    async def release(self, ids: Sequence[str], collection: str, doc_id: Any, session: Any) -> None:
+    def release(
+        self, ids: Sequence[str], collection: str, doc_id: Any, session: Any
+    ) -> Steps[None]:
         """Remove reservations ``reserve`` made, when the document write wrote nothing."""
         if ids:
-            await self.registry.delete_many(
+            yield call(
+                self.registry,
+                "delete_many",
                 {"_id": {"$in": list(ids)}, "collection": collection, "aggregate": doc_id},
                 session=session,
             )
 
-    async def _insert(self, ids: Sequence[str], collection: str, doc_id: Any, session: Any) -> None:
+    def _insert(
+        self, ids: Sequence[str], collection: str, doc_id: Any, session: Any
+    ) -> Steps[None]:
         if not ids:
             return
         expire_at = utc_now() + self.retention
-        await self.registry.insert_many(
+        yield call(
+            self.registry,
+            "insert_many",
             [
                 {"_id": i, "collection": collection, "aggregate": doc_id, "expire_at": expire_at}
                 for i in ids
@@ -110,18 +119,18 @@ class EventIds:
             session=session,
         )
 
-    async def _owned(
+    def _owned(
         self, ids: list[str], collection: str, doc_id: Any, session: Any, reserved: list[str]
-    ) -> set[str]:
+    ) -> Steps[set[str]]:
         """Which of ``ids`` are already reserved for this document; DuplicateEventError (after
         releasing ``reserved``) if one is another document's."""
-        found = await self.registry.find({"_id": {"$in": ids}}, session=session).to_list(None)
+        found = yield listing(self.registry, "find", {"_id": {"$in": ids}}, session=session)
         mine: set[str] = set()
         for entry in found:
             if (entry.get("collection"), entry.get("aggregate")) == (collection, doc_id):
                 mine.add(entry["_id"])
                 continue
-            await self.release(reserved, collection, doc_id, session)
+            yield from self.release(reserved, collection, doc_id, session)
             raise DuplicateEventError(
                 f"event id {entry['_id']} is already in {entry.get('collection')} "
                 f"{entry.get('aggregate')!r} (pending, or published less than retention ago): "

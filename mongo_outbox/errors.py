@@ -8,6 +8,7 @@
     ├── ConfigurationError       a setting is out of range (a duration, a count, a template)
     ├── UsageError               the API was called in a way it does not support
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
+    ├── AggregateNotFoundError   no document matches an update's or delete's filter
     ├── DuplicateEventError      an event id is already in the outbox
     ├── PublishError             the broker did not confirm a message
     │   └── BrokerUnavailableError  the broker could not be reached: not the message's fault
@@ -69,6 +70,16 @@ class ConcurrencyError(OutboxError):
         self.collection = collection
         self.aggregate_id = aggregate_id
         self.expected_version = expected_version
+
+
+class AggregateNotFoundError(OutboxError):
+    """No document matches the filter of ``update_with_events`` (without ``upsert``) or
+    ``delete_with_events``, or ``add_events`` found no aggregate document to count on."""
+
+    def __init__(self, message: str, *, collection: str, aggregate_id: Any) -> None:
+        super().__init__(message)
+        self.collection = collection
+        self.aggregate_id = aggregate_id
 
 
 class DuplicateEventError(OutboxError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import math
 import os
 import re
@@ -9,11 +10,12 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
@@ -102,6 +104,18 @@ def _check_json(value: Any, path: str) -> None:
             _check_json(item, f"{path}[{index}]")
 
 
+def _dumped(value: Any) -> Any:
+    """A pydantic model payload as its JSON-mode dump, which the JSON checks then see."""
+    if not isinstance(value, BaseModel):
+        return value
+    dumped = value.model_dump(mode="json", by_alias=True)
+    if not isinstance(dumped, dict):
+        raise ValueError(
+            f"payload: {type(value).__name__} dumps to {type(dumped).__name__}, not an object"
+        )
+    return dumped
+
+
 def _json_object(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
     _check_json(value, "payload")
     return value
@@ -187,13 +201,18 @@ def _headers(value: dict[str, str]) -> dict[str, str]:
 
 
 AggregateId = str | int
+M = TypeVar("M", bound=BaseModel)
 
 
 class Event(BaseModel):
     """A domain event, immutable once built.
 
-    ``aggregate_type``, ``aggregate_id`` and ``sequence`` are filled in by ``save_with_events``;
+    ``aggregate_type``, ``aggregate_id`` and ``sequence`` are filled in by the outbox's writes;
     ``sequence`` is the event's position in its aggregate's history, starting at 1.
+
+    ``payload`` is a JSON object: a dict, or a pydantic model, stored as its JSON-mode dump (by
+    alias), so datetimes, UUIDs, Decimals and enums become JSON by pydantic's rules;
+    ``payload_as(Model)`` validates it back.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -202,9 +221,9 @@ class Event(BaseModel):
         default_factory=new_event_id
     )
     type: Annotated[str, Field(min_length=1, max_length=200)]
-    payload: Annotated[dict[str, JsonValue], AfterValidator(_json_object)] = Field(
-        default_factory=dict
-    )
+    payload: Annotated[
+        dict[str, JsonValue], BeforeValidator(_dumped), AfterValidator(_json_object)
+    ] = Field(default_factory=dict)
     aggregate_type: str | None = None
     aggregate_id: AggregateId | None = None
     sequence: Annotated[int, Field(ge=1)] | None = None
@@ -227,6 +246,28 @@ class Event(BaseModel):
             super().__init__(**data)
         except ValidationError as error:
             raise InvalidEventError(f"invalid event: {error}", event_id=data.get("id")) from error
+
+    @classmethod
+    def of(cls, payload: BaseModel, *, type: str, **fields: Any) -> Event:
+        """An event of ``type`` whose payload is the model ``payload``; ``fields`` are the
+        other fields (``id``, ``headers``, ``correlation_id``, ...)."""
+        if not isinstance(payload, BaseModel):
+            raise InvalidEventError(
+                f"Event.of takes a pydantic model, not {payload.__class__.__name__}: "
+                "pass a dict as Event(type=..., payload=...)",
+                event_id=fields.get("id"),
+            )
+        return cls(type=type, payload=payload, **fields)
+
+    def payload_as(self, model: builtins.type[M]) -> M:
+        """The payload validated as ``model``; InvalidEventError if it does not fit."""
+        try:
+            return model.model_validate(self.payload)
+        except ValidationError as error:
+            raise InvalidEventError(
+                f"the payload of event {self.id} ({self.type}) is not a {model.__name__}: {error}",
+                event_id=self.id,
+            ) from error
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Event:

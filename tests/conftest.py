@@ -1,12 +1,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, MongoClient
 
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
@@ -43,6 +43,14 @@ async def client(mongo: MongoServer) -> AsyncIterator[AsyncMongoClient[Any]]:
     client: AsyncMongoClient[Any] = AsyncMongoClient(mongo.uri, tz_aware=True)
     yield client
     await client.close()
+
+
+@pytest.fixture(scope="session")
+def sync_client(mongo: MongoServer) -> Iterator[MongoClient[Any]]:
+    """A PyMongo sync client of the same server, for mongo_outbox.sync."""
+    client: MongoClient[Any] = MongoClient(mongo.uri, tz_aware=True)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""`make demo`'s script, run as a user would, against the test MongoDB and the real brokers."""
+"""The examples, run as a user would, against the test MongoDB (and, for `make demo`'s script,
+the real brokers)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,32 @@ def test_demo_publishes_every_committed_event_and_nothing_else(
     assert summary["committed events missing on the broker"] == "0"
     assert summary["events on the broker that were never committed"] == "0"
     assert summary["per-order sequence order held"] == "True"
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+def test_the_cart_example_rebuilds_every_total_from_its_typed_events(
+    mongo: MongoServer, mode: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "examples/cart_service.py", "--carts", "20", "--mode", mode],
+        cwd=ROOT,
+        env=os.environ | {"MONGODB_URI": mongo.uri},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
+    summary = {key.strip(): value.strip() for key, value in lines}
+    # 20 carts: opened, 2 items each, every third a mug added and the pens removed, every fifth
+    # abandoned and the rest checked out; collection mode also reserves stock per item added.
+    added = 20 * 2 + 7
+    events = 20 + added + 7 + 20
+    if mode == "collection":
+        events += added
+    assert summary["events published"] == str(events)
+    assert summary["carts checked out"] == "16"
+    assert summary["abandoned carts left"] == "0"
+    assert summary["totals rebuilt from events match the carts"] == "True"
+    assert summary["sequences gap-free per cart"] == "True"

@@ -58,3 +58,27 @@ async def test_motor_session_of_another_client_is_refused(
             await Outbox(motor_db).save_with_events(session, motor_db.orders, {"_id": 1}, [])
     other.close()
     assert await motor_db.orders.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_motor_updates_deletes_and_adds_events(motor_db: Any, mode: str) -> None:
+    client = motor_db.client
+    outbox = Outbox(motor_db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.update_with_events(
+        None, motor_db.orders, {"_id": 1}, {"$set": {"n": 1}}, [Event(type="a")], upsert=True
+    )
+    await outbox.update_with_events(
+        None, motor_db.orders, {"_id": 1}, [{"$set": {"n": 2}}], [Event(type="b")]
+    )
+    if mode == "collection":
+        async with await client.start_session() as session:
+            async with session.start_transaction():
+                await motor_db.orders.update_one({"_id": 1}, {"$inc": {"n": 1}}, session=session)
+                await outbox.add_events(session, motor_db.orders, 1, [Event(type="c")])
+        await outbox.delete_with_events(None, motor_db.orders, {"_id": 1}, [Event(type="d")])
+    publisher = MemoryPublisher()
+    await PollingRelay(outbox, publisher).drain()
+    expected = ["a", "b", "c", "d"] if mode == "collection" else ["a", "b"]
+    assert [(e.type, e.sequence) for e in publisher.events] == [
+        (kind, n) for n, kind in enumerate(expected, start=1)
+    ]

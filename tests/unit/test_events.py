@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import enum
 import uuid
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from mongo_outbox import Backoff, Event, InvalidEventError, OutboxError, new_event_id
 
@@ -137,3 +140,69 @@ def test_backoff_grows_exponentially_with_full_jitter() -> None:
         assert max(delays) > ceiling / 2  # spread over the range, not stuck at zero
     with pytest.raises(ValueError, match="initial"):
         Backoff(initial=0)
+
+
+class Status(enum.Enum):
+    PAID = "paid"
+
+
+class Line(BaseModel):
+    sku: str
+    price: Decimal
+
+
+class OrderPaid(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    order_id: uuid.UUID
+    at: datetime
+    status: Status
+    lines: list[Line]
+    total: Decimal = Field(alias="grandTotal")
+
+
+def order_paid() -> OrderPaid:
+    return OrderPaid(
+        order_id=uuid.uuid4(),
+        at=datetime(2024, 5, 1, 12, 30, tzinfo=timezone.utc),
+        status=Status.PAID,
+        lines=[Line(sku="book", price=Decimal("9.90"))],
+        grandTotal=Decimal("9.90"),
+    )
+
+
+def test_a_model_payload_is_stored_as_its_json_dump_and_validates_back() -> None:
+    paid = order_paid()
+    event = Event.of(paid, type="order.paid", correlation_id="c-1")
+    assert event.type == "order.paid" and event.correlation_id == "c-1"
+    assert event.payload == {
+        "order_id": str(paid.order_id),
+        "at": "2024-05-01T12:30:00Z",
+        "status": "paid",
+        "lines": [{"sku": "book", "price": "9.90"}],
+        "grandTotal": "9.90",
+    }
+    assert Event(type="order.paid", payload=paid).payload == event.payload
+    assert event.payload_as(OrderPaid) == paid
+    assert Event.from_json(event.model_dump_json()).payload_as(OrderPaid) == paid
+
+
+def test_a_payload_that_does_not_fit_the_model_raises_an_invalid_event_error() -> None:
+    event = Event(type="order.paid", payload={"order_id": "not a uuid"})
+    with pytest.raises(InvalidEventError) as caught:
+        event.payload_as(OrderPaid)
+    assert caught.value.event_id == event.id and "OrderPaid" in str(caught.value)
+
+
+def test_model_payloads_obey_the_rules_of_dict_payloads() -> None:
+    class Huge(BaseModel):
+        n: int
+
+    class Keyed(BaseModel):
+        values: dict[str, int]
+
+    for payload in (Huge(n=2**70), Keyed(values={"$set": 1}), RootModel[list[int]]([1, 2])):
+        with pytest.raises(InvalidEventError):
+            Event(type="x", payload=payload)
+    with pytest.raises(InvalidEventError, match="pydantic model"):
+        Event.of({"a": 1}, type="x")  # type: ignore[arg-type]

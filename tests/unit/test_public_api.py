@@ -11,6 +11,7 @@ import mongo_outbox
 import mongo_outbox.publishers
 
 EXTRA = {
+    "AggregateNotFoundError",
     "BrokerFullError",
     "BrokerUnavailableError",
     "ChangeStreamError",
@@ -143,3 +144,26 @@ def test_every_public_import_path_of_the_first_version_still_works(module: str) 
     imported = importlib.import_module(module)
     for name in IMPORT_PATHS[module]:
         assert getattr(imported, name) is not None, f"{module}.{name}"
+
+
+def test_the_sync_outbox_offers_every_write_of_the_async_one_without_await() -> None:
+    import mongo_outbox.sync
+
+    assert set(mongo_outbox.sync.__all__) == {"Outbox", "Saved"}
+    assert mongo_outbox.sync.Saved is mongo_outbox.Saved
+    writes = [
+        "ensure_indexes",
+        "save_with_events",
+        "update_with_events",
+        "delete_with_events",
+        "add_events",
+    ]
+    for name in writes:
+        async_write = getattr(mongo_outbox.Outbox, name)
+        sync_write = getattr(mongo_outbox.sync.Outbox, name)
+        assert inspect.iscoroutinefunction(async_write), name
+        assert not inspect.iscoroutinefunction(sync_write), name
+        assert inspect.signature(sync_write) == inspect.signature(async_write), name
+    for function in (getattr(mongo_outbox.sync.Outbox, name) for name in writes):
+        for annotation in inspect.get_annotations(function).values():
+            assert "mongo_outbox._" not in str(annotation)

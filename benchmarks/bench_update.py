@@ -1,0 +1,230 @@
+"""``update_with_events`` and the sync API against the hand-written writes they replace.
+
+The workload: ``UPDATES`` updates ``{"$set": {"status": ...}, "$inc": {"total": 1}}`` spread
+over ``AGGREGATES`` existing orders, one event each. Every side builds its writes from the same
+Event objects inside the timed loop, as an application would; every run gets a fresh database
+(emulator writes cost O(collection size)); runs alternate, so drift hits all sides alike.
+
+Baselines, as the issue states them:
+
+- collection mode: ``with_transaction`` holding ``update_one`` with the same update and
+  ``insert_one`` of the outbox entry. It numbers nothing: the library's ``findAndModify`` also
+  moves ``_version``/``_sequence`` and returns them, so the entry carries its sequence.
+- embedded mode: one ``update_one`` with the same update, ``$push`` of the entry and ``$set`` of
+  the due time. The library also reserves the event id in the registry (one insert) and, for an
+  operator update, reads the counters first (an operator update cannot number the entries from
+  the stored ``_sequence``); a second by-hand side adds the registry insert, and a library side
+  with the same change as a pipeline update (one write, no read) shows what the read costs.
+- the sync API: the same two baselines written with PyMongo's sync client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pymongo import MongoClient
+
+from benchmarks.common import client, fresh_db, header, median, say, standalone, unique
+from mongo_outbox import Event, Outbox
+from mongo_outbox.events import utc_now
+from mongo_outbox.sync import Outbox as SyncOutbox
+
+UPDATES = 200
+AGGREGATES = 50
+REPEATS = 5
+
+Side = Callable[[Any, str, dict[str, Any], Event], Awaitable[None]]
+"""One update: (database, order id, update, event)."""
+
+
+def workload() -> list[tuple[str, dict[str, Any], Event]]:
+    return [
+        (
+            f"order-{n % AGGREGATES}",
+            {"$set": {"status": f"s{n % 7}"}, "$inc": {"total": 1}},
+            Event(type="order.updated", payload={"n": n}, aggregate_type="orders"),
+        )
+        for n in range(UPDATES)
+    ]
+
+
+def entry(event: Event, id_key: str, key: str) -> dict[str, Any]:
+    data = event.model_dump() | {"aggregate_id": key}
+    data[id_key] = data.pop("id")
+    return data
+
+
+def as_pipeline(update: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workload's update as a pipeline stage: the same change."""
+    sets = {k: {"$literal": v} for k, v in update["$set"].items()}
+    sets |= {k: {"$add": [{"$ifNull": [f"${k}", 0]}, v]} for k, v in update["$inc"].items()}
+    return [{"$set": sets}]
+
+
+def outbox_options(mode: str) -> dict[str, Any]:
+    return {"mode": mode, "collections": ["orders"]} if mode == "embedded" else {}
+
+
+def library(mode: str, pipeline: bool = False) -> Side:
+    outboxes: dict[str, Outbox] = {}  # one per database, built once as a service does
+
+    async def update(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
+        outbox = outboxes.get(db.name) or outboxes.setdefault(
+            db.name, Outbox(db, **outbox_options(mode))
+        )
+        doc = as_pipeline(change) if pipeline else change
+        await outbox.update_with_events(None, db.orders, {"_id": key}, doc, [event])
+
+    return update
+
+
+def by_hand(mode: str, registry: bool = False) -> Side:
+    async def transaction(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
+        pending = {"status": "pending", "available_at": utc_now(), "attempts": 0}
+
+        async def write(session: Any) -> None:
+            await db.orders.update_one({"_id": key}, change, session=session)
+            await db.outbox.insert_one(entry(event, "_id", key) | pending, session=session)
+
+        async with db.client.start_session() as session:
+            await session.with_transaction(write)
+
+    async def pushed(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
+        if registry:
+            reservation = {"_id": event.id, "collection": "orders", "aggregate": key}
+            await db.outbox_event_ids.insert_one(reservation)
+        await db.orders.update_one(
+            {"_id": key},
+            {
+                "$set": change["$set"] | {"_outbox_due": utc_now()},
+                "$inc": change["$inc"],
+                "$push": {"_outbox": entry(event, "id", key)},
+            },
+        )
+
+    return pushed if mode == "embedded" else transaction
+
+
+def sync_library(mongo: MongoClient[Any], mode: str) -> Side:
+    outboxes: dict[str, SyncOutbox] = {}
+
+    async def update(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
+        sync_db = mongo[db.name]
+        outbox = outboxes.get(db.name) or outboxes.setdefault(
+            db.name, SyncOutbox(sync_db, **outbox_options(mode))
+        )
+        outbox.update_with_events(None, sync_db.orders, {"_id": key}, change, [event])
+
+    return update
+
+
+def sync_by_hand(mongo: MongoClient[Any], mode: str) -> Side:
+    async def update(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
+        sync_db = mongo[db.name]
+        if mode == "embedded":
+            sync_db.orders.update_one(
+                {"_id": key},
+                {
+                    "$set": change["$set"] | {"_outbox_due": utc_now()},
+                    "$inc": change["$inc"],
+                    "$push": {"_outbox": entry(event, "id", key)},
+                },
+            )
+            return
+        pending = {"status": "pending", "available_at": utc_now(), "attempts": 0}
+
+        def write(session: Any) -> None:
+            sync_db.orders.update_one({"_id": key}, change, session=session)
+            sync_db.outbox.insert_one(entry(event, "_id", key) | pending, session=session)
+
+        with mongo.start_session() as session:
+            session.with_transaction(write)
+
+    return update
+
+
+async def one_run(mongo: Any, side: Side) -> float:
+    """Seconds per update, over UPDATES updates of existing orders in a fresh database."""
+    work = workload()
+    async with fresh_db(mongo) as db:
+        for name in ("orders", "outbox", "outbox_event_ids"):
+            await db.create_collection(name)
+        await db.orders.insert_many(
+            [
+                {"_id": f"order-{n}", "total": 0, "_version": 1, "_sequence": 0}
+                for n in range(AGGREGATES)
+            ]
+        )
+        start = time.perf_counter()
+        for key, change, event in work:
+            await side(db, key, change, event)
+        return (time.perf_counter() - start) / UPDATES
+
+
+async def compare(mongo: Any, title: str, sides: dict[str, Side]) -> list[str]:
+    """Median seconds per update of each side, and the first side's ratio to each other one
+    (the first other side is the issue's baseline)."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for repeat in range(REPEATS):
+        order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+        for name in order:
+            seconds[name].append(await one_run(mongo, sides[name]))
+    medians = {name: median(values) for name, values in seconds.items()}
+    names = list(sides)
+    mine = medians[names[0]]
+    lines = [f"{title}: {names[0]} {mine * 1000:6.2f} ms/update"]
+    lines += [
+        f"  vs {name:<52} {medians[name] * 1000:6.2f} ms  ratio {mine / medians[name]:.2f}"
+        for name in names[1:]
+    ]
+    for line in lines:
+        say(line)
+    return lines
+
+
+async def run(uri: str) -> list[str]:
+    header(
+        f"update_with_events ($set + $inc, one event) vs hand-written writes: {UPDATES} updates "
+        f"over {AGGREGATES} orders, median of {REPEATS} alternating runs"
+    )
+    mongo = client(uri)
+    sync_mongo: MongoClient[Any] = MongoClient(uri, tz_aware=True, appname=unique("sync"))
+    try:
+        lines = await compare(
+            mongo,
+            "collection",
+            {
+                "update_with_events": library("collection"),
+                "update_one + insert_one in a transaction": by_hand("collection"),
+            },
+        )
+        lines += await compare(
+            mongo,
+            "embedded",
+            {
+                "update_with_events": library("embedded"),
+                "update_one with $push": by_hand("embedded"),
+                "registry insert + update_one with $push": by_hand("embedded", registry=True),
+                "update_with_events, the same as a pipeline": library("embedded", pipeline=True),
+            },
+        )
+        for mode in ("collection", "embedded"):
+            what = "update_one with $push" if mode == "embedded" else "update_one + insert_one txn"
+            lines += await compare(
+                mongo,
+                f"sync {mode}",
+                {
+                    "sync update_with_events": sync_library(sync_mongo, mode),
+                    f"sync {what}": sync_by_hand(sync_mongo, mode),
+                },
+            )
+        return lines
+    finally:
+        sync_mongo.close()
+        await mongo.close()
+
+
+if __name__ == "__main__":
+    standalone(run)

@@ -1,0 +1,177 @@
+"""What the async ``Outbox`` and ``mongo_outbox.sync.Outbox`` share: the settings, the storage
+layout the relays read, and every write as steps (``_steps.py``), so the two APIs store the same
+documents by the same rules.
+
+A write with events, in collection mode: the aggregate document (``_documents.py``), then its
+entries inserted into the outbox collection, in one transaction. In embedded mode: the event ids
+reserved in the registry (``_event_ids.py`` says why that second write loses nothing), then the
+document with its entries in one single-document write; a refused document write takes its
+reservations back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
+
+from mongo_outbox._aggregates import type_map
+from mongo_outbox._documents import DocumentWriter, bump
+from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._event_ids import EventIds
+from mongo_outbox._plans import Plan, Rules
+from mongo_outbox._refusals import write_errors
+from mongo_outbox._steps import Steps, call
+from mongo_outbox.errors import DuplicateEventError, OutboxError
+from mongo_outbox.events import Event, utc_now
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["collection", "embedded"]
+Written = tuple[Any, int, list[Event]]
+"""A write's result: the aggregate's ``_id``, its new version, the events as stored."""
+
+
+class OutboxCore:
+    """The settings and writes of an outbox; see ``mongo_outbox.Outbox`` for the parameters."""
+
+    def __init__(
+        self,
+        db: Any,
+        *,
+        mode: Mode = "collection",
+        collection: str = "outbox",
+        collections: Sequence[str] = (),
+        retention: timedelta = timedelta(days=7),
+        field: str = "_outbox",
+        aggregate_types: Mapping[str, str] | None = None,
+    ) -> None:
+        if mode not in ("collection", "embedded"):
+            raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
+        if mode == "embedded" and not collections:
+            raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
+        if retention <= timedelta(0):
+            raise ValueError("retention must be positive")
+        self.db = db
+        self.mode: Mode = mode
+        self.retention = retention
+        self.collection = db[collection]
+        self.collections = tuple(collections)
+        self.aggregate_types = type_map(aggregate_types, self.collections)
+        self.event_ids = db[f"{collection}_event_ids"]
+        self.field = field
+        self.due_field = f"{field}_due"
+        self.claim_field = f"{field}_claim"
+        self.wait_field = f"{field}_wait"
+        owned = {"_version", "_sequence"}
+        if mode == "embedded":
+            owned |= {field, self.due_field, self.claim_field, self.wait_field}
+        self._reserved = frozenset(owned)
+        self._rules = Rules(db, mode, self.collections, self.aggregate_types, self._reserved)
+        self._registry = EventIds(self.event_ids, retention)
+        self._documents = DocumentWriter(
+            mode, field, self.due_field, self.claim_field, self.wait_field
+        )
+
+    def _index_steps(self) -> Steps[None]:
+        """The indexes the relay and the TTL pruning need. Idempotent."""
+        if self.mode == "collection":
+            outbox = self.collection
+            yield call(
+                outbox, "create_index", [("status", 1), ("available_at", 1)], name="relay_due"
+            )
+            yield call(
+                outbox,
+                "create_index",
+                [("aggregate_type", 1), ("aggregate_id", 1), ("sequence", 1)],
+                name="aggregate",
+            )
+            # Only published entries get expire_at, so pending ones never expire.
+            yield call(outbox, "create_index", "expire_at", expireAfterSeconds=0, name="ttl")
+            # Entries waiting for the broker, woken at once when it is back.
+            yield call(outbox, "create_index", "waiting", sparse=True, name="waiting")
+            return
+        for name in self.collections:
+            aggregates = self.db[name]
+            yield call(
+                aggregates,
+                "create_index",
+                self.due_field,
+                sparse=True,
+                name=f"{self.field}_relay_due",
+            )
+            # Parked entries stay in their documents; this finds them without a scan.
+            yield call(
+                aggregates,
+                "create_index",
+                f"{self.field}.parked",
+                sparse=True,
+                name=f"{self.field}_parked",
+            )
+            yield call(
+                aggregates, "create_index", self.wait_field, sparse=True, name=f"{self.field}_wait"
+            )
+        yield from self._registry.ensure_index()
+
+    def _transactional(self, session: Any) -> bool:
+        """Whether a write must run in a transaction of its own: collection mode writes two
+        collections, unless the caller's transaction holds them already."""
+        return self.mode == "collection" and not (session is not None and session.in_transaction)
+
+    def _steps(self, plan: Plan, session: Any) -> Steps[Written]:
+        if self.mode == "collection":
+            return (yield from self._write(plan, session))
+        ids = [e.id for e in plan.events]
+        name = plan.collection.name
+        reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
+        try:
+            return (yield from self._write(plan, session))
+        except (OutboxError, OperationFailure) as refused:
+            # The document write was refused and wrote nothing: take the reservations back.
+            # (Not after a network error or a cancellation: the write may have happened.)
+            try:
+                yield from self._registry.release(reserved, name, plan.doc_id, session)
+            except PyMongoError as error:  # e.g. the transaction the refusal aborted
+                log.warning("event ids %s stay reserved until they expire: %s", reserved, error)
+            raise refused
+
+    def _write(self, plan: Plan, session: Any) -> Steps[Written]:
+        n = len(plan.events)
+        now = utc_now()
+        if plan.kind == "add":
+            version, last = yield from bump(plan, session)
+        else:
+            version, last = yield from self._documents.write(plan, session, now)
+        first = last - n + 1
+        events = [
+            e.model_copy(update=plan.stamp | {"sequence": first + i})
+            for i, e in enumerate(plan.events)
+        ]
+        if self.mode == "collection" and events:
+            pending = {"status": "pending", "available_at": now, "attempts": 0}
+            entries = [
+                entry | {"sequence": first + i} | pending for i, entry in enumerate(plan.entries)
+            ]
+            try:
+                if len(entries) == 1:  # the cheaper command for the commonest case
+                    yield call(self.collection, "insert_one", entries[0], session=session)
+                else:
+                    yield call(self.collection, "insert_many", entries, session=session)
+            except (BulkWriteError, DuplicateKeyError) as error:
+                if not _duplicate(error):
+                    raise
+                raise DuplicateEventError(
+                    f"an event id is already in {self.collection.name} (pending, or published "
+                    f"less than retention ago): {error}",
+                    collection=plan.collection.name,
+                ) from error
+        return plan.doc_id, version, events
+
+
+def _duplicate(error: BulkWriteError | DuplicateKeyError) -> bool:
+    if isinstance(error, DuplicateKeyError):
+        return True
+    return any(e.get("code") == DUPLICATE_KEY for e in write_errors(error))

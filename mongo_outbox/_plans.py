@@ -1,0 +1,284 @@
+"""The rules every write with events obeys, checked before anything is written: one place for
+both the async ``Outbox`` and ``mongo_outbox.sync.Outbox``.
+
+A ``Plan`` is a write that passed them: the collection of the outbox's own client and database
+(and, in embedded mode, one its relay scans), the aggregate's ``_id``, its events stamped with
+``aggregate_type`` and ``aggregate_id``, a document, filter or update MongoDB will take, and
+sizes within MongoDB's limits. What only the server can find (an update that does not apply to
+the stored document, a document grown too large) fails the one write that would have stored it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import bson
+from bson import ObjectId
+from bson.errors import InvalidDocument
+
+from mongo_outbox._aggregates import aggregate_id, check_size, encoded_size, type_of
+from mongo_outbox._codec import encode
+from mongo_outbox._updates import Update, check_update, id_of
+from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
+from mongo_outbox.events import Event
+
+Kind = Literal["save", "update", "delete", "add"]
+
+_ENTRY_OVERHEAD = 32  # bytes an entry gains when stored: its sequence, its array index
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One write, checked: what to write where, and the version it expects."""
+
+    kind: Kind
+    collection: Any
+    doc_id: Any
+    events: list[Event]
+    """The caller's events, checked; ``stamp`` and a sequence make them the stored ones."""
+    entries: list[dict[str, Any]]
+    """The events encoded as entries (id under ``id`` in embedded mode, else ``_id``), stamped."""
+    stamp: dict[str, Any]
+    """``aggregate_type`` and ``aggregate_id`` of the events."""
+    expected_version: int | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+    """save: the document's fields, without those the outbox owns."""
+    query: dict[str, Any] = field(default_factory=dict)
+    """update, delete, add: the caller's filter (it names ``_id``)."""
+    update: Update | None = None
+    upsert: bool = False
+
+
+class Rules:
+    """The checks of an outbox over ``db`` in ``mode``; ``owned`` are the fields it owns."""
+
+    def __init__(
+        self,
+        db: Any,
+        mode: str,
+        collections: Sequence[str],
+        aggregate_types: Mapping[str, str],
+        owned: frozenset[str],
+    ) -> None:
+        self.db = db
+        self.mode = mode
+        self.collections = tuple(collections)
+        self.aggregate_types = aggregate_types
+        self.owned = owned
+
+    def save(
+        self,
+        session: Any,
+        collection: Any,
+        document: dict[str, Any],
+        events: Sequence[Event],
+        expected_version: int | None,
+    ) -> Plan:
+        name = self._check_collection(collection, session)
+        if not isinstance(document, Mapping):
+            raise InvalidAggregateError("the document must be a mapping", collection=name)
+        _check_expected(expected_version, name)
+        if "_id" not in document:
+            if expected_version:
+                raise InvalidAggregateError(
+                    f"a document without _id cannot match expected_version {expected_version}",
+                    collection=name,
+                )
+            document["_id"] = ObjectId()  # as insert_one does
+        doc_id = document["_id"]
+        checked, stamp = self._stamp(events, name, doc_id)
+        body = {k: v for k, v in document.items() if k not in self.owned}
+        size = encoded_size(body, collection, "the document")
+        entries = self._entries(collection, checked, stamp, size)
+        return Plan(
+            "save", collection, doc_id, checked, entries, stamp, expected_version, body=body
+        )
+
+    def update(
+        self,
+        session: Any,
+        collection: Any,
+        query: Any,
+        update: Any,
+        events: Sequence[Event],
+        upsert: bool,
+        expected_version: int | None,
+    ) -> Plan:
+        name = self._check_collection(collection, session)
+        _check_expected(expected_version, name)
+        if not isinstance(upsert, bool):
+            raise InvalidAggregateError(f"upsert must be a bool, not {upsert!r}", collection=name)
+        if expected_version == 0 and not upsert:
+            raise InvalidAggregateError(
+                "expected_version=0 means the aggregate must not exist yet: pass upsert=True to "
+                "create it with this update",
+                collection=name,
+            )
+        doc_id = id_of(query, name)
+        change = check_update(update, self.owned, name)
+        _check_encodable({"q": query, "u": change}, collection, "the filter or update")
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
+        return Plan(
+            "update",
+            collection,
+            doc_id,
+            checked,
+            entries,
+            stamp,
+            expected_version,
+            query=dict(query),
+            update=change,
+            upsert=upsert,
+        )
+
+    def delete(
+        self,
+        session: Any,
+        collection: Any,
+        query: Any,
+        events: Sequence[Event],
+        expected_version: int | None,
+    ) -> Plan:
+        name = self._check_collection(collection, session)
+        if self.mode == "embedded":
+            raise UsageError(
+                f"delete_with_events is not available in embedded mode: the events of {name} "
+                "live in the document it would delete. Mark the aggregate deleted with "
+                "update_with_events and delete the document once its _outbox is empty, or use "
+                "collection mode (docs/outbox.md, 'Deleting')"
+            )
+        _check_expected(expected_version, name)
+        if expected_version == 0:
+            raise InvalidAggregateError(
+                "expected_version=0 means the aggregate must not exist: there is nothing to delete",
+                collection=name,
+            )
+        doc_id = id_of(query, name)
+        _check_encodable({"q": query}, collection, "the filter")
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
+        return Plan(
+            "delete",
+            collection,
+            doc_id,
+            checked,
+            entries,
+            stamp,
+            expected_version,
+            query=dict(query),
+        )
+
+    def add(self, session: Any, collection: Any, doc_id: Any, events: Sequence[Event]) -> Plan:
+        name = self._check_collection(collection, session)
+        if self.mode == "embedded":
+            raise UsageError(
+                "add_events is for collection mode; in embedded mode the events go into the "
+                "aggregate document: write them with update_with_events"
+            )
+        if session is None or not session.in_transaction:
+            raise UsageError(
+                "add_events records events beside writes you make in your own transaction: call "
+                "it with a session inside an open transaction (session.start_transaction)"
+            )
+        query = {"_id": doc_id}
+        _check_encodable({"q": query}, collection, "the aggregate id")
+        checked, stamp = self._stamp(events, name, doc_id)
+        entries = self._entries(collection, checked, stamp, 0)
+        return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
+
+    def _check_collection(self, collection: Any, session: Any) -> str:
+        name: str = collection.name
+        database = collection.database
+        # Clients are compared, not names: a namesake database of another client (or a Motor
+        # database beside a PyMongo one) is out of this outbox's and its relay's sight.
+        if database.client is not self.db.client or database.name != self.db.name:
+            raise InvalidAggregateError(
+                f"{database.name}.{name} is not a collection of the outbox's client and "
+                f"database {self.db.name}: the relay would never see its events",
+                collection=name,
+            )
+        if self.mode == "embedded" and name not in self.collections:
+            raise InvalidAggregateError(
+                f"{name} is not in this outbox's collections {list(self.collections)}: "
+                "the relay would never see its events",
+                collection=name,
+            )
+        if session is not None and session.client is not self.db.client:
+            raise InvalidAggregateError(
+                "the session belongs to another client than the outbox", collection=name
+            )
+        return name
+
+    def _stamp(
+        self, events: Iterable[Event], name: str, doc_id: Any
+    ) -> tuple[list[Event], dict[str, Any]]:
+        """The events, checked, and the stamp that makes them this aggregate's."""
+        stamp: dict[str, Any] = {
+            "aggregate_type": type_of(self.aggregate_types, name),
+            "aggregate_id": aggregate_id(doc_id, name),
+        }
+        if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
+            raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
+        seen: set[str] = set()
+        checked = []
+        for event in events:
+            if not isinstance(event, Event):
+                raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
+            if event.id in seen:
+                raise InvalidEventError(f"event id {event.id} appears twice", event_id=event.id)
+            seen.add(event.id)
+            for key, value in stamp.items():
+                given = getattr(event, key)
+                if given is not None and given != value:
+                    raise InvalidEventError(
+                        f"event {event.id} has {key} {given!r}, but {name} {doc_id!r} "
+                        f"publishes as {value!r}",
+                        event_id=event.id,
+                    )
+            checked.append(event)
+        return checked, stamp
+
+    def _entries(
+        self, collection: Any, events: list[Event], stamp: dict[str, Any], document_size: int
+    ) -> list[dict[str, Any]]:
+        """The events as stored entries; InvalidAggregateError for sizes beyond MongoDB's."""
+        name = collection.name
+        id_key = "id" if self.mode == "embedded" else "_id"
+        entries = [encode(e, id_key) | stamp for e in events]
+        sizes = [
+            encoded_size(entry, collection, f"event {e.id}") + _ENTRY_OVERHEAD
+            for e, entry in zip(events, entries, strict=True)
+        ]
+        if self.mode == "embedded":
+            check_size(document_size + sum(sizes), name, "the document with its new events")
+        else:
+            check_size(document_size, name, "the document")
+            for event, entry_size in zip(events, sizes, strict=True):
+                check_size(entry_size, name, f"event {event.id}")
+        return entries
+
+
+def _check_expected(expected_version: Any, name: str) -> None:
+    if expected_version is not None and (
+        isinstance(expected_version, bool)
+        or not isinstance(expected_version, int)
+        or expected_version < 0
+    ):
+        raise InvalidAggregateError(
+            f"expected_version must be an int >= 0, not {expected_version!r}", collection=name
+        )
+
+
+def _check_encodable(value: Mapping[str, Any], collection: Any, what: str) -> None:
+    # The driver would refuse it only once the write is under way (after an embedded save's
+    # event ids were reserved): refuse it first.
+    try:
+        bson.encode(value, codec_options=collection.codec_options)
+    except (InvalidDocument, OverflowError, UnicodeEncodeError, TypeError, ValueError) as error:
+        raise InvalidAggregateError(
+            f"{what} cannot be sent to MongoDB: {type(error).__name__}: {error}",
+            collection=collection.name,
+        ) from error

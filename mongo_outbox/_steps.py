@@ -1,0 +1,83 @@
+"""One implementation of the write rules for PyMongo's async and sync APIs.
+
+The write side is written once, as generators that ``yield`` each database call they need (a
+``Call``: which collection, which method, which arguments) and receive its result back, or its
+exception thrown in at the ``yield``. The control flow (retry a refused upsert, explain why an
+update matched nothing, release event-id reservations after a refusal) lives in those
+generators; ``run_async`` and ``run_sync`` only perform the calls, awaiting them or not. So
+``mongo_outbox.Outbox`` and ``mongo_outbox.sync.Outbox`` cannot drift apart: they run the same
+steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    """``target.method(*args, **kwargs)``; ``listed``: the method returns a cursor, read whole."""
+
+    target: Any
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    listed: bool = False
+
+
+Steps = Generator[Call, Any, T]
+"""A write as a generator of the calls it makes, returning its result."""
+
+
+def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Call:
+    return Call(target, method, args, kwargs)
+
+
+def listing(target: Any, method: str, *args: Any, **kwargs: Any) -> Call:
+    return Call(target, method, args, kwargs, listed=True)
+
+
+async def run_async(steps: Steps[T]) -> T:
+    """Perform ``steps`` with an async client (PyMongo's async API or Motor)."""
+    reply: Any = None
+    failure: Exception | None = None
+    while True:
+        try:
+            step = steps.send(reply) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+        reply, failure = None, None
+        try:
+            made = getattr(step.target, step.method)(*step.args, **step.kwargs)
+            if step.listed:
+                reply = await made.to_list(None)
+            elif inspect.isawaitable(made):
+                reply = await made
+            else:
+                reply = made
+        except Exception as error:  # noqa: BLE001 - handed to the steps, which decide
+            failure = error
+
+
+def run_sync(steps: Steps[T]) -> T:
+    """Perform ``steps`` with PyMongo's sync client."""
+    reply: Any = None
+    failure: Exception | None = None
+    while True:
+        try:
+            step = steps.send(reply) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+        reply, failure = None, None
+        try:
+            made = getattr(step.target, step.method)(*step.args, **step.kwargs)
+            reply = list(made) if step.listed else made
+        except Exception as error:  # noqa: BLE001 - handed to the steps, which decide
+            failure = error
