@@ -38,9 +38,17 @@ NEEDS = (
 )
 
 
+def installed(name: str) -> bool:
+    # find_spec imports a dotted name's parents, and raises when a parent is missing.
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    missing = [name for name in NEEDS if not installed(name)]
     if missing:
         pytest.skip(
             f"the docs site needs the docs extra (pip install -e '.[docs]'); missing: {missing}"
