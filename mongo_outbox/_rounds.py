@@ -40,7 +40,7 @@ from mongo_outbox.publishers.base import (
     unavailable,
 )
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.stats import RelayStats
+from mongo_outbox.stats import RelayStats, RelayStatus, State
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -82,6 +82,32 @@ class Rounds:
             yield
         finally:
             self._busy = False
+
+    async def status(
+        self,
+        name: str,
+        state: State,
+        *,
+        active: bool,
+        checkpoint_at: datetime | None = None,
+        recoveries: int = 0,
+        last_error: str | None = None,
+    ) -> RelayStatus:
+        """What both relays' ``status()`` report: their own state, and the outbox's backlog and
+        parked entries as the store reads them now."""
+        backlog = await self.store.backlog()
+        return RelayStatus(
+            name=name,
+            state=state,
+            active=active,
+            last_checkpoint_at=checkpoint_at,
+            pending=backlog.pending,
+            oldest_pending_age=utc_now() - backlog.oldest if backlog.oldest else None,
+            parked=await self.store.parked_count(),
+            publish_failures=self.stats.failed,
+            recoveries=recoveries,
+            last_error=last_error or self.stats.last_error,
+        )
 
     async def drain(self) -> int:
         """Publish what is due now, round after round; return how many were published. Only
@@ -302,6 +328,17 @@ class Rounds:
 
 class _NotStarted(Exception):
     """A publish not started because the claim could run out before it ends."""
+
+
+def transition(
+    logger: logging.Logger, name: str, current: State, state: State, reason: str
+) -> State:
+    """Log a relay's change of state, one line with its reason (nothing when it stays put), and
+    return the new state."""
+    if state != current:
+        level = logging.WARNING if state == "failed" else logging.INFO
+        logger.log(level, "relay %s: %s -> %s (%s)", name, current, state, reason)
+    return state
 
 
 async def pause(stopping: asyncio.Event, seconds: float) -> None:
