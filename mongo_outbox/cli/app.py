@@ -1,0 +1,23 @@
+"""The ``mongo-outbox`` command group: one command (or group) per module."""
+
+from __future__ import annotations
+
+import click
+
+from mongo_outbox.cli.relay import relay
+from mongo_outbox.cli.status import status
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="mongo-outbox")
+def cli() -> None:
+    """Run the mongo-outbox relay as a service, see the outbox's health, and recover
+    dead-lettered events and messages.
+
+    Every option has an environment twin: --uri is MONGO_OUTBOX_URI, --routing-key is
+    MONGO_OUTBOX_ROUTING_KEY, and so on.
+    """
+
+
+cli.add_command(relay)
+cli.add_command(status)
