@@ -78,7 +78,7 @@ class Service:
         except asyncio.TimeoutError:
             self.process.kill()
             await self.process.wait()
-            raise AssertionError(f"mongo-outbox {self.args[0]} did not exit within {timeout}s")
+            raise AssertionError(f"{self.args[0]} did not exit in {timeout}s") from None
         assert self.process.returncode is not None
         return Ran(self.process.returncode, out.decode(), err.decode())
 
