@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from mongo_outbox.cli.inbox import inbox
+from mongo_outbox.cli.indexes import ensure_indexes
+from mongo_outbox.cli.parked import parked
 from mongo_outbox.cli.relay import relay
 from mongo_outbox.cli.status import status
 
@@ -19,5 +22,5 @@ def cli() -> None:
     """
 
 
-cli.add_command(relay)
-cli.add_command(status)
+for command in (relay, status, parked, inbox, ensure_indexes):
+    cli.add_command(command)

@@ -196,6 +196,15 @@ def target_options(function: F) -> F:
     return command  # type: ignore[return-value]
 
 
+def selection(ids: bool, filters: bool, everything: bool, choices: str) -> None:
+    """Refuse a requeue that names nothing, or ``--all`` beside a narrower choice: a requeue
+    of everything is never a default."""
+    if everything and (ids or filters):
+        raise Failure(f"--all stands alone: choose {choices}")
+    if not (ids or filters or everything):
+        raise Failure(f"choose what to requeue: {choices}")
+
+
 # -- MongoDB ----------------------------------------------------------------------------------
 
 
