@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -86,27 +86,29 @@ class Rounds:
     async def status(
         self,
         name: str,
-        state: State,
+        state: Callable[[], tuple[State, bool]],
         *,
-        active: bool,
         checkpoint_at: datetime | None = None,
         recoveries: int = 0,
-        last_error: str | None = None,
+        last_error: Callable[[], str | None] = lambda: None,
     ) -> RelayStatus:
-        """What both relays' ``status()`` report: their own state, and the outbox's backlog and
-        parked entries as the store reads them now."""
+        """What both relays' ``status()`` report: the outbox's backlog and parked entries as
+        the store reads them now, and the relay's ``state()`` (state, active) as it is once
+        they are read, not as it was before."""
         backlog = await self.store.backlog()
+        parked = await self.store.parked_count()
+        now_state, active = state()
         return RelayStatus(
             name=name,
-            state=state,
+            state=now_state,
             active=active,
             last_checkpoint_at=checkpoint_at,
             pending=backlog.pending,
             oldest_pending_age=utc_now() - backlog.oldest if backlog.oldest else None,
-            parked=await self.store.parked_count(),
+            parked=parked,
             publish_failures=self.stats.failed,
             recoveries=recoveries,
-            last_error=last_error or self.stats.last_error,
+            last_error=last_error() or self.stats.last_error,
         )
 
     async def drain(self) -> int:
@@ -208,10 +210,27 @@ class Rounds:
     ) -> tuple[list[Event], list[Failure], int]:
         """Publish a claim's events in waves, starting none after ``deadline`` (loop time).
         Returns what was published, what failed, and how many were left for lack of time."""
+        published, errors, left = await self.publish_waves(claim.groups, deadline, lost)
+        failed = [
+            self._failure(event, error, claim, confirmed) for event, error, confirmed in errors
+        ]
+        return published, failed, left
+
+    async def publish_waves(
+        self,
+        groups: Sequence[Sequence[Event]],
+        deadline: float = math.inf,
+        lost: asyncio.Event | None = None,
+    ) -> tuple[list[Event], list[tuple[Event, BaseException, bool]], int]:
+        """Publish groups of events, each group in its order, in waves: a group's next event
+        goes out once its previous one is confirmed, and a failure ends its group. Returns what
+        was published; each failure with its error and whether the broker had confirmed
+        others by then; and how many were left for lack of time (a group cut short by a
+        failure counts in neither)."""
         loop = asyncio.get_running_loop()
         published: list[Event] = []
-        failed: list[Failure] = []
-        queues = [list(reversed(group)) for group in claim.groups]
+        errors: list[tuple[Event, BaseException, bool]] = []
+        queues = [list(reversed(group)) for group in groups]
         left = 0
         while queues and loop.time() <= deadline and not (lost and lost.is_set()):
             wave = [queue.pop() for queue in queues]
@@ -226,10 +245,10 @@ class Rounds:
                 elif isinstance(error, _NotStarted):
                     left += 1 + len(queue)
                 else:
-                    failed.append(self._failure(event, error, claim, confirmed))
+                    errors.append((event, error, confirmed))
             queues = survivors
         # What is left unpublished is released by settle, due at once, still in order.
-        return published, failed, left + sum(map(len, queues))
+        return published, errors, left + sum(map(len, queues))
 
     async def _publish_wave(self, wave: list[Event], deadline: float) -> list[BaseException | None]:
         """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that
@@ -328,17 +347,6 @@ class Rounds:
 
 class _NotStarted(Exception):
     """A publish not started because the claim could run out before it ends."""
-
-
-def transition(
-    logger: logging.Logger, name: str, current: State, state: State, reason: str
-) -> State:
-    """Log a relay's change of state, one line with its reason (nothing when it stays put), and
-    return the new state."""
-    if state != current:
-        level = logging.WARNING if state == "failed" else logging.INFO
-        logger.log(level, "relay %s: %s -> %s (%s)", name, current, state, reason)
-    return state
 
 
 async def pause(stopping: asyncio.Event, seconds: float) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause, transition
+from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, seconds
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import RelayStats, RelayStatus, State
+from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
 
 __all__ = ["PollingRelay", "RelayStats"]
 
@@ -116,7 +116,9 @@ class PollingRelay:
         several are active at once and ``last_checkpoint_at`` is ``None``; ``recoveries`` stays
         0 (a failed round is retried, and its error kept in ``last_error``)."""
         return await self._rounds.status(
-            self.name, self.state, active=self.state == "active", last_error=self.last_error
+            self.name,
+            lambda: (self.state, self.state == "active"),
+            last_error=lambda: self.last_error,
         )
 
     async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:

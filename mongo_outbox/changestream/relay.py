@@ -24,7 +24,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._rounds import Rounds, pause, transition
+from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
@@ -39,7 +39,7 @@ from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import RelayStatus, State
+from mongo_outbox.stats import RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,10 @@ class ChangeStreamRelay:
         doc = await self.checkpoint.load()
         return await self._rounds.status(
             self.name,
-            self.state,
-            active=self.state == "active" and not self._lost.is_set(),
+            lambda: (self.state, self.state == "active" and not self._lost.is_set()),
             checkpoint_at=doc.get("checkpoint_at"),
             recoveries=self.recoveries,
-            last_error=self.last_error,
+            last_error=lambda: self.last_error,
         )
 
     async def parked(self) -> list[dict[str, Any]]:
