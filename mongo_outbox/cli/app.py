@@ -8,6 +8,7 @@ from mongo_outbox.cli.inbox import inbox
 from mongo_outbox.cli.indexes import ensure_indexes
 from mongo_outbox.cli.parked import parked
 from mongo_outbox.cli.relay import relay
+from mongo_outbox.cli.replay import replay_command
 from mongo_outbox.cli.status import status
 
 
@@ -22,5 +23,5 @@ def cli() -> None:
     """
 
 
-for command in (relay, status, parked, inbox, ensure_indexes):
+for command in (relay, status, parked, inbox, replay_command, ensure_indexes):
     cli.add_command(command)
