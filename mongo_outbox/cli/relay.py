@@ -50,6 +50,7 @@ Relay = PollingRelay | ChangeStreamRelay
 @option("--claim-lease", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--publish-timeout", type=float, default=10.0, show_default=True, help="Seconds.")
 @option("--interval", type=float, default=1.0, show_default=True, help="Polling: idle sleep.")
+@option("--max-wait", type=float, default=0.05, show_default=True, help="Change stream: batching.")
 @option("--leader-lease", type=float, default=15.0, show_default=True, help="Change stream.")
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Change stream.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds.")
@@ -73,6 +74,7 @@ class _Plan:
             publish_timeout=given["publish_timeout"],
         )
         self.interval = seconds(given["interval"], "--interval")
+        self.max_wait = seconds(given["max_wait"], "--max-wait")
         self.leader_lease = seconds(given["leader_lease"], "--leader-lease")
         self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
@@ -89,6 +91,7 @@ class _Plan:
             publisher,
             name=self.name,
             settings=self.settings,
+            max_wait=self.max_wait,
             leader_lease=self.leader_lease,
             sweep_interval=self.sweep_interval,
             checkpoints=self.checkpoints,
