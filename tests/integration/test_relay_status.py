@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.waiting import until
 
@@ -101,3 +101,26 @@ async def test_both_relays_report_the_same_outbox_alike(db: Any, mode: str) -> N
         assert status.pending == 2 and status.parked == 1 and status.state == "starting"
     assert polling.oldest_pending_age and streaming.oldest_pending_age
     assert abs(polling.oldest_pending_age - streaming.oldest_pending_age).total_seconds() < 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_both_relays_park_a_poison_event_after_ten_attempts_by_default(
+    db: Any, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    [poison] = await save(outbox, db, 1, "poison")
+    broken = MemoryPublisher(fail=lambda e: ValueError("cannot encode"))
+    fast = RelaySettings(backoff=Backoff(initial=0.001, maximum=0.001))  # max_attempts: default
+    assert fast.max_attempts == RelaySettings().max_attempts == 10
+    relay = PollingRelay(outbox, broken, settings=fast)
+    assert ChangeStreamRelay(outbox, broken, name="cs").settings.max_attempts == 10
+    assert PollingRelay(outbox, broken).settings.max_attempts == 10
+
+    async def parked() -> bool:
+        await relay.drain()
+        return (await relay.status()).parked == 1
+
+    await until(parked, timeout=20, every=0.01)
+    [entry] = await relay.parked()
+    assert entry["_id"] == poison.id and entry["attempts"] == 10
