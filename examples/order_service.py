@@ -1,78 +1,56 @@
-"""The demo: an order service saving orders with events, and a relay publishing them.
+"""The demo: an order service saves orders while the change-stream relay, run through the
+``mongo-outbox`` command line, publishes them live.
 
     make demo            # or: python examples/order_service.py [--orders 300] [--mode embedded]
 
 MongoDB: MONGODB_URI, else the mongoeco emulator started here (mongo_outbox.testing, which
-needs mongo-outbox[testing] and Python >= 3.13).
-Broker: NATS JetStream if it answers at NATS_URL, else RabbitMQ at RABBITMQ_URL, else in memory.
-Every tenth order's transaction is aborted on purpose: its events must never be published.
+needs mongo-outbox[testing] and Python >= 3.13, and serves change streams).
+Broker: NATS JetStream if it answers at NATS_URL, else RabbitMQ at RABBITMQ_URL.
+
+It starts ``mongo-outbox relay`` in a subprocess and waits until the relay holds its lease;
+then it saves an order every 20 ms (paying every third one in a second save) while reading the
+broker, and prints what arrived and how long each event took from its commit to the broker.
+Every tenth order is also saved a second time as new (``expected_version=0``), which is
+refused: that save's event must never be published. Then the relay is stopped with SIGTERM,
+and ``mongo-outbox status`` shows the outbox as an operator would.
+
+Embedded mode is the default: the emulator cannot run transactions beside a relay's writes
+(docs/testing.md); against a replica set (MONGODB_URI), ``--mode collection`` works as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
+import statistics
 import sys
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Event, Outbox, PollingRelay
-from mongo_outbox.publishers import MemoryPublisher, Publisher
+from mongo_outbox import ConcurrencyError, Event, Outbox
+from mongo_outbox.publishers.base import redact_url
 from mongo_outbox.testing import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+RELAY = "demo-relay"
+MAX_WAIT = 0.005
+
+Arrived = Callable[[Event], None]
+"""Called with each event as it arrives from the broker."""
+Broker = tuple[str, list[str], Callable[[], Awaitable[None]]]
+"""The broker's name, the relay's broker options, and a function that stops listening."""
 
 
-class Aborted(Exception):
-    """Raised inside a transaction on purpose."""
-
-
-async def place_orders(client: Any, outbox: Outbox, orders: int) -> tuple[list[Event], int]:
-    db = outbox.db
-    committed: list[Event] = []
-    aborted = 0
-    for n in range(orders):
-        order = {"_id": f"order-{n}", "customer": f"c{n % 17}", "total": 10 + n % 90}
-        placed = Event(type="order.placed", payload={"total": order["total"]})
-        try:
-            async with client.start_session() as session:
-                async with await session.start_transaction():
-                    saved = await outbox.save_with_events(session, db.orders, order, [placed])
-                    await db.customers.update_one(
-                        {"_id": order["customer"]},
-                        {"$inc": {"orders": 1}},
-                        upsert=True,
-                        session=session,
-                    )
-                    if n % 10 == 9:
-                        raise Aborted
-            committed += saved.events
-        except Aborted:
-            aborted += 1
-            continue
-        if n % 3 == 0:  # pay some orders: a second save, guarded by the version just written
-            paid = await outbox.save_with_events(
-                None,
-                db.orders,
-                order | {"paid": True},
-                [Event(type="order.paid")],
-                expected_version=saved.version,
-            )
-            committed += paid.events
-    return committed, aborted
-
-
-Broker = tuple[str, Publisher, Callable[[], Awaitable[list[Event]]]]
-"""The broker's name, a publisher to it, and a function reading back what it received."""
-
-
-async def nats_broker(run: str) -> Broker | None:
+async def nats_broker(run: str, arrived: Arrived) -> Broker | None:
     import nats
 
     async def quiet(error: Exception) -> None:
@@ -85,64 +63,94 @@ async def nats_broker(run: str) -> Broker | None:
         )
     except Exception:  # noqa: BLE001 - any failure means "NATS is not there"
         return None
-    from mongo_outbox.publishers import NatsPublisher
-
     js = nc.jetstream()
     await js.add_stream(name=run, subjects=[f"{run}.>"])
 
-    async def received() -> list[Event]:
-        sub = await js.subscribe(f"{run}.>", ordered_consumer=True)
-        count = (await js.stream_info(run)).state.messages
-        events = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in range(count)]
+    async def on_message(message: Any) -> None:
+        arrived(Event.from_json(message.data))
+
+    await js.subscribe(f"{run}.>", cb=on_message, ordered_consumer=True)
+
+    async def close() -> None:
         await js.delete_stream(run)
         await nc.close()
-        return events
 
-    return "NATS JetStream", NatsPublisher(js, subject=f"{run}.{{type}}"), received
+    return "NATS JetStream", ["--nats", NATS_URL, "--subject", f"{run}.{{type}}"], close
 
 
-async def rabbitmq_broker(run: str) -> Broker | None:
+async def rabbitmq_broker(run: str, arrived: Arrived) -> Broker | None:
     import aio_pika
 
     try:
         connection = await aio_pika.connect_robust(RABBITMQ_URL, timeout=2)
     except Exception:  # noqa: BLE001 - any failure means "RabbitMQ is not there"
         return None
-    from mongo_outbox.publishers import RabbitMQPublisher
-
-    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-    exchange = await channel.declare_exchange(run, aio_pika.ExchangeType.TOPIC)
+    channel = await connection.channel()
+    exchange = await channel.declare_exchange(run, aio_pika.ExchangeType.TOPIC, durable=True)
     queue = await channel.declare_queue(run, auto_delete=False)
     await queue.bind(exchange, "#")
 
-    async def received() -> list[Event]:
-        events = []
-        while (message := await queue.get(fail=False, timeout=2)) is not None:
-            await message.ack()
-            events.append(Event.from_json(message.body))
-        await queue.delete()
+    async def on_message(message: Any) -> None:
+        await message.ack()
+        arrived(Event.from_json(message.body))
+
+    await queue.consume(on_message)
+
+    async def close() -> None:
+        await queue.delete(if_unused=False)
         await exchange.delete()
         await connection.close()
-        return events
 
-    return "RabbitMQ", RabbitMQPublisher(exchange), received
-
-
-async def connect_broker(run: str) -> Broker:
-    """NATS if it answers, else RabbitMQ, else an in-memory publisher."""
-    for connect in (nats_broker, rabbitmq_broker):
-        broker = await connect(run)
-        if broker is not None:
-            return broker
-    memory = MemoryPublisher()
-
-    async def received() -> list[Event]:
-        return list(memory.events)
-
-    return "memory (no broker answered)", memory, received
+    return "RabbitMQ", ["--rabbitmq", RABBITMQ_URL, "--exchange", run], close
 
 
-async def main(orders: int, mode: str) -> dict[str, Any]:
+async def mongo_outbox(*args: str, **options: Any) -> asyncio.subprocess.Process:
+    """The command line, as an operator runs it."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "mongo_outbox", *args, **options
+    )
+
+
+async def wait_for_lease(db: Any, relay: asyncio.subprocess.Process) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline:
+        if relay.returncode is not None:
+            raise SystemExit(f"the relay exited with status {relay.returncode}")
+        doc = await db.outbox_relays.find_one({"_id": RELAY})
+        if doc and doc["lease_until"] > datetime.now(timezone.utc):
+            return
+        await asyncio.sleep(0.05)
+    raise SystemExit("the relay did not become active within 30 s")
+
+
+async def place_orders(outbox: Outbox, orders: int, committed_at: dict[str, float]) -> int:
+    """Save ``orders`` orders, one every 20 ms; return how many stale saves were refused."""
+    db, loop = outbox.db, asyncio.get_running_loop()
+    refused = 0
+    for n in range(orders):
+        order = {"_id": f"order-{n}", "customer": f"c{n % 17}", "total": 10 + n % 90}
+        placed = Event(type="order.placed", payload={"total": order["total"]})
+        saved = await outbox.save_with_events(None, db.orders, order, [placed], expected_version=0)
+        committed_at[placed.id] = loop.time()
+        if n % 10 == 9:
+            try:  # placed again as if new: refused, and its event written nowhere
+                await outbox.save_with_events(
+                    None, db.orders, order, [Event(type="order.placed")], expected_version=0
+                )
+            except ConcurrencyError:
+                refused += 1
+        if n % 3 == 0:  # pay some orders: a second save, guarded by the version just written
+            paid = Event(type="order.paid")
+            await outbox.save_with_events(
+                None, db.orders, order | {"paid": True}, [paid], expected_version=saved.version
+            )
+            committed_at[paid.id] = loop.time()
+        await asyncio.sleep(0.02)
+    return refused
+
+
+async def main(orders: int, mode: str) -> int:
     server = None
     uri = os.environ.get("MONGODB_URI")
     if not uri:
@@ -150,18 +158,51 @@ async def main(orders: int, mode: str) -> dict[str, Any]:
         uri = server.uri
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     run = f"demo{uuid.uuid4().hex[:8]}"
+    loop = asyncio.get_running_loop()
+    received: list[Event] = []
+    arrived_at: dict[str, float] = {}
+    committed_at: dict[str, float] = {}
+    saved, everything = asyncio.Event(), asyncio.Event()
+
+    def arrived(event: Event) -> None:
+        received.append(event)
+        arrived_at.setdefault(event.id, loop.time())
+        if saved.is_set() and committed_at.keys() <= arrived_at.keys():
+            everything.set()
+
     try:
+        broker = await nats_broker(run, arrived) or await rabbitmq_broker(run, arrived)
+        if broker is None:
+            shown = f"{NATS_URL} or {redact_url(RABBITMQ_URL)}"
+            print(f"no broker answered at {shown}: start NATS or RabbitMQ", file=sys.stderr)
+            return 1
+        name, broker_options, close = broker
+        where = ["--uri", uri, "--db", run, "--mode", mode, "--collections", "orders"]
         outbox = Outbox(client[run], mode=mode, collections=["orders"])  # type: ignore[arg-type]
-        await outbox.ensure_indexes()
-        broker, publisher, received = await connect_broker(run)
-        relay = PollingRelay(outbox, publisher, interval=0.05)
-        committed, aborted = await place_orders(client, outbox, orders)
-        await relay.drain()
-        await publisher.aclose()
-        on_broker = await received()
-        summary = summarize(broker, orders, committed, aborted, relay, on_broker)
+        indexes = await mongo_outbox("ensure-indexes", *where, stdout=asyncio.subprocess.DEVNULL)
+        await indexes.wait()
+        # A batch of changes closes after --max-wait; 5 ms shows the latency of a trickle of
+        # single commits (the default, 50 ms, trades latency for fuller batches).
+        options = ["--name", RELAY, f"--max-wait={MAX_WAIT}", *broker_options]
+        relay = await mongo_outbox("relay", *where, *options)
+        try:
+            await wait_for_lease(client[run], relay)
+            refused = await place_orders(outbox, orders, committed_at)
+            saved.set()
+            if committed_at.keys() <= arrived_at.keys():
+                everything.set()
+            with contextlib.suppress(asyncio.TimeoutError):  # what is missing is reported
+                await asyncio.wait_for(everything.wait(), 30)
+        finally:
+            if relay.returncode is None:
+                relay.send_signal(signal.SIGTERM)
+            stopped = await asyncio.wait_for(relay.wait(), 30)
+        await close()
+        ok = summarize(name, orders, refused, committed_at, received, arrived_at, stopped)
+        status = await mongo_outbox("status", *where)
+        await status.wait()
         await client.drop_database(run)
-        return summary
+        return 0 if ok else 1
     finally:
         await client.close()
         if server:
@@ -171,41 +212,48 @@ async def main(orders: int, mode: str) -> dict[str, Any]:
 def summarize(
     broker: str,
     orders: int,
-    committed: list[Event],
-    aborted: int,
-    relay: PollingRelay,
-    on_broker: list[Event],
-) -> dict[str, Any]:
-    ids = {e.id for e in committed}
-    seen = Counter(e.id for e in on_broker)
+    refused: int,
+    committed_at: dict[str, float],
+    received: list[Event],
+    arrived_at: dict[str, float],
+    relay_exit: int,
+) -> bool:
+    seen = Counter(e.id for e in received)
     in_order = all(
-        [e.sequence for e in on_broker if e.aggregate_id == aggregate]
-        == sorted(e.sequence or 0 for e in on_broker if e.aggregate_id == aggregate)
-        for aggregate in {e.aggregate_id for e in on_broker}
+        [e.sequence for e in received if e.aggregate_id == aggregate]
+        == sorted(e.sequence or 0 for e in received if e.aggregate_id == aggregate)
+        for aggregate in {e.aggregate_id for e in received}
     )
-    summary = {
+    latencies = sorted(
+        (arrived_at[i] - committed_at[i]) * 1000 for i in committed_at if i in arrived_at
+    )
+    p50 = statistics.median(latencies) if latencies else float("nan")
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else p50
+    missing = len(committed_at.keys() - seen.keys())
+    summary: dict[str, object] = {
         "broker": broker,
-        "orders placed": orders,
-        "orders saved": orders - aborted,
-        "transactions aborted on purpose": aborted,
-        "events committed": len(committed),
-        "events published by the relay": relay.stats.published,
-        "events read back from the broker": len(on_broker),
-        "committed events missing on the broker": len(ids - seen.keys()),
-        "events on the broker that were never committed": len(seen.keys() - ids),
+        "orders saved": orders,
+        "stale saves refused": refused,
+        "events committed": len(committed_at),
+        "events read back from the broker": len(received),
+        "committed events missing on the broker": missing,
+        "events on the broker that were never committed": len(seen.keys() - committed_at.keys()),
         "duplicates (same id twice)": sum(n - 1 for n in seen.values()),
         "per-order sequence order held": in_order,
+        f"commit-to-broker latency p50 (ms, --max-wait {MAX_WAIT})": f"{p50:.1f}",
+        f"commit-to-broker latency p99 (ms, --max-wait {MAX_WAIT})": f"{p99:.1f}",
+        "relay exit status after SIGTERM": relay_exit,
     }
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
-    return summary
+    print(flush=True)
+    return missing == 0 and in_order and relay_exit == 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--orders", type=int, default=300)
-    parser.add_argument("--mode", choices=["collection", "embedded"], default="collection")
+    parser.add_argument("--mode", choices=["collection", "embedded"], default="embedded")
     args = parser.parse_args()
-    result = asyncio.run(main(args.orders, args.mode))
-    sys.exit(0 if result["committed events missing on the broker"] == 0 else 1)
+    sys.exit(asyncio.run(main(args.orders, args.mode)))

@@ -7,9 +7,10 @@ An entry is ``pending`` (due at ``available_at``, held while it carries a ``clai
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -21,6 +22,8 @@ from mongo_outbox._store import RECHECK, Backlog, Claim, Failure
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
+
+log = logging.getLogger("mongo_outbox.relay")
 
 _AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1, "sequence": 1}
 
@@ -310,3 +313,26 @@ class CollectionStore:
             },
         )
         return int(result.modified_count)
+
+    async def published(
+        self,
+        since: datetime,
+        until: datetime | None = None,
+        types: Sequence[str] = (),
+        aggregates: Sequence[Any] = (),
+    ) -> AsyncIterator[Event]:
+        occurred: dict[str, Any] = {"$gte": since}
+        if until is not None:
+            occurred["$lt"] = until
+        query: dict[str, Any] = {"status": "published", "occurred_at": occurred}
+        if types:
+            query["type"] = {"$in": list(types)}
+        if aggregates:
+            query["aggregate_id"] = {"$in": list(aggregates)}
+        # The "aggregate" index gives this order without sorting in memory.
+        entries = self.coll.find(query).sort(list(_AGGREGATE.items()))
+        async for entry in entries:
+            try:
+                yield decode(entry, "_id")
+            except InvalidEventError as error:  # rewritten by hand since it was published
+                log.warning("skipping published entry %r: %s", entry.get("_id"), describe(error))

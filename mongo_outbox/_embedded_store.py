@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,7 +23,7 @@ from pymongo import UpdateMany, UpdateOne
 from mongo_outbox._codec import decode, ours
 from mongo_outbox._driver import aggregate
 from mongo_outbox._store import Backlog, Claim, Failure
-from mongo_outbox.errors import InvalidEventError, describe
+from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
 
@@ -234,6 +234,12 @@ class EmbeddedStore:
         return woken
 
     # -- reading ----------------------------------------------------------------------------
+
+    def published(self, *args: Any, **kwargs: Any) -> AsyncIterator[Event]:
+        raise UsageError(
+            "replay needs collection mode: embedded mode removes each entry from its document "
+            "once the broker confirmed it (only its id stays reserved), so nothing is left to send"
+        )
 
     async def backlog(self) -> Backlog:
         total, oldest = 0, None

@@ -12,18 +12,26 @@ live claim nor release it to a third delivery.
 A message whose handler is done with (poison, or out of attempts) but whose dead letter failed
 is released as ``retrying`` with a ``verdict``: the next delivery only retries the dead letter,
 it does not run the handler again.
+
+A dead-lettered record (``failed``, with ``failed_at``) is terminal until an operator requeues
+it: it becomes ``retrying`` with no attempts counted, no verdict and no claim token, so the next
+delivery claims it and runs the handler afresh, and a holder of an older claim matches nothing.
+Only ``failed`` records are requeued, so a message that a delivery holds is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from mongo_outbox._driver import aggregate
 from mongo_outbox.events import Event, utc_now
 
 if TYPE_CHECKING:
@@ -160,6 +168,45 @@ class InboxStore:
         )
         return bool(result.matched_count)
 
+    # Dead letters.
+
+    def _failed(self, message_ids: Sequence[str] | None, event_type: str | None) -> dict[str, Any]:
+        query: dict[str, Any] = {"consumer": self.inbox.consumer, "status": "failed"}
+        if message_ids is not None:
+            query["message_id"] = {"$in": list(message_ids)}
+        if event_type is not None:
+            query["event_type"] = event_type
+        return query
+
+    async def failed(
+        self, event_type: str | None, since: datetime | None, limit: int | None
+    ) -> list[dict[str, Any]]:
+        query = self._failed(None, event_type)
+        if since is not None:
+            query["failed_at"] = {"$gte": since}
+        cursor = self.coll.find(query).sort([("failed_at", -1), ("_id", -1)])
+        if limit is not None:
+            cursor = cursor.limit(limit)
+        return list(await cursor.to_list(None))
+
+    async def requeue(self, message_ids: Sequence[str] | None, event_type: str | None) -> int:
+        """Make failed records ``retrying`` afresh; return how many."""
+        now = utc_now()
+        result = await self.coll.update_many(
+            self._failed(message_ids, event_type),
+            {
+                "$set": {
+                    "status": "retrying",
+                    "attempts": 0,
+                    "requeued_at": now,
+                    "expire_at": now + self.inbox.retention,
+                },
+                # No token: whoever claimed it before can no longer write to it.
+                "$unset": {"token": "", "lease_until": "", "verdict": ""},
+            },
+        )
+        return int(result.modified_count)
+
     # Transactional mode.
 
     async def mark_done(
@@ -222,12 +269,26 @@ class InboxStore:
             "event": event.model_dump(mode="json"),
             "expire_at": utc_now() + self.inbox.retention,
         }
+        if status == "failed":
+            fields["failed_at"] = utc_now()
         unset = unset | {"lease_until": ""}
         if verdict is None:
             unset["verdict"] = ""
         else:
             fields["verdict"] = verdict
         return {"$set": fields, "$unset": unset}
+
+
+async def failures(coll: Any) -> dict[str, int]:
+    """How many messages each consumer of the inbox collection ``coll`` has dead-lettered."""
+    rows = await aggregate(
+        coll,
+        [
+            {"$match": {"status": "failed"}},
+            {"$group": {"_id": "$consumer", "n": {"$sum": 1}}},
+        ],
+    )
+    return {str(row["_id"]): int(row["n"]) for row in sorted(rows, key=lambda r: str(r["_id"]))}
 
 
 def attempts_of(record: dict[str, Any] | None) -> int:

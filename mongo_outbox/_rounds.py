@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -43,7 +43,7 @@ from mongo_outbox.publishers.base import (
     unavailable,
 )
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.stats import RelayStats
+from mongo_outbox.stats import RelayStats, RelayStatus, State
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -85,6 +85,34 @@ class Rounds:
             yield
         finally:
             self._busy = False
+
+    async def status(
+        self,
+        name: str,
+        state: Callable[[], tuple[State, bool]],
+        *,
+        checkpoint_at: datetime | None = None,
+        recoveries: int = 0,
+        last_error: Callable[[], str | None] = lambda: None,
+    ) -> RelayStatus:
+        """What both relays' ``status()`` report: the outbox's backlog and parked entries as
+        the store reads them now, and the relay's ``state()`` (state, active) as it is once
+        they are read, not as it was before."""
+        backlog = await self.store.backlog()
+        parked = await self.store.parked_count()
+        now_state, active = state()
+        return RelayStatus(
+            name=name,
+            state=now_state,
+            active=active,
+            last_checkpoint_at=checkpoint_at,
+            pending=backlog.pending,
+            oldest_pending_age=utc_now() - backlog.oldest if backlog.oldest else None,
+            parked=parked,
+            publish_failures=self.stats.failed,
+            recoveries=recoveries,
+            last_error=last_error() or self.stats.last_error,
+        )
 
     async def drain(self) -> int:
         """Publish what is due now, round after round; return how many were published. Only
@@ -185,10 +213,27 @@ class Rounds:
     ) -> tuple[list[Event], list[Failure], int]:
         """Publish a claim's events in waves, starting none after ``deadline`` (loop time).
         Returns what was published, what failed, and how many were left for lack of time."""
+        published, errors, left = await self.publish_waves(claim.groups, deadline, lost)
+        failed = [
+            self._failure(event, error, claim, confirmed) for event, error, confirmed in errors
+        ]
+        return published, failed, left
+
+    async def publish_waves(
+        self,
+        groups: Sequence[Sequence[Event]],
+        deadline: float = math.inf,
+        lost: asyncio.Event | None = None,
+    ) -> tuple[list[Event], list[tuple[Event, BaseException, bool]], int]:
+        """Publish groups of events, each group in its order, in waves: a group's next event
+        goes out once its previous one is confirmed, and a failure ends its group. Returns what
+        was published; each failure with its error and whether the broker had confirmed
+        others by then; and how many were left for lack of time (a group cut short by a
+        failure counts in neither)."""
         loop = asyncio.get_running_loop()
         published: list[Event] = []
-        failed: list[Failure] = []
-        queues = [list(reversed(group)) for group in claim.groups]
+        errors: list[tuple[Event, BaseException, bool]] = []
+        queues = [list(reversed(group)) for group in groups]
         left = 0
         while queues and loop.time() <= deadline and not (lost and lost.is_set()):
             wave = [queue.pop() for queue in queues]
@@ -203,10 +248,10 @@ class Rounds:
                 elif isinstance(error, _NotStarted):
                     left += 1 + len(queue)
                 else:
-                    failed.append(self._failure(event, error, claim, confirmed))
+                    errors.append((event, error, confirmed))
             queues = survivors
         # What is left unpublished is released by settle, due at once, still in order.
-        return published, failed, left + sum(map(len, queues))
+        return published, errors, left + sum(map(len, queues))
 
     async def _publish_wave(self, wave: list[Event], deadline: float) -> list[BaseException | None]:
         """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that

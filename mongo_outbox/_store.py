@@ -16,7 +16,7 @@ back), ``park`` sets the entry aside as dead-lettered with its error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -109,6 +109,18 @@ class Store(Protocol):
         """Make these parked entries due again with no attempts counted, together with the
         earlier parked entries of their aggregates (a requeued event must not overtake them);
         return how many."""
+
+    def published(
+        self,
+        since: datetime,
+        until: datetime | None = None,
+        types: Sequence[str] = (),
+        aggregates: Sequence[Any] = (),
+    ) -> AsyncIterator[Event]:
+        """Events already published and still kept (within the outbox's retention) that
+        occurred at or after ``since`` (and before ``until``), of ``types`` and
+        ``aggregates`` (their ``aggregate_id``) when given, sorted by aggregate and then
+        sequence. Embedded mode keeps no published entries: ``UsageError``."""
 
 
 def store_for(outbox: Outbox) -> Store:

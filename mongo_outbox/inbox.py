@@ -18,19 +18,20 @@ is in ``mongo_outbox.guard`` and is importable from here too.
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from bson.codec_options import CodecOptions, DatetimeConversion
 from pymongo.errors import OperationFailure
 
-from mongo_outbox.errors import ConfigurationError, DeadLettered, RetryLater
-from mongo_outbox.events import Event, utc_now
-from mongo_outbox.settings import Duration, interval
+from mongo_outbox.errors import ConfigurationError, DeadLettered, RetryLater, UsageError
+from mongo_outbox.events import Event, as_utc, utc_now
+from mongo_outbox.settings import Duration, count, interval
 
 if TYPE_CHECKING:
+    from mongo_outbox._inbox_store import InboxStore
     from mongo_outbox.guard import Guarded, inbox_guard
 
 __all__ = [
@@ -130,11 +131,18 @@ class Inbox:
         self._indexed = False
 
     async def ensure_indexes(self) -> None:
-        """Create the unique identity index and the TTL index. Idempotent."""
+        """Create the unique identity index, the TTL index and an index of the dead letters.
+        Idempotent."""
         await self.collection.create_index(
             [("consumer", 1), ("source", 1), ("message_id", 1)], unique=True, name="identity"
         )
         await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
+        # Dead letters only, for failed() and an operator's counts: no cost per handled message.
+        await self.collection.create_index(
+            [("consumer", 1), ("failed_at", -1)],
+            name="failures",
+            partialFilterExpression={"status": "failed"},
+        )
         self._indexed = True
 
     async def uses_transactions(self) -> bool:
@@ -158,13 +166,55 @@ class Inbox:
             await self.ensure_indexes()
         return await self.uses_transactions()
 
-    async def failed(self) -> list[dict[str, Any]]:
-        """The records of messages dead-lettered by this consumer."""
-        return list(
-            await self.collection.find({"consumer": self.consumer, "status": "failed"}).to_list(
-                None
+    async def failed(
+        self,
+        *,
+        event_type: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """The records of messages dead-lettered by this consumer, the latest first: each with
+        its ``message_id``, ``source``, ``event_type``, the ``event``, ``attempts``,
+        ``last_error`` and ``failed_at``. ``event_type`` keeps one type, ``since`` what failed
+        at or after that time, ``limit`` at most that many."""
+        if limit is not None:
+            limit = count(limit, "Inbox.failed.limit")
+        return await self._store().failed(event_type, _aware(since), limit)
+
+    async def requeue(
+        self,
+        message_ids: Sequence[str] | None = None,
+        *,
+        event_type: str | None = None,
+        all_failed: bool = False,
+    ) -> int:
+        """Give dead-lettered messages another chance: their next delivery runs the handler
+        again, with a fresh set of attempts, instead of being skipped as a duplicate. The broker
+        has settled them, so something must deliver them again (``mongo-outbox replay``, or
+        the dead letter's own copy). Chooses the messages ``message_ids`` (of any source),
+        those of ``event_type``, both (those ids of that type), or ``all_failed``. Only failed
+        records change: a message that a delivery is handling is left alone. Returns how many
+        were requeued."""
+        if isinstance(message_ids, str):
+            raise UsageError("Inbox.requeue takes a list of message ids, not one str")
+        chosen = message_ids is not None or event_type is not None
+        if chosen == all_failed:
+            raise UsageError(
+                "Inbox.requeue needs message_ids, event_type (or both), or all_failed=True alone"
             )
-        )
+        return await self._store().requeue(message_ids, event_type)
+
+    def _store(self) -> InboxStore:
+        # Imported when used: the store imports this module for the Inbox.
+        from mongo_outbox._inbox_store import InboxStore
+
+        return InboxStore(self)
+
+
+def _aware(at: datetime | None) -> datetime | None:
+    if at is not None and not isinstance(at, datetime):
+        raise UsageError(f"since must be a datetime, not {type(at).__name__}")
+    return as_utc(at) if at is not None else None
 
 
 def _until(setting: str, value: Duration) -> timedelta:

@@ -11,10 +11,12 @@ from typing import Any
 from pymongo.errors import PyMongoError
 
 from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
+from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, seconds
-from mongo_outbox.stats import RelayStats
+from mongo_outbox.settings import name as check_name
+from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
 
 __all__ = ["PollingRelay", "RelayStats"]
 
@@ -35,6 +37,7 @@ class PollingRelay:
         publisher: any object with ``async publish(event)`` and ``async aclose()``.
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
         interval: how long to sleep when nothing is pending (seconds or a timedelta).
+        name: what ``status()`` and the log call this relay.
     """
 
     def __init__(
@@ -44,13 +47,17 @@ class PollingRelay:
         *,
         settings: RelaySettings | None = None,
         interval: Duration = 1.0,
+        name: str = "polling-relay",
     ) -> None:
+        self.name = check_name(name, "PollingRelay.name")
         self.settings = settings or RelaySettings()
         self.interval = seconds(interval, "PollingRelay.interval")
         self.outbox = outbox
         self.publisher = publisher
         self._rounds = Rounds(outbox, publisher, self.settings)
         self._stopping = asyncio.Event()
+        self.state: State = "starting"
+        self.last_error: str | None = None
 
     @property
     def stats(self) -> RelayStats:
@@ -67,26 +74,52 @@ class PollingRelay:
         """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation.
         Database errors are logged and retried with backoff."""
         with self._rounds.exclusive("run()"):
-            failures = 0
-            while not self._stopping.is_set():
-                try:
-                    _, more = await self._rounds.batch()
-                    failures = 0
-                except PyMongoError as error:
-                    failures += 1
-                    delay = self.settings.backoff.delay(failures)
-                    log.warning("relay round failed (%s); retrying in %.1fs", error, delay)
-                    await pause(self._stopping, delay)
-                    continue
-                if not more:
-                    # During an outage, come back for the next probe, however long the interval.
-                    idle = min(self.interval, PROBE_EVERY) if self._rounds.outage else self.interval
-                    await pause(self._stopping, idle)
+            self._enter("active", "run() started")
+            try:
+                await self._relay()
+            except asyncio.CancelledError:
+                self._enter("stopped", "cancelled")
+                raise
+            except BaseException as error:
+                self.last_error = describe(error)
+                self._enter("failed", self.last_error)
+                raise
             self._stopping.clear()  # a stop is consumed by the run it ended
+            self._enter("stopped", "stop() was called")
+
+    async def _relay(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                _, more = await self._rounds.batch()
+                failures = 0
+            except PyMongoError as error:
+                failures += 1
+                delay = self.settings.backoff.delay(failures)
+                self.last_error = describe(error)
+                log.warning("relay round failed (%s); retrying in %.1fs", error, delay)
+                await pause(self._stopping, delay)
+                continue
+            if not more:
+                # During an outage, come back for the next probe, however long the interval.
+                idle = min(self.interval, PROBE_EVERY) if self._rounds.outage else self.interval
+                await pause(self._stopping, idle)
 
     def stop(self) -> None:
         """Make ``run()`` return after its current round; before it started, at once."""
         self._stopping.set()
+
+    async def status(self) -> RelayStatus:
+        """What an operator needs to see, as ``ChangeStreamRelay.status()`` reports it: ``state``
+        is ``starting`` until ``run()``, ``active`` while it runs, then ``stopped`` (or
+        ``failed`` when it raised). Polling relays hold no lease and keep no checkpoint, so
+        several are active at once and ``last_checkpoint_at`` is ``None``; ``recoveries`` stays
+        0 (a failed round is retried, and its error kept in ``last_error``)."""
+        return await self._rounds.status(
+            self.name,
+            lambda: (self.state, self.state == "active"),
+            last_error=lambda: self.last_error,
+        )
 
     async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:
         """One round: claim (what is due by ``until``, default now), publish, settle. Returns
@@ -105,3 +138,6 @@ class PollingRelay:
         earlier parked entries of their aggregates, so none overtakes another. Returns how
         many were requeued (ids that are not parked are ignored)."""
         return await self._rounds.store.requeue(event_ids)
+
+    def _enter(self, state: State, reason: str) -> None:
+        self.state = transition(log, self.name, self.state, state, reason)

@@ -52,6 +52,15 @@ def count(value: int, setting: str, *, minimum: int = 1) -> int:
     return value
 
 
+def name(value: str, setting: str) -> str:
+    """A non-empty ``str`` without NUL: a name that MongoDB stores and logs show."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ConfigurationError(
+            f"{setting} must be a non-empty str, not {value!r}", setting=setting
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Delay before retry ``attempt`` (1 for the first retry): a random point in

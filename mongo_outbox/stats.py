@@ -1,8 +1,9 @@
-"""What relays report about themselves: counters of their own work, and the status an
-operator reads."""
+"""What relays report about themselves: counters of their own work, the status an operator
+reads, and the one log line each change of state gets."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -35,3 +36,14 @@ class RelayStatus:
     publish_failures: int
     recoveries: int
     last_error: str | None
+
+
+def transition(
+    logger: logging.Logger, name: str, current: State, state: State, reason: str
+) -> State:
+    """Log a relay's change of state, one line with its reason (nothing when it stays put), and
+    return the new state."""
+    if state != current:
+        level = logging.WARNING if state == "failed" else logging.INFO
+        logger.log(level, "relay %s: %s -> %s (%s)", name, current, state, reason)
+    return state

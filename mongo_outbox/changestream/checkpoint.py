@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -47,7 +49,8 @@ class Checkpoint:
         self.coll = coll
         self.name = name
         self.lease = lease
-        self.owner = uuid.uuid4().hex
+        # Unique per relay object; the host and process id tell an operator who holds the lease.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         self.fence: int | None = None
 
     @property

@@ -33,12 +33,13 @@ from mongo_outbox.changestream.source import (
     WatchSource,
     triage,
 )
-from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
+from mongo_outbox.errors import ChangeStreamError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
-from mongo_outbox.stats import RelayStatus, State
+from mongo_outbox.settings import name as check_name
+from mongo_outbox.stats import RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ class ChangeStreamRelay:
         sweep_interval: Duration = 30.0,
         checkpoints: str = "outbox_relays",
     ) -> None:
-        if not isinstance(name, str) or not name or "\x00" in name:
-            raise ConfigurationError(f"name must be a non-empty str, not {name!r}", setting="name")
+        name = check_name(name, "ChangeStreamRelay.name")
         self.settings = settings or RelaySettings()
         self.max_wait = seconds(max_wait, "ChangeStreamRelay.max_wait")
         self.leader_lease = interval(leader_lease, "ChangeStreamRelay.leader_lease")
@@ -128,18 +128,12 @@ class ChangeStreamRelay:
 
     async def status(self) -> RelayStatus:
         doc = await self.checkpoint.load()
-        backlog = await self._rounds.store.backlog()
-        return RelayStatus(
-            name=self.name,
-            state=self.state,
-            active=self.state == "active" and not self._lost.is_set(),
-            last_checkpoint_at=doc.get("checkpoint_at"),
-            pending=backlog.pending,
-            oldest_pending_age=utc_now() - backlog.oldest if backlog.oldest else None,
-            parked=await self._rounds.store.parked_count(),
-            publish_failures=self._rounds.stats.failed,
+        return await self._rounds.status(
+            self.name,
+            lambda: (self.state, self.state == "active" and not self._lost.is_set()),
+            checkpoint_at=doc.get("checkpoint_at"),
             recoveries=self.recoveries,
-            last_error=self.last_error or self._rounds.stats.last_error,
+            last_error=lambda: self.last_error,
         )
 
     async def parked(self) -> list[dict[str, Any]]:
@@ -316,17 +310,7 @@ class ChangeStreamRelay:
     # -- helpers ------------------------------------------------------------------------------
 
     def _enter(self, state: State, reason: str) -> None:
-        if state == self.state:
-            return
-        log.log(
-            logging.WARNING if state == "failed" else logging.INFO,
-            "relay %s: %s -> %s (%s)",
-            self.name,
-            self.state,
-            state,
-            reason,
-        )
-        self.state = state
+        self.state = transition(log, self.name, self.state, state, reason)
 
 
 async def _close(stream: ChangeStream) -> None:

@@ -83,6 +83,19 @@ def _header_size(headers: dict[str, str]) -> int:
     return len(_HEADER_LINE) + lines + len(b"\r\n")
 
 
+def subject_of(naming: Naming, event: Event) -> str:
+    """The subject ``naming`` gives ``event``; ``InvalidEventError`` if it cannot be rendered or
+    is no subject a message can be published to."""
+    subject = render(naming, event)
+    # Wildcards and empty tokens are not publishable; whitespace would split the protocol line.
+    if any(
+        not token or "*" in token or ">" in token or any(c.isspace() for c in token)
+        for token in subject.split(".")
+    ):
+        raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
+    return subject
+
+
 _NO_DESTINATION = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
 
 
@@ -160,14 +173,7 @@ class NatsPublisher:
         return publisher
 
     def subject_for(self, event: Event) -> str:
-        subject = render(self.subject, event)
-        # Wildcards and empty tokens are not publishable; whitespace would split the protocol line.
-        if any(
-            not token or "*" in token or ">" in token or any(c.isspace() for c in token)
-            for token in subject.split(".")
-        ):
-            raise InvalidEventError(f"{subject!r} is not a valid NATS subject", event_id=event.id)
-        return subject
+        return subject_of(self.subject, event)
 
     def _max_payload(self) -> int:
         # A borrowed JetStreamContext does not expose its connection but as ``_nc``.

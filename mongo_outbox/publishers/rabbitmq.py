@@ -49,6 +49,15 @@ _UNAVAILABLE = (
 _FIELD_NAME_BYTES = 128  # AMQP 0-9-1's limit on a field table's names (the headers)
 
 
+def routing_key_of(naming: Naming, event: Event) -> str:
+    """The routing key ``naming`` gives ``event``; ``InvalidEventError`` if it cannot be rendered
+    or is longer than AMQP allows."""
+    key = render(naming, event)
+    if len(key.encode()) > SHORT_STRING_BYTES:
+        raise InvalidEventError(f"routing key {key[:40]!r}... is too long", event_id=event.id)
+    return key
+
+
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
@@ -119,10 +128,7 @@ class RabbitMQPublisher:
         return publisher
 
     def routing_key_for(self, event: Event) -> str:
-        key = render(self.routing_key, event)
-        if len(key.encode()) > SHORT_STRING_BYTES:
-            raise InvalidEventError(f"routing key {key[:40]!r}... is too long", event_id=event.id)
-        return key
+        return routing_key_of(self.routing_key, event)
 
     async def publish(self, event: Event) -> None:
         if self.closed:

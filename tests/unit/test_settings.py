@@ -107,3 +107,6 @@ def test_a_relay_name_must_be_a_non_empty_string() -> None:
     for name in ("", None, 7):
         with pytest.raises(ConfigurationError):
             ChangeStreamRelay(outbox(), MemoryPublisher(), name=name)  # type: ignore[arg-type]
+    for name in ("", None, 7, "a\x00b"):
+        with pytest.raises(ConfigurationError):
+            PollingRelay(outbox(), MemoryPublisher(), name=name)  # type: ignore[arg-type]

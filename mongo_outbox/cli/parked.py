@@ -1,0 +1,138 @@
+"""``mongo-outbox parked list|show|requeue``: events the relay set aside as dead-lettered.
+
+Everything goes through the relay's store, as the relays' own ``parked()`` and ``requeue()``
+do: a requeue brings back the earlier parked events of each chosen event's aggregate as well,
+so none overtakes another. The active relay publishes requeued events at its next sweep
+(``--sweep-interval``, 30 s by default; at once in embedded mode, whose requeue is a write the
+change stream sees).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from mongo_outbox._store import store_for
+from mongo_outbox.cli.common import (
+    Failure,
+    Target,
+    connected,
+    run,
+    say,
+    selection,
+    table,
+    target_options,
+    to_json,
+)
+
+
+@click.group()
+def parked() -> None:
+    """Events the relay parked after max_attempts failures (or at once, when no broker can
+    carry them)."""
+
+
+def _matches(entry: dict[str, Any], types: tuple[str, ...], aggregates: tuple[str, ...]) -> bool:
+    if types and entry.get("type") not in types:
+        return False
+    return not aggregates or str(entry.get("aggregate_id")) in aggregates
+
+
+async def _parked(target: Target) -> list[dict[str, Any]]:
+    async with connected(target) as conn:
+        return await store_for(conn.outbox).parked()
+
+
+def _short(text: Any, width: int = 60) -> str:
+    line = " ".join(str(text or "").split())
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+@parked.command("list")
+@target_options
+@click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
+@click.option("--aggregate", "aggregates", multiple=True, help="Only this aggregate id.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+def list_parked(
+    target: Target, types: tuple[str, ...], aggregates: tuple[str, ...], as_json: bool
+) -> None:
+    """List parked events with their last error."""
+    entries = [e for e in run(_parked(target)) if _matches(e, types, aggregates)]
+    if as_json:
+        say(to_json(entries))
+        return
+    if not entries:
+        say("no parked events")
+        return
+    rows = [
+        [
+            e.get("_id"),
+            e.get("type"),
+            f"{e.get('aggregate_type')}/{e.get('aggregate_id')}",
+            e.get("sequence"),
+            e.get("attempts"),
+            _short(e.get("last_error")),
+        ]
+        for e in entries
+    ]
+    say(table(["EVENT ID", "TYPE", "AGGREGATE", "SEQ", "ATTEMPTS", "LAST ERROR"], rows, ""))
+
+
+@parked.command("show")
+@target_options
+@click.argument("event_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+def show_parked(target: Target, event_id: str, as_json: bool) -> None:
+    """Show one parked event in full."""
+    found = [e for e in run(_parked(target)) if e.get("_id") == event_id]
+    if not found:
+        raise Failure(f"no parked event {event_id!r}")
+    entry = found[0]
+    if as_json:
+        say(to_json(entry))
+        return
+    width = max(map(len, map(str, entry)))
+    for key, value in entry.items():
+        shown = to_json(value) if isinstance(value, (dict, list)) else value
+        say(f"{key:<{width}}  {shown}")
+
+
+@parked.command("requeue")
+@target_options
+@click.argument("event_ids", nargs=-1)
+@click.option("--type", "types", multiple=True, help="Every parked event of this type.")
+@click.option("--aggregate", "aggregates", multiple=True, help="Every parked event of it.")
+@click.option("--all", "everything", is_flag=True, help="Every parked event.")
+def requeue_parked(
+    target: Target,
+    event_ids: tuple[str, ...],
+    types: tuple[str, ...],
+    aggregates: tuple[str, ...],
+    everything: bool,
+) -> None:
+    """Make parked events due again, with a fresh set of attempts: by id, by type or
+    aggregate, or all. The earlier parked events of their aggregates come back too."""
+    choices = "EVENT_ID..., --type, --aggregate, or --all"
+    selection(bool(event_ids), bool(types or aggregates), everything, choices)
+    say(run(_requeue(target, event_ids, types, aggregates)))
+
+
+async def _requeue(
+    target: Target, event_ids: tuple[str, ...], types: tuple[str, ...], aggregates: tuple[str, ...]
+) -> str:
+    async with connected(target) as conn:
+        store = store_for(conn.outbox)
+        entries = await store.parked()
+        chosen = [
+            e["_id"]
+            for e in entries
+            if (not event_ids or e.get("_id") in event_ids) and _matches(e, types, aggregates)
+        ]
+        missing = sorted(set(event_ids) - set(chosen))
+        if missing:
+            raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
+        requeued = await store.requeue(chosen)
+    earlier = requeued - len(chosen)
+    also = f", and {earlier} earlier parked events of their aggregates" if earlier > 0 else ""
+    return f"requeued {len(chosen)} parked events{also}"

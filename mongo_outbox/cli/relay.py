@@ -1,0 +1,177 @@
+"""``mongo-outbox relay``: a relay as a service.
+
+Everything that can be wrong with its configuration is found before it relays anything, and
+told in one line with a non-zero exit: the settings, the template (rendered against a sample
+event), MongoDB and the broker (each must answer within seconds), and for the change-stream
+relay whether the server serves change streams. SIGTERM or SIGINT stops it cleanly: it
+finishes its round, gives its lease up and exits 0; a second signal, or a stop that takes
+longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import click
+from pymongo.errors import PyMongoError
+
+from mongo_outbox.changestream import ChangeStreamRelay, WatchSource
+from mongo_outbox.cli.brokers import Broker, broker_options, sample_event
+from mongo_outbox.cli.common import (
+    Failure,
+    Target,
+    connected,
+    one_line,
+    option,
+    run,
+    target_options,
+)
+from mongo_outbox.errors import ChangeStreamError, ConfigurationError
+from mongo_outbox.outbox import Outbox
+from mongo_outbox.relay import PollingRelay
+from mongo_outbox.settings import RelaySettings, seconds
+
+log = logging.getLogger("mongo_outbox.cli")
+
+Relay = PollingRelay | ChangeStreamRelay
+
+
+@click.command()
+@target_options
+@broker_options
+@option("--polling", is_flag=True, help="Run a polling relay instead of the change-stream relay.")
+@option("--name", default="outbox-relay", show_default=True, help="The relay's name.")
+@option("--checkpoints", default="outbox_relays", show_default=True, help="Relays' checkpoints.")
+@option("--batch-size", type=int, default=100, show_default=True, help="Entries per round.")
+@option("--max-attempts", type=int, default=10, show_default=True, help="Failures before parking.")
+@option("--claim-lease", type=float, default=30.0, show_default=True, help="Seconds a claim holds.")
+@option("--publish-timeout", type=float, default=10.0, show_default=True, help="Seconds per ack.")
+@option("--interval", type=float, default=1.0, show_default=True, help="Polling: idle seconds.")
+@option("--max-wait", type=float, default=0.05, show_default=True, help="Seconds a batch waits.")
+@option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
+@option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
+@option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
+def relay(target: Target, broker: Broker, polling: bool, **settings: Any) -> None:
+    """Publish the outbox's events until SIGTERM or SIGINT."""
+    plan = _plan(target, broker, polling, settings)
+    run(_serve(plan))
+
+
+class _Plan:
+    """Everything the relay needs, checked before any connection is made."""
+
+    def __init__(self, target: Target, broker: Broker, polling: bool, given: dict[str, Any]):
+        self.target, self.broker, self.polling = target, broker, polling
+        self.name: str = given["name"]
+        self.checkpoints: str = given["checkpoints"]
+        self.settings = RelaySettings(
+            batch_size=given["batch_size"],
+            max_attempts=given["max_attempts"],
+            claim_lease=given["claim_lease"],
+            publish_timeout=given["publish_timeout"],
+        )
+        self.interval = seconds(given["interval"], "--interval")
+        self.max_wait = seconds(given["max_wait"], "--max-wait")
+        self.leader_lease = seconds(given["leader_lease"], "--leader-lease")
+        self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
+        self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
+        self.sample = sample_event(target.collections)
+        broker.check(self.sample)
+
+    def relay(self, outbox: Outbox, publisher: Any) -> Relay:
+        if self.polling:
+            return PollingRelay(
+                outbox, publisher, settings=self.settings, interval=self.interval, name=self.name
+            )
+        return ChangeStreamRelay(
+            outbox,
+            publisher,
+            name=self.name,
+            settings=self.settings,
+            max_wait=self.max_wait,
+            leader_lease=self.leader_lease,
+            sweep_interval=self.sweep_interval,
+            checkpoints=self.checkpoints,
+        )
+
+
+def _plan(target: Target, broker: Broker, polling: bool, given: dict[str, Any]) -> _Plan:
+    try:
+        return _Plan(target, broker, polling, given)
+    except ConfigurationError as error:
+        # RelaySettings.claim_lease -> --claim-lease: say it as it was given.
+        flag = "--" + (error.setting or "").rsplit(".", 1)[-1].lstrip("-").replace("_", "-")
+        raise Failure(f"bad {flag}: {error}") from None
+
+
+async def _serve(plan: _Plan) -> None:
+    async with connected(plan.target, service=True) as conn:
+        if not plan.polling:
+            await _check_change_streams(conn.outbox)
+        publisher = await plan.broker.connect(plan.sample)
+        try:
+            relay = plan.relay(conn.outbox, publisher)
+            log.info(
+                "relay %s: %s relay of %s to %s",
+                plan.name,
+                "polling" if plan.polling else "change-stream",
+                plan.target.describe(conn.db.name),
+                plan.broker.describe(),
+            )
+            await _supervise(relay, plan.name, plan.stop_timeout)
+        finally:
+            await publisher.aclose()
+
+
+async def _check_change_streams(outbox: Outbox) -> None:
+    try:
+        stream = await WatchSource.for_outbox(outbox).open()
+    except PyMongoError as error:
+        raise Failure(
+            f"this MongoDB serves no change streams ({one_line(error)}): use a replica set, "
+            "or run the relay with --polling"
+        ) from None
+    await stream.aclose()
+
+
+async def _supervise(relay: Relay, name: str, stop_timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(relay.run())
+    stopping: list[signal.Signals] = []
+
+    def force() -> None:
+        if not task.done():
+            task.cancel()
+
+    def on_signal(received: signal.Signals) -> None:
+        if stopping:
+            log.warning("relay %s: %s again: cancelling", name, received.name)
+            force()
+            return
+        stopping.append(received)
+        log.info("relay %s: %s received: stopping and giving the lease up", name, received.name)
+        relay.stop()
+        loop.call_later(stop_timeout, force)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for received in signals:
+        loop.add_signal_handler(received, on_signal, received)
+    try:
+        await asyncio.wait({task})
+    finally:
+        for received in signals:
+            loop.remove_signal_handler(received)
+    if task.cancelled():
+        raise Failure(
+            f"relay {name} did not stop within {stop_timeout:g}s and was cancelled; "
+            "its lease runs out"
+        )
+    error = task.exception()
+    if isinstance(error, ChangeStreamError):
+        raise Failure(f"relay {name} failed: {one_line(error)}")
+    if error is not None:
+        raise error
+    log.info("relay %s: stopped", name)

@@ -1,0 +1,95 @@
+"""``mongo-outbox replay``: republish events the relay already published that the outbox still
+keeps (collection mode, within its retention), under their own ids and in order per aggregate.
+
+On NATS, JetStream drops a message whose ``Nats-Msg-Id`` it stored within the stream's
+duplicate window (two minutes by default): only older events reach a stream that had them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import click
+
+from mongo_outbox._replay import Replayed, replay
+from mongo_outbox.cli.brokers import Broker, broker_options, sample_event
+from mongo_outbox.cli.common import (
+    Failure,
+    Target,
+    connected,
+    moment,
+    run,
+    say,
+    target_options,
+)
+from mongo_outbox.publishers import Publisher
+
+
+@click.command("replay")
+@target_options
+@broker_options
+@click.option("--since", required=True, help="Events that occurred since: ISO time, or 2h, 7d.")
+@click.option("--until", help="... and before this time.")
+@click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
+@click.option("--aggregate", "aggregates", multiple=True, help="Only this aggregate id.")
+@click.option("--dry-run", is_flag=True, help="Count what would be sent; send nothing.")
+def replay_command(
+    target: Target,
+    broker: Broker,
+    since: str,
+    until: str | None,
+    types: tuple[str, ...],
+    aggregates: tuple[str, ...],
+    dry_run: bool,
+) -> None:
+    """Republish already-published events, under their own ids, in order per aggregate (for a
+    new consumer, say). Consumers' inboxes skip what they already handled."""
+    start = moment(since, "--since")
+    end = moment(until, "--until") if until else None
+    sample = sample_event(target.collections)
+    broker.check(sample)
+    result = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
+    if dry_run:
+        say(f"would republish {result.found} events of {result.aggregates} aggregates")
+        return
+    say(
+        f"republished {result.published} of {result.found} events of {result.aggregates} "
+        f"aggregates to {broker.describe()}"
+    )
+    if result.failed:
+        first_id, first_error = result.failed[0]
+        raise Failure(
+            f"{len(result.failed)} events failed ({first_id}: {first_error}) and "
+            f"{result.skipped} later events of their aggregates were not sent"
+        )
+
+
+def _ids(aggregates: tuple[str, ...]) -> list[str | int]:
+    # An aggregate id is stored as a str or an int (from an integer _id): match both spellings.
+    ids: list[str | int] = list(aggregates)
+    ids += [int(a) for a in aggregates if a.lstrip("-").isdigit()]
+    return ids
+
+
+async def _replay(
+    target: Target,
+    broker: Broker,
+    since: datetime,
+    until: datetime | None,
+    types: tuple[str, ...],
+    aggregates: list[str | int],
+    dry_run: bool,
+) -> Replayed:
+    async with connected(target) as conn:
+
+        async def connect() -> Publisher:
+            return await broker.connect(sample_event(target.collections))
+
+        return await replay(
+            conn.outbox,
+            None if dry_run else connect,
+            since=since,
+            until=until,
+            types=types,
+            aggregates=aggregates,
+        )

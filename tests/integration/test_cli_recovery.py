@@ -1,0 +1,173 @@
+"""``mongo-outbox parked``, ``inbox`` and ``ensure-indexes``, the real console script against
+the test MongoDB: dead-lettered events and messages are listed, shown and requeued, and a
+requeue never breaks an aggregate's order."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mongo_outbox import (
+    Event,
+    Inbox,
+    Outbox,
+    Outcome,
+    PoisonMessage,
+    PollingRelay,
+    RelaySettings,
+    inbox_guard,
+)
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.cli import cli
+from tests.support.servers import MongoServer
+
+MODES = ["collection", "embedded"]
+
+
+def target(mongo: MongoServer, db: Any, mode: str = "collection") -> list[str]:
+    return [f"--uri={mongo.uri}", f"--db={db.name}", f"--mode={mode}", "--collections=orders"]
+
+
+async def park(db: Any, mode: str) -> dict[str, list[Event]]:
+    """Aggregate a: a poison event then a good one; b: one "bad" event; c: two poison events."""
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    saved: dict[str, list[Event]] = {}
+    for doc_id, types in (("a", ["poison", "placed"]), ("b", ["bad"]), ("c", ["poison", "poison"])):
+        events = [Event(type=t) for t in types]
+        saved[doc_id] = (
+            await outbox.save_with_events(None, db.orders, {"_id": doc_id}, events)
+        ).events
+    broken = MemoryPublisher(
+        fail=lambda e: None if e.type == "placed" else ValueError("cannot encode")
+    )
+    await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
+    return saved
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_parked_events_are_listed_shown_and_requeued_in_order(
+    mongo: MongoServer, db: Any, mode: str
+) -> None:
+    saved = await park(db, mode)
+    where = target(mongo, db, mode)
+    a_poison, b_bad = saved["a"][0], saved["b"][0]
+    c_first, c_second = saved["c"]
+
+    listed = await cli("parked", "list", *where)
+    assert listed.code == 0, listed.output
+    ids = {line.split()[0] for line in listed.out.splitlines()[1:]}
+    assert ids == {a_poison.id, b_bad.id, c_first.id, c_second.id}
+    assert "cannot encode" in listed.out
+    only_bad = json.loads((await cli("parked", "list", *where, "--type=bad", "--json")).out)
+    assert [e["_id"] for e in only_bad] == [b_bad.id]
+    of_c = json.loads((await cli("parked", "list", *where, "--aggregate=c", "--json")).out)
+    assert sorted(e["sequence"] for e in of_c) == [1, 2]
+
+    shown = await cli("parked", "show", *where, c_second.id)
+    assert shown.code == 0 and "cannot encode" in shown.out and "sequence" in shown.out
+    entry = json.loads((await cli("parked", "show", *where, c_second.id, "--json")).out)
+    assert entry["_id"] == c_second.id and entry["attempts"] == 1
+    missing = await cli("parked", "show", *where, "no-such-id")
+    assert missing.code == 1 and missing.err.strip() == "mongo-outbox: no parked event 'no-such-id'"
+
+    for wrong in ([], ["--all", c_first.id], ["--all", "--type=bad"], ["no-such-id"]):
+        refused = await cli("parked", "requeue", *where, *wrong)
+        assert refused.code == 1 and len(refused.err.splitlines()) == 1, refused.output
+    assert len(json.loads((await cli("parked", "list", *where, "--json")).out)) == 4
+
+    # The later of c's two parked events brings the earlier one back, so it cannot overtake it.
+    ran = await cli("parked", "requeue", *where, c_second.id)
+    assert (
+        ran.out.strip()
+        == "requeued 1 parked events, and 1 earlier parked events of their aggregates"
+    )
+    assert (await cli("parked", "requeue", *where, "--type=bad")).out.strip() == (
+        "requeued 1 parked events"
+    )
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 3
+    assert [e.id for e in publisher.events if e.aggregate_id == "c"] == [c_first.id, c_second.id]
+    assert (
+        await cli("parked", "requeue", *where, "--all")
+    ).out.strip() == "requeued 1 parked events"
+    assert (await cli("parked", "list", *where)).out.strip() == "no parked events"
+
+
+async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
+    @inbox_guard(Inbox(db, consumer=consumer, transactional=False))
+    async def broken(event: Event, session: Any) -> None:
+        raise PoisonMessage("the bug")
+
+    for event in events:
+        assert (await broken.handle(event)).outcome is Outcome.DEAD_LETTERED
+
+
+async def test_inbox_failures_are_listed_and_requeued_for_their_next_delivery(
+    mongo: MongoServer, db: Any
+) -> None:
+    placed = [Event(type="order.placed") for _ in range(2)]
+    paid = Event(type="order.paid")
+    await dead_letter(db, "billing", *placed, paid)
+    await dead_letter(db, "mailer", placed[0])
+    where = target(mongo, db)
+
+    listed = await cli("inbox", "failed", *where)
+    assert listed.code == 0, listed.output
+    rows = [line.split()[:3] for line in listed.out.splitlines()[1:]]
+    assert sorted(rows) == sorted(
+        [["billing", e.id, e.type] for e in [*placed, paid]]
+        + [["mailer", placed[0].id, "order.placed"]]
+    )
+    chosen = await cli(
+        "inbox", "failed", *where, "--consumer=billing", "--type=order.paid", "--json"
+    )
+    [record] = json.loads(chosen.out)
+    assert record["message_id"] == paid.id and "the bug" in record["last_error"]
+    assert len(json.loads((await cli("inbox", "failed", *where, "--since=1h", "--json")).out)) == 4
+    later = await cli("inbox", "failed", *where, "--since=2999-01-01T00:00:00Z")
+    assert later.out.strip() == "no failed messages"
+    bad_time = await cli("inbox", "failed", *where, "--since=yesterday")
+    assert bad_time.code == 1 and "--since" in bad_time.err
+
+    refused = await cli("inbox", "requeue", *where, "--consumer=billing")
+    assert refused.code == 1 and "choose what to requeue" in refused.err
+    ran = await cli("inbox", "requeue", *where, "--consumer=billing", "--type=order.placed")
+    assert ran.code == 0 and ran.out.startswith("requeued 2 failed messages of billing")
+
+    handled: list[str] = []
+
+    @inbox_guard(Inbox(db, consumer="billing", transactional=False))
+    async def fixed(event: Event, session: Any) -> None:
+        handled.append(event.id)
+
+    assert [(await fixed.handle(e)).outcome for e in [*placed, paid]] == [
+        Outcome.HANDLED,
+        Outcome.HANDLED,
+        Outcome.DUPLICATE,  # still dead-lettered: not requeued
+    ]
+    assert handled == [e.id for e in placed]
+    rest = await cli("inbox", "requeue", *where, "--consumer=billing", "--all")
+    assert rest.out.startswith("requeued 1 failed messages of billing")
+    assert len(await Inbox(db, consumer="mailer").failed()) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_ensure_indexes_creates_the_outbox_and_inbox_indexes(
+    mongo: MongoServer, db: Any, mode: str
+) -> None:
+    ran = await cli("ensure-indexes", *target(mongo, db, mode), "--inbox")
+    assert ran.code == 0, ran.output
+    lines = dict(line.split(": ", 1) for line in ran.out.splitlines())
+    if mode == "collection":
+        assert lines[f"{db.name}.outbox"] == "aggregate, relay_due, ttl, waiting"
+    else:
+        assert lines[f"{db.name}.orders"] == "_outbox_parked, _outbox_relay_due, _outbox_wait"
+        assert lines[f"{db.name}.outbox_event_ids"] == "ttl"
+    assert lines[f"{db.name}.inbox"] == "failures, identity, ttl"
+    assert "failures" in await db.inbox.index_information()
+    again = await cli("ensure-indexes", *target(mongo, db, mode), "--inbox")
+    assert again.out == ran.out  # idempotent

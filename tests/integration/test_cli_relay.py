@@ -1,0 +1,162 @@
+"""``mongo-outbox relay``, the real console script in a subprocess, against the test MongoDB and
+the real brokers: it publishes live, stops cleanly on SIGTERM or SIGINT, and refuses a bad
+configuration in one line before relaying anything."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import pytest
+
+from mongo_outbox import Event, Outbox
+from tests.support.cli import Service, cli, environment, held, lease_of, until_active
+from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
+from tests.support.waiting import until
+
+NATS_PASSWORD = "n4ts-Secret-pw"  # the test NATS server takes any credentials
+SECRET_NATS = NATS_URL.replace("nats://", f"nats://relay:{NATS_PASSWORD}@")
+
+
+async def save_orders(outbox: Outbox, db: Any, n: int, start: int = 0) -> list[Event]:
+    events: list[Event] = []
+    for i in range(start, start + n):
+        saved = await outbox.save_with_events(
+            None, db.orders, {"_id": f"o-{i}"}, [Event(type="placed", payload={"n": i})]
+        )
+        events += saved.events
+    return events
+
+
+async def stream_ids(nats_client: Any, stream: str, expected: int) -> list[str]:
+    js = nats_client.jetstream()
+
+    async def arrived() -> bool:
+        return bool((await js.stream_info(stream)).state.messages >= expected)
+
+    await until(arrived, timeout=20, every=0.05)
+    sub = await js.subscribe(f"{stream}.>", ordered_consumer=True)
+    ids = [Event.from_json((await sub.next_msg(timeout=5)).data).id for _ in range(expected)]
+    await sub.unsubscribe()
+    return ids
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+async def test_the_relay_publishes_live_and_gives_its_lease_up_on_a_signal(
+    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str, stop: signal.Signals
+) -> None:
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.ensure_indexes()
+    before = await save_orders(outbox, db, 2)
+    # Configured through the environment twins alone.
+    env = environment(
+        MONGO_OUTBOX_URI=mongo.uri,
+        MONGO_OUTBOX_DB=db.name,
+        MONGO_OUTBOX_MODE="embedded",
+        MONGO_OUTBOX_COLLECTIONS="orders",
+        MONGO_OUTBOX_NAME="orders-relay",
+        MONGO_OUTBOX_NATS=SECRET_NATS,
+        MONGO_OUTBOX_SUBJECT=f"{nats_stream}.{{type}}",
+    )
+    relay = await Service("relay", env=env).start()
+    try:
+        await until_active(db, "orders-relay", relay)
+        # Saved while the relay runs: the change stream brings them.
+        live = await save_orders(outbox, db, 3, start=2)
+        ids = await stream_ids(nats_client, nats_stream, 5)
+        ran = await relay.stop(stop, timeout=10)
+    finally:
+        relay.kill()
+    assert sorted(ids) == sorted(e.id for e in before + live)
+    assert ran.code == 0, ran.output
+    assert not held(await lease_of(db, "orders-relay"))  # given up, not left to run out
+    log = ran.err.splitlines()
+    assert any(f"{stop.name} received" in line for line in log)
+    assert any("starting -> active" in line for line in log)
+    assert any("active -> stopped" in line for line in log)
+    assert NATS_PASSWORD not in ran.output and "relay:***@" in ran.output
+
+
+async def test_a_polling_relay_publishes_to_rabbitmq_and_stops_on_sigterm(
+    mongo: MongoServer, db: Any, channel: Any, unique: str
+) -> None:
+    import aio_pika
+
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    saved = await save_orders(outbox, db, 4)
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(unique, exclusive=True)
+    await queue.bind(exchange, "orders.#")
+    relay = await Service(
+        "relay",
+        "--polling",
+        "--interval=0.1",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        f"--rabbitmq={RABBITMQ_URL}",
+        f"--exchange={unique}",
+        "--routing-key=orders.{type}",
+        "--name=poller",
+    ).start()
+    received: list[str] = []
+    try:
+        while len(received) < len(saved):
+            message = await queue.get(timeout=20, fail=False)
+            if message is None:
+                await asyncio.sleep(0.05)
+                continue
+            await message.ack()
+            received.append(str(message.message_id))
+        ran = await relay.stop(signal.SIGTERM, timeout=10)
+    finally:
+        relay.kill()
+    assert received == [e.id for e in saved]
+    assert ran.code == 0, ran.output
+    assert "relay poller: starting -> active" in ran.err and "active -> stopped" in ran.err
+
+
+UNREACHABLE = "mongodb://admin:m0ngo-Secret-pw@127.0.0.1:1/?directConnection=true"
+WRONG_LOGIN = RABBITMQ_URL.replace("guest:guest@", "guest:r4bbit-Secret-pw@")
+NATS_DOWN = "nats://relay:n4ts-Secret-pw@127.0.0.1:1"
+NATS = ["--nats", NATS_URL]
+
+# "{uri}" stands for the test MongoDB, "{login}" for it with credentials it refuses.
+BAD = [
+    pytest.param([f"--uri={UNREACHABLE}", *NATS], "MongoDB at", id="mongodb-unreachable"),
+    pytest.param(["--uri={login}", *NATS], "MongoDB at", id="mongodb-login-refused"),
+    pytest.param(["--uri={uri}", "--nats", NATS_DOWN], "NATS at", id="nats-unreachable"),
+    pytest.param(["--uri={uri}", "--rabbitmq", WRONG_LOGIN], "RabbitMQ at", id="rabbitmq-login"),
+    pytest.param(["--uri={uri}", *NATS, "--subject=x.{{typo}}"], "--subject", id="template"),
+    pytest.param(["--uri={uri}", *NATS, "--subject=x.>"], "--subject", id="wildcard"),
+    pytest.param(
+        ["--uri={uri}", "--rabbitmq", RABBITMQ_URL, "--routing-key={{nope}}"],
+        "--routing-key",
+        id="routing-key",
+    ),
+    pytest.param(["--uri={uri}", *NATS, "--claim-lease=0"], "--claim-lease", id="lease"),
+    pytest.param(["--uri={uri}"], "--nats URL or --rabbitmq URL", id="no-broker"),
+    pytest.param(["--uri={uri}", *NATS, "--mode=embedded"], "--collections", id="embedded"),
+    pytest.param([*NATS], "--uri", id="no-uri"),
+]
+
+
+@pytest.mark.parametrize(("args", "reason"), BAD)
+async def test_a_bad_configuration_exits_non_zero_in_one_line_before_relaying(
+    mongo: MongoServer, db: Any, args: list[str], reason: str
+) -> None:
+    login = mongo.uri.replace("://", "://admin:m0ngo-Secret-pw@", 1)
+    args = [a.format(uri=mongo.uri, login=login) if "--uri" in a else a for a in args]
+    args = [a.replace("{{", "{").replace("}}", "}") for a in args]
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    await save_orders(outbox, db, 1)
+    ran = await cli("relay", f"--db={db.name}", "--name=never", *args, timeout=30)
+    assert ran.code != 0
+    assert ran.out == ""
+    [line] = ran.err.splitlines()
+    assert line.startswith("mongo-outbox: ") and reason in line
+    assert "Secret-pw" not in ran.err
+    assert await db.outbox.count_documents({"status": "pending"}) == 1
+    assert await lease_of(db, "never") == {}
