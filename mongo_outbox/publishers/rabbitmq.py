@@ -186,8 +186,12 @@ class RabbitMQPublisher:
         # RabbitMQ closes the whole connection (FRAME_ERROR), failing every other publish on
         # it, for a content header frame over frame_max: the properties cannot be split.
         frame_max = channel.connection.connection_tune.frame_max
-        header = pamqp.header.ContentHeader(0, len(message.body), message.properties)
-        size = len(pamqp.frame.marshal(header, channel.number))
+        if frame_max and _header_bound(event) > frame_max:
+            # Only a message that may be too big pays for marshalling its header exactly.
+            header = pamqp.header.ContentHeader(0, len(message.body), message.properties)
+            size = len(pamqp.frame.marshal(header, channel.number))
+        else:
+            size = 0
         if frame_max and size > frame_max:
             raise InvalidEventError(
                 f"event {event.id}: its AMQP properties and headers take {size} bytes, over "
@@ -246,3 +250,10 @@ class RabbitMQPublisher:
                 await self.connection.close()
             except Exception as error:  # noqa: BLE001 - closing must not fail the caller
                 log.debug("closing the RabbitMQ connection: %s", describe(error))
+
+
+def _header_bound(event: Event) -> int:
+    """An upper bound of the content header frame's size: the fixed properties (each short
+    string at most 256 bytes) and every header as a long string with its name."""
+    headers = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in message_headers(event).items())
+    return 4_096 + headers
