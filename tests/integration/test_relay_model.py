@@ -34,7 +34,7 @@ Checked after every step: nothing published but committed events; a second publi
 an event that a relay published and died before settling (counted, not forbidden); no claim left
 in the outbox but dead relays'; every parked entry is a committed event with a ``last_error``; a
 step of a live relay unparks nothing, parks an event at its ``InvalidEventError`` and at its
-``MAX_ATTEMPTS``-th ``RuntimeError``, parks nothing without a cause of its own (never for an
+``max_attempts``-th ``RuntimeError``, parks nothing without a cause of its own (never for an
 outage), and records the failure that parked it as ``last_error``; a requeue unparks exactly the
 asked events and the earlier parked events of their aggregates; a dead relay parks nothing; no
 hot loop: at most ``HOT_LOOP`` publish attempts of one event in one step.
@@ -89,24 +89,24 @@ from tests.support.relay_fakes import CheckingBroker, GatedSource, KillSwitch
 
 EXAMPLES = int(os.environ.get("RELAY_MODEL_EXAMPLES", "100"))
 STEPS = int(os.environ.get("RELAY_MODEL_STEPS", "50"))
-MAX_ATTEMPTS = 2
 HOUR = 3600.0
 BACKOFF = Backoff(initial=HOUR, maximum=HOUR)  # retries come due when time_passes says so
+STEP_TIMEOUT = 20.0  # a step takes milliseconds; one that does not end is a hang or a hot loop
 HOT_LOOP = 5  # a first try, a wake and a probe (on one-second timers), and room to spare
 AGGREGATES = st.integers(0, 2)
 # An event's type ("b" may have no route), and whether the broker rejects it or finds it invalid.
 EVENTS = st.lists(
     st.tuples(st.sampled_from("ab"), st.sampled_from([None, None, None, "rejected", "invalid"])),
     min_size=1,
-    max_size=3,
+    max_size=4,
 )
-SAVES = ["commit", "commit", "abort", "refuse"]
+SAVES = ["commit", "commit", "commit", "abort", "refuse"]
 # What a collection-mode entry gains after its insert, and what it was inserted with.
 ENTRY_STATE = {"claim", "last_error", "waiting", "waits", "published_at", "expire_at"}
 FRESH_ENTRY = {"status": "pending", "attempts": 0}
 BATCH_SIZES = st.sampled_from([1, 2, 3, 100])
-DEATHS = ["killed", "by hand", "lease runs out", "stalled settles"]
-HAPPENINGS = ["up", "down", "no route for b", "heals", "requeue", "requeue"]
+LIFECYCLE = ["start", "restart", "killed", "by hand", "lease runs out", "stalled settles"]
+HAPPENINGS = ["up", "down", "no route for b", "no route for b", "heals", "requeue", "requeue"]
 KINDS = ["polling", "changestream", "stream"]  # "stream": a ChangeStreamRelay that runs
 
 T = TypeVar("T")
@@ -217,15 +217,20 @@ class RelayModel(RuleBasedStateMachine):
         self.stalled: list[DeadClaim] = []
         self.parked: dict[str, str | None] = {}  # id: last_error, as the store lists them
         self.failures: dict[str, Counter[str]] = defaultdict(Counter)  # settled, since requeue
+        self.max_attempts = 2
         self.run(self.outbox.ensure_indexes())
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
-            return future.result(timeout=60)
+            return future.result(timeout=STEP_TIMEOUT)
         except TimeoutError:
             future.cancel()
-            raise
+            tries = Counter(event_id for event_id, _ in self.broker.attempts)
+            raise AssertionError(
+                f"a step did not end within {STEP_TIMEOUT:g} s: a hang or a hot loop? "
+                f"{len(self.broker.attempts)} publish attempts, most {tries.most_common(1)}"
+            ) from None
 
     # -- saves, faults ------------------------------------------------------------------------
 
@@ -321,7 +326,7 @@ class RelayModel(RuleBasedStateMachine):
 
     def _relay(self, process: Process) -> Any:
         tuning = RelaySettings(
-            batch_size=process.batch_size, max_attempts=MAX_ATTEMPTS, backoff=BACKOFF
+            batch_size=process.batch_size, max_attempts=self.max_attempts, backoff=BACKOFF
         )
         if process.kind == "polling":
             return PollingRelay(self.outbox, self.broker, settings=tuning)
@@ -336,18 +341,14 @@ class RelayModel(RuleBasedStateMachine):
             sweep_interval=HOUR,
         )
 
-    @initialize(kind=st.sampled_from(KINDS), batch_size=BATCH_SIZES)
-    def first_relay(self, kind: str, batch_size: int) -> None:
+    @initialize(kind=st.sampled_from(KINDS), batch_size=BATCH_SIZES, max_attempts=st.integers(1, 3))
+    def first_relay(self, kind: str, batch_size: int, max_attempts: int) -> None:
+        """The first relay process; ``max_attempts`` holds for every relay of the example."""
+        self.max_attempts = max_attempts
         self._new_process(kind, batch_size)
 
-    @rule(data=st.data(), kind=st.sampled_from(KINDS), batch_size=BATCH_SIZES, fresh=st.booleans())
-    def relay_starts(self, data: st.DataObject, kind: str, batch_size: int, fresh: bool) -> None:
-        """A new relay process (of up to three), or one restarted: a new object in its place."""
-        process = pick(data, self.processes, "process")
-        if fresh and len(self.processes) < 3:
-            self._new_process(kind, batch_size)
-            return
-        assert process is not None
+    def _restart(self, process: Process) -> None:
+        """A relay process restarts: a new relay object in its place."""
         if process.kind == "stream":
             self._relay_step(self._stop_stream())
             seen("the stream relay restarted")
@@ -379,7 +380,7 @@ class RelayModel(RuleBasedStateMachine):
             self.source.batches.put_nowait(ChangeBatch([], None))
         await self.stream.task
 
-    @rule(data=st.data(), drain=st.booleans(), later=st.booleans())
+    @rule(data=st.data(), drain=st.sampled_from([False, False, True]), later=st.booleans())
     def relay_publishes(self, data: st.DataObject, drain: bool, later: bool) -> None:
         """A relay's step, ``later``: once every backoff and recheck delay ran out. A polling
         relay publishes a batch or drains, a change-stream relay drains, and the one that runs
@@ -469,19 +470,19 @@ class RelayModel(RuleBasedStateMachine):
                 kind = "no route" if error.destination else "outage"
             self.failures[event_id][kind] += 1
             parks = kind == "InvalidEventError" or (
-                kind == "RuntimeError" and self.failures[event_id][kind] >= MAX_ATTEMPTS
+                kind == "RuntimeError" and self.failures[event_id][kind] >= self.max_attempts
             )
             assert not parks or event_id in self.parked, f"{event_id} not parked after {kind}"
         for event_id in set(self.parked) - set(before):
             causes = self.failures[event_id]
             own = causes["RuntimeError"] + causes["no route"]
-            assert causes["InvalidEventError"] or own >= MAX_ATTEMPTS, (
+            assert causes["InvalidEventError"] or own >= self.max_attempts, (
                 f"{event_id} was parked without a cause of its own: {dict(causes)}"
             )
             assert self.parked[event_id] == last_error[event_id], "parked with another error"
             if causes["InvalidEventError"]:
                 seen("parked at its InvalidEventError")
-            elif causes["RuntimeError"] >= MAX_ATTEMPTS:
+            elif causes["RuntimeError"] >= self.max_attempts:
                 seen("parked after its attempts")
             else:
                 seen("parked for its missing destination")
@@ -496,16 +497,30 @@ class RelayModel(RuleBasedStateMachine):
     # -- relays that die ----------------------------------------------------------------------
 
     @rule(
-        data=st.data(), what=st.sampled_from(DEATHS), size=BATCH_SIZES, confirms=st.integers(0, 3)
+        data=st.data(),
+        what=st.sampled_from(LIFECYCLE),
+        kind=st.sampled_from(KINDS),
+        size=BATCH_SIZES,
+        confirms=st.integers(0, 3),
     )
-    def relays_die(self, data: st.DataObject, what: str, size: int, confirms: int) -> None:
-        """``killed``: a PollingRelay of batch ``size`` is cancelled right after the broker's
-        ``confirms``-th confirm, before it settles (if its round has fewer to publish, it settles
-        as usual). ``by hand``: a relay claimed ``size`` through the store, published
-        ``confirms`` waves (a failure ends its aggregate's), and died. ``lease runs out``: a
-        dead relay's. ``stalled settles``: one that died by hand was only paused: it wakes up and
-        settles what it published, maybe after its lease ran out and others took over."""
-        if what == "by hand":
+    def relays_come_and_go(
+        self, data: st.DataObject, what: str, kind: str, size: int, confirms: int
+    ) -> None:
+        """``start``: a new relay process of ``kind`` and batch ``size`` (up to three).
+        ``restart``: one gets a new relay object. ``killed``: a PollingRelay of batch ``size`` is
+        cancelled right after the broker's ``confirms``-th confirm, before it settles (if its
+        round has fewer to publish, it settles as usual). ``by hand``: a relay claimed ``size``
+        through the store, published ``confirms`` waves (a failure ends its aggregate's), and
+        died. ``lease runs out``: a dead relay's. ``stalled settles``: one that died by hand was
+        only paused: it wakes up and settles what it published, maybe after its lease ran out
+        and others took its entries over."""
+        process = pick(data, self.processes, "process")
+        if what == "start" and len(self.processes) < 3:
+            self._new_process(kind, size)
+        elif what in ("start", "restart"):
+            assert process is not None
+            self._restart(process)
+        elif what == "by hand":
             self._dies_by_hand(size, confirms)
         elif what == "lease runs out":
             token = pick(data, sorted(self.leases), "claim")
@@ -520,7 +535,7 @@ class RelayModel(RuleBasedStateMachine):
 
     def _killed(self, batch_size: int, confirms: int) -> None:
         tuning = RelaySettings(
-            batch_size=batch_size, max_attempts=MAX_ATTEMPTS, backoff=BACKOFF, claim_lease=HOUR
+            batch_size=batch_size, max_attempts=self.max_attempts, backoff=BACKOFF, claim_lease=HOUR
         )
         switch = KillSwitch(self.broker, confirms)
         relay = PollingRelay(self.outbox, switch, settings=tuning)
