@@ -1,0 +1,215 @@
+"""Guard a FastStream subscriber with an ``Inbox``, on RabbitMQ and NATS JetStream.
+
+``inbox_handler`` turns an ``async def handler(event, session)`` into the function a FastStream
+subscriber decorates. It is a decorator rather than a FastStream middleware because a middleware
+sits outside the subscriber's arguments: it could not hand the handler the inbox's MongoDB
+session, and FastStream's middleware API changed between 0.5 and 0.6.
+
+FastStream's own ``msg.message_id`` is no identity to deduplicate on: its NATS parser reads
+FastStream's ``message_id`` header, not ``Nats-Msg-Id`` (a message published by anything else
+gets a fresh random id on every delivery), and its RabbitMQ parser invents a random id when the
+producer set none. So the handler reads the raw message, as ``mongo_outbox.consumers`` does:
+the ``Nats-Msg-Id`` header on NATS, the AMQP ``message_id`` property on RabbitMQ; a message
+without one is rejected (NATS: term; RabbitMQ: reject without requeue, to the queue's
+dead-letter exchange if it has one), never handled blindly. Outcomes settle the message as in
+``mongo_outbox.consumers.base``: handled, duplicate and dead-lettered are acked; a retry is
+nak'ed with its delay on NATS, and on RabbitMQ (which has no delayed nack) held for the delay,
+then requeued. The handler settles the message itself, so FastStream's acknowledgement (any
+``ack_policy`` but ``ACK_FIRST``) finds it settled and leaves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from mongo_outbox.backoff import Backoff
+from mongo_outbox.consumers.base import (
+    Rejected,
+    check_source,
+    delivery_limit_of,
+    settle,
+    stopped_within,
+)
+from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMessage
+from mongo_outbox.events import Event
+from mongo_outbox.guard import Guarded, inbox_guard
+from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
+
+try:
+    from faststream import Context
+    from faststream.message import StreamMessage
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "mongo_outbox.faststream needs the faststream extra: pip install 'mongo-outbox[faststream]'"
+    ) from error
+
+__all__ = ["FastStreamHandler", "inbox_handler"]
+
+Handler = Callable[..., Awaitable[None]]
+
+
+class _Delivery:
+    """A FastStream message as ``settle`` sees it: identity, body and headers from the raw
+    message, settled through FastStream's message so that FastStream knows it is settled."""
+
+    def __init__(self, message: StreamMessage[Any], delivery_limit: int | None) -> None:
+        self.message = message
+        raw = message.raw_message
+        module = type(raw).__module__
+        if module.startswith("nats."):
+            self.broker = "nats"
+            self.headers: Mapping[str, Any] = raw.headers or {}
+            self.message_id: object = self.headers.get("Nats-Msg-Id")
+            self.body: bytes = raw.data
+            delivered = raw.metadata.num_delivered if delivery_limit else None
+        elif module.startswith("aio_pika."):
+            self.broker = "rabbitmq"
+            self.headers = raw.headers or {}
+            self.message_id = raw.message_id
+            self.body = raw.body
+            delivered = self.headers.get("x-delivery-count")
+        else:
+            raise ConfigurationError(
+                f"inbox_handler guards RabbitMQ and NATS JetStream subscribers, not a "
+                f"{type(raw).__module__}.{type(raw).__name__} message (a batch subscriber "
+                "delivers a list: guard one message at a time)",
+                setting="inbox_handler",
+            )
+        self.last = (
+            delivery_limit is not None
+            and isinstance(delivered, int)
+            and not isinstance(delivered, bool)
+            and delivered >= delivery_limit
+        )
+
+    async def ack(self) -> None:
+        await self.message.ack()
+
+    async def reject(self) -> None:
+        await self.message.reject()  # NATS: term; RabbitMQ: reject without requeue
+
+    async def retry_after(self, delay: float, stop: asyncio.Event) -> None:
+        if self.broker == "nats":
+            await self.message.nack(delay=delay)  # type: ignore[call-arg]
+            return
+        # RabbitMQ has no delayed nack: hold the message (one prefetch slot) for the delay.
+        await stopped_within(stop, delay)
+        await self.message.nack()
+
+    async def give_back(self) -> None:
+        await self.message.nack()
+
+
+class FastStreamHandler:
+    """What ``inbox_handler`` returns: the guarded handler and its settings; FastStream
+    subscribes ``function``, the coroutine function it calls with each message."""
+
+    def __init__(
+        self,
+        guarded: Guarded,
+        *,
+        source: str | None,
+        rejected: Rejected | None,
+        delivery_limit: int | None,
+        stop: asyncio.Event,
+    ) -> None:
+        self.guarded = guarded
+        self.source = source
+        self.rejected = rejected
+        self.delivery_limit = delivery_limit
+        self.stop = stop
+
+    async def handle(self, message: StreamMessage[Any]) -> Outcome | None:
+        """Run the guarded handler on one FastStream message and settle it; the outcome, or
+        ``None`` for a message rejected before it reached the handler."""
+        return await settle(
+            _Delivery(message, self.delivery_limit),
+            self.guarded,
+            source=self.source,
+            rejected=self.rejected,
+            stop=self.stop,
+        )
+
+
+def inbox_handler(
+    inbox: Inbox,
+    *,
+    payload: type[BaseModel] | None = None,
+    max_attempts: int = 5,
+    backoff: Backoff | None = None,
+    dead_letter: DeadLetter | None = None,
+    source: str | None = None,
+    rejected: Rejected | None = None,
+    delivery_limit: int | None = None,
+    stop: asyncio.Event | None = None,
+) -> Callable[[Handler], Callable[..., Awaitable[None]]]:
+    """Decorate ``async def handler(event, session)`` into a FastStream subscriber function
+    that runs it once per message::
+
+        @broker.subscriber("orders.>", stream="orders", durable="billing")
+        @inbox_handler(Inbox(db, consumer="billing"))
+        async def bill(event: Event, session: Any) -> None: ...
+
+    ``session`` is the inbox's MongoDB session (transactional mode: write with it, and the
+    handler's writes commit with the inbox record); a handler that takes an ``attempt`` keyword
+    gets the attempt number. With ``payload=Model`` the handler gets
+    ``event.payload_as(Model)`` instead of the event, and a payload that does not fit is
+    dead-lettered at once (it would never fit).
+
+    ``max_attempts``, ``backoff`` and ``dead_letter`` are ``inbox_guard``'s; ``source`` and
+    ``rejected`` those of ``mongo_outbox.consumers``. ``delivery_limit`` is the subscription's
+    ``max_deliver`` (NATS) or the quorum queue's ``x-delivery-limit`` (RabbitMQ): on the last
+    delivery a failure is dead-lettered instead of lost. Setting ``stop`` (say, in the app's
+    ``on_shutdown``) requeues at once a RabbitMQ message held for its retry delay.
+
+    The result is a plain coroutine function taking FastStream's message; its ``inbox``
+    attribute is the ``FastStreamHandler`` (``.guarded`` is the ``Guarded``).
+    """
+    check_source(source, "inbox_handler.source")
+    limit = delivery_limit_of(delivery_limit, "inbox_handler.delivery_limit")
+    if payload is not None and not (isinstance(payload, type) and issubclass(payload, BaseModel)):
+        raise ConfigurationError(
+            f"inbox_handler.payload must be a pydantic model class, not {payload!r}",
+            setting="inbox_handler.payload",
+        )
+    guard = inbox_guard(
+        inbox, max_attempts=max_attempts, backoff=backoff, dead_letter=dead_letter
+    )
+
+    def decorate(handler: Handler) -> Callable[..., Awaitable[None]]:
+        guarded = guard(handler if payload is None else _typed(handler, payload))
+        settings = FastStreamHandler(
+            guarded, source=source, rejected=rejected, delivery_limit=limit, stop=stop or asyncio.Event()
+        )
+
+        # FastStream builds the subscriber's arguments from this signature: the one parameter
+        # is the message itself, from FastStream's context.
+        async def subscriber(message: Any = Context("message")) -> None:
+            await settings.handle(message)
+
+        subscriber.__name__ = getattr(handler, "__name__", "subscriber")
+        subscriber.__qualname__ = getattr(handler, "__qualname__", subscriber.__name__)
+        subscriber.__doc__ = handler.__doc__
+        subscriber.inbox = settings  # type: ignore[attr-defined]
+        return subscriber
+
+    return decorate
+
+
+def _typed(handler: Handler, model: type[BaseModel]) -> Handler:
+    # functools.wraps keeps the handler's name (the inbox registers it) and its signature (the
+    # guard passes ``attempt`` only to a handler that takes it).
+    @functools.wraps(handler)
+    async def typed(event: Event, session: Any, **keywords: Any) -> None:
+        try:
+            value = event.payload_as(model)
+        except InvalidEventError as error:
+            raise PoisonMessage(str(error)) from error
+        await handler(value, session, **keywords)
+
+    return typed
