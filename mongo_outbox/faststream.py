@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel
 
@@ -177,19 +177,21 @@ def inbox_handler(
             f"inbox_handler.payload must be a pydantic model class, not {payload!r}",
             setting="inbox_handler.payload",
         )
-    guard = inbox_guard(
-        inbox, max_attempts=max_attempts, backoff=backoff, dead_letter=dead_letter
-    )
+    guard = inbox_guard(inbox, max_attempts=max_attempts, backoff=backoff, dead_letter=dead_letter)
 
     def decorate(handler: Handler) -> Callable[..., Awaitable[None]]:
         guarded = guard(handler if payload is None else _typed(handler, payload))
         settings = FastStreamHandler(
-            guarded, source=source, rejected=rejected, delivery_limit=limit, stop=stop or asyncio.Event()
+            guarded,
+            source=source,
+            rejected=rejected,
+            delivery_limit=limit,
+            stop=stop or asyncio.Event(),
         )
 
         # FastStream builds the subscriber's arguments from this signature: the one parameter
         # is the message itself, from FastStream's context.
-        async def subscriber(message: Any = Context("message")) -> None:
+        async def subscriber(message: Annotated[Any, Context("message")]) -> None:
             await settings.handle(message)
 
         subscriber.__name__ = getattr(handler, "__name__", "subscriber")

@@ -1,4 +1,5 @@
-"""Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``."""
+"""Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``,
+``[faststream]`` (with the FastStream broker of your choice)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,26 @@ from mongo_outbox.publishers.base import BatchPublisher, Publisher
 from mongo_outbox.publishers.memory import MemoryPublisher
 
 if TYPE_CHECKING:
+    from mongo_outbox.publishers.faststream import FastStreamPublisher
     from mongo_outbox.publishers.nats import NatsPublisher
     from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
-__all__ = ["BatchPublisher", "MemoryPublisher", "NatsPublisher", "Publisher", "RabbitMQPublisher"]
+__all__ = [
+    "BatchPublisher",
+    "FastStreamPublisher",
+    "MemoryPublisher",
+    "NatsPublisher",
+    "Publisher",
+    "RabbitMQPublisher",
+]
 
 
 def __getattr__(name: str) -> Any:
     # Import a broker adapter only when asked for, so its client stays an optional extra.
+    if name == "FastStreamPublisher":
+        from mongo_outbox.publishers.faststream import FastStreamPublisher
+
+        return FastStreamPublisher
     if name == "NatsPublisher":
         from mongo_outbox.publishers.nats import NatsPublisher
 

@@ -12,11 +12,13 @@ import asyncio
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from pamqp import commands, frame, header
 from pamqp import body as content
+from pamqp import commands, frame, header
 
 
-async def publish_without_message_id(url: str, exchange: str, routing_key: str, data: bytes) -> None:
+async def publish_without_message_id(
+    url: str, exchange: str, routing_key: str, data: bytes
+) -> None:
     parts = urlparse(url)
     user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
     vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"

@@ -54,6 +54,7 @@ def test_all_is_exactly_the_public_surface() -> None:
         assert getattr(mongo_outbox, name) is not None
     assert set(mongo_outbox.publishers.__all__) == {
         "BatchPublisher",
+        "FastStreamPublisher",
         "MemoryPublisher",
         "NatsPublisher",
         "Publisher",
@@ -119,6 +120,7 @@ IMPORT_PATHS = {
         "PublishError",
     ],
     "mongo_outbox.events": ["Event", "new_event_id", "utc_now"],
+    "mongo_outbox.faststream": ["FastStreamHandler", "inbox_handler"],
     "mongo_outbox.inbox": [
         "DeadLettered",
         "Guarded",
@@ -131,6 +133,7 @@ IMPORT_PATHS = {
     "mongo_outbox.outbox": ["Outbox", "Saved"],
     "mongo_outbox.publishers": ["BatchPublisher", "MemoryPublisher", "Publisher"],
     "mongo_outbox.publishers.base": ["BatchPublisher", "Publisher"],
+    "mongo_outbox.publishers.faststream": ["FastStreamPublisher"],
     "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.publishers.nats": ["NatsPublisher"],
     "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],

@@ -1,0 +1,291 @@
+"""FastStreamPublisher: the relay publishes through a FastStream broker the application already
+runs (RabbitMQ, NATS JetStream, Redis streams, Kafka).
+
+What identifies a message, per broker (the event id, which consumers deduplicate on):
+
+=========  ==============================  ============================  =====================
+broker     destination (``destination``)   event id travels as           confirmed by
+=========  ==============================  ============================  =====================
+RabbitMQ   routing key (and ``exchange``)  ``message_id`` property       publisher confirm
+NATS       subject, in ``stream``          ``Nats-Msg-Id`` header        the stream's ack
+Redis      stream key (XADD)               ``message_id`` header         XADD's reply
+Kafka      topic; key = aggregate id       ``message_id`` header         the leader's ack
+=========  ==============================  ============================  =====================
+
+FastStream's subscribers read the ``message_id`` header as ``msg.message_id`` on NATS and Redis
+(and the property on RabbitMQ); on Kafka ``msg.message_id`` is the offset, so read the header.
+Every message also carries ``message_headers`` (event type, aggregate type and id, sequence) and
+``correlation_id`` (the event's, else its id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mongo_outbox.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    InvalidEventError,
+    PublishError,
+    describe,
+)
+from mongo_outbox.events import Event
+from mongo_outbox.publishers.base import (
+    Naming,
+    client_call,
+    closed_error,
+    full_error,
+    message_headers,
+    render,
+    unavailable_error,
+)
+from mongo_outbox.settings import Duration, seconds
+
+try:
+    from faststream import exceptions as faststream_errors
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "FastStreamPublisher needs the faststream extra: pip install 'mongo-outbox[faststream]'"
+    ) from error
+
+log = logging.getLogger(__name__)
+
+# What FastStream raises when publishing on a broker that is not connected.
+_NOT_CONNECTED: type[Exception] = getattr(
+    faststream_errors, "IncorrectState", faststream_errors.FastStreamException
+)
+
+_KINDS = {
+    "faststream.rabbit": "RabbitMQ",
+    "faststream.nats": "NATS",
+    "faststream.redis": "Redis",
+    "faststream.kafka": "Kafka",
+    "faststream.confluent": "Kafka",
+}
+
+
+def _kind(broker: object) -> str:
+    for klass in type(broker).__mro__:
+        for package, kind in _KINDS.items():
+            if klass.__module__.startswith(package + "."):
+                return kind
+    raise ConfigurationError(
+        "FastStreamPublisher takes a FastStream RabbitBroker, NatsBroker, RedisBroker or "
+        f"KafkaBroker, not {type(broker).__name__}",
+        setting="FastStreamPublisher.broker",
+    )
+
+
+class FastStreamPublisher:
+    """Publishes each event through a FastStream broker and returns once the broker confirmed it.
+
+    The broker stays the caller's: connect it (``await broker.connect()``, or run it in its
+    ``FastStream`` app) before the relay starts, and close it after; ``aclose`` only stops this
+    publisher. Until it is connected, or while its server is unreachable, ``publish`` raises
+    ``BrokerUnavailableError``, which the relay retries without counting an attempt.
+
+    Parameters:
+        broker: a FastStream ``RabbitBroker``, ``NatsBroker``, ``RedisBroker`` or ``KafkaBroker``.
+        destination: template or function giving the routing key (RabbitMQ), subject (NATS),
+            stream key (Redis) or topic (Kafka); default ``"events.{aggregate_type}.{type}"``.
+        exchange: RabbitMQ only: the exchange to publish to (default: the default exchange).
+        stream: NATS only, and required there: the JetStream stream the subjects belong to (a
+            plain NATS publish is never confirmed).
+        timeout: seconds (or a ``timedelta``) to wait for each confirmation.
+    """
+
+    def __init__(
+        self,
+        broker: Any,
+        destination: Naming = "events.{aggregate_type}.{type}",
+        *,
+        exchange: str | None = None,
+        stream: str | None = None,
+        timeout: Duration = 5.0,
+    ) -> None:
+        self.kind = _kind(broker)
+        if exchange is not None and self.kind != "RabbitMQ":
+            raise ConfigurationError(
+                f"FastStreamPublisher.exchange is for RabbitMQ, not {self.kind}",
+                setting="FastStreamPublisher.exchange",
+            )
+        if (stream is None) == (self.kind == "NATS"):
+            raise ConfigurationError(
+                "FastStreamPublisher.stream (the JetStream stream) is required for NATS, and "
+                f"only for NATS (this broker is {self.kind})",
+                setting="FastStreamPublisher.stream",
+            )
+        self.broker = broker
+        self.destination = destination
+        self.exchange = exchange
+        self.stream = stream
+        self.timeout = seconds(timeout, "FastStreamPublisher.timeout")
+        self.closed = False
+        self._classify = _classifier(self.kind)
+
+    async def publish(self, event: Event) -> None:
+        if self.closed:
+            raise closed_error(self, event)
+        destination = render(self.destination, event)
+        if not destination:
+            raise InvalidEventError(f"empty destination for event {event.id}", event_id=event.id)
+        body = event.model_dump_json().encode()
+        headers = message_headers(event)
+        headers["content-type"] = "application/json"
+        options: dict[str, Any] = {"correlation_id": event.correlation_id or event.id}
+        if self.kind == "RabbitMQ":
+            options.update(
+                routing_key=destination,
+                exchange=self.exchange,
+                message_id=event.id,
+                content_type="application/json",
+                message_type=event.type,
+                timestamp=event.occurred_at,
+                persist=True,
+                mandatory=True,
+                timeout=self.timeout,
+            )
+            del headers["content-type"]
+        elif self.kind == "NATS":
+            headers["Nats-Msg-Id"] = event.id  # JetStream drops a republished copy on this
+            headers["message_id"] = event.id
+            options.update(subject=destination, stream=self.stream, timeout=self.timeout)
+        elif self.kind == "Redis":
+            headers["message_id"] = event.id
+            options.update(stream=destination)
+        else:
+            headers["message_id"] = event.id
+            key = None if event.aggregate_id is None else str(event.aggregate_id).encode()
+            options.update(topic=destination, key=key)
+        options["headers"] = headers
+        try:
+            result = await client_call(
+                self.broker.publish(body, **options),
+                self.timeout,
+                lambda reason: self._failed(event, reason),
+            )
+        except (PublishError, InvalidEventError):
+            raise
+        except Exception as error:
+            classified = self._classify(error, event, destination)
+            if classified is None:
+                raise
+            raise classified from error
+        if self.kind == "RabbitMQ":
+            _check_rabbitmq(result, event, destination)
+
+    def _failed(self, event: Event, reason: str) -> BrokerUnavailableError:
+        if self.closed:
+            return closed_error(self, event)
+        return BrokerUnavailableError(f"{self.kind}: {reason}", event_id=event.id)
+
+    async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
+        # Every message goes out before any confirmation is awaited.
+        results = await asyncio.gather(*map(self.publish, events), return_exceptions=True)
+        return [result if isinstance(result, BaseException) else None for result in results]
+
+    async def aclose(self) -> None:
+        """Stop publishing; the broker is the caller's to close."""
+        self.closed = True
+
+
+Classifier = Callable[[BaseException, Event, str], PublishError | InvalidEventError | None]
+
+
+def _classifier(kind: str) -> Classifier:
+    """The function telling, for this broker's client, an outage from the message's fault."""
+    if kind == "RabbitMQ":
+        return _rabbitmq
+    if kind == "NATS":
+        return _nats
+    if kind == "Redis":
+        return _redis
+    return _kafka
+
+
+def _common(broker: str, error: BaseException, event: Event) -> BrokerUnavailableError | None:
+    # Not connected yet (or any more): FastStream's own state error; the transport's errors.
+    if isinstance(error, (_NOT_CONNECTED, OSError, asyncio.TimeoutError)):
+        return unavailable_error(broker, error, event)
+    return None
+
+
+def _rabbitmq(error: BaseException, event: Event, destination: str) -> PublishError | None:
+    from aiormq import exceptions
+
+    if isinstance(error, exceptions.PublishError):  # returned unroutable, with on_return_raises
+        return unavailable_error("RabbitMQ", error, event, destination=destination)
+    if isinstance(error, exceptions.DeliveryError):  # a nack: a full queue, or no storage
+        return full_error("RabbitMQ", error, event)
+    unavailable = (
+        exceptions.AMQPConnectionError,
+        exceptions.ChannelInvalidStateError,
+        exceptions.ChannelNotFoundEntity,  # the exchange does not exist
+        exceptions.ChannelAccessRefused,
+    )
+    if isinstance(error, unavailable):
+        return unavailable_error("RabbitMQ", error, event)
+    return _common("RabbitMQ", error, event)
+
+
+def _check_rabbitmq(result: object, event: Event, destination: str) -> None:
+    from aiormq import spec
+
+    if isinstance(result, spec.Basic.Ack):
+        return
+    # FastStream's channels have publisher confirms on and on_return_raises off: a message no
+    # queue is bound for comes back as the result instead of an Ack.
+    if result is not None and not isinstance(result, spec.Basic.Nack):
+        raise BrokerUnavailableError(
+            f"RabbitMQ: no queue is bound for {destination!r}",
+            event_id=event.id,
+            destination=destination,
+        )
+    raise PublishError(
+        f"RabbitMQ did not confirm event {event.id} ({type(result).__name__}): is the "
+        "channel's publisher_confirms off?",
+        event_id=event.id,
+    )
+
+
+def _nats(error: BaseException, event: Event, destination: str) -> PublishError | None:
+    import nats.js.errors
+
+    from mongo_outbox.publishers.nats import _NO_DESTINATION, _UNAVAILABLE, _full
+
+    if isinstance(error, nats.js.errors.APIError) and _full(error):
+        return full_error("NATS", error, event)
+    if isinstance(error, _UNAVAILABLE):
+        missing = isinstance(error, _NO_DESTINATION)
+        return unavailable_error("NATS", error, event, destination=destination if missing else None)
+    return _common("NATS", error, event)
+
+
+def _redis(error: BaseException, event: Event, destination: str) -> PublishError | None:
+    from redis import exceptions
+
+    if isinstance(error, exceptions.ResponseError) and str(error).startswith("OOM"):
+        return full_error("Redis", error, event)  # maxmemory reached with noeviction
+    unavailable = (exceptions.ConnectionError, exceptions.TimeoutError, exceptions.BusyLoadingError)
+    if isinstance(error, unavailable):
+        return unavailable_error("Redis", error, event)
+    return _common("Redis", error, event)
+
+
+def _kafka(error: BaseException, event: Event, destination: str) -> Any:
+    try:
+        from aiokafka import errors
+    except ImportError:  # confluent's broker: its transport errors are the common ones
+        return _common("Kafka", error, event)
+    if isinstance(error, errors.MessageSizeTooLargeError):
+        return InvalidEventError(f"Kafka: {describe(error)}", event_id=event.id)
+    if isinstance(error, errors.UnknownTopicOrPartitionError):
+        return unavailable_error("Kafka", error, event, destination=destination)
+    if isinstance(error, errors.KafkaError) and getattr(error, "retriable", False):
+        return unavailable_error("Kafka", error, event)
+    if isinstance(error, (errors.KafkaConnectionError, errors.KafkaTimeoutError)):
+        return unavailable_error("Kafka", error, event)
+    return _common("Kafka", error, event)

@@ -1,0 +1,260 @@
+"""FastStreamPublisher: the relay publishes through FastStream brokers. RabbitMQ, NATS JetStream
+and Redis streams are the real servers; Kafka runs through FastStream's TestKafkaBroker, an
+in-memory fake (no Kafka server here), which checks what is sent, not what Kafka does with it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+from faststream import Context
+from faststream.kafka import KafkaBroker, TestKafkaBroker
+from faststream.nats import JStream, NatsBroker
+from faststream.rabbit import RabbitBroker
+from faststream.redis import RedisBroker, StreamSub
+
+from mongo_outbox import BrokerUnavailableError, ConfigurationError, Event, Outbox, PollingRelay
+from mongo_outbox.publishers import FastStreamPublisher
+from mongo_outbox.publishers.base import unavailable
+from tests.support.brokers import HAVE_NATS_SERVER, Broker
+from tests.support.messages import bind_queue, drain_queue, read_stream
+from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.waiting import until
+
+REDIS_URL = "redis://127.0.0.1:6379"
+
+
+async def save(db: Any, count: int) -> list[Event]:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    saved: list[Event] = []
+    for n in range(count):
+        result = await outbox.save_with_events(
+            None,
+            db.orders,
+            {"_id": f"o{n}", "total": n},
+            [Event(type="order.placed", payload={"n": n}, headers={"tenant": "acme"})],
+        )
+        saved += result.events
+    return saved
+
+
+async def relay(db: Any, publisher: FastStreamPublisher) -> int:
+    return await PollingRelay(Outbox(db), publisher).drain()
+
+
+async def test_rabbitmq_messages_carry_the_event_id_and_headers(
+    db: Any, channel: Any, unique: str
+) -> None:
+    saved = await save(db, 3)
+    queue = await bind_queue(channel, unique)
+    async with RabbitBroker(RABBITMQ_URL) as broker:
+        assert await relay(db, FastStreamPublisher(broker, "{type}", exchange=unique)) == 3
+    messages = await drain_queue(queue, 3)
+    assert [m.message_id for m in messages] == [e.id for e in saved]
+    assert [Event.from_json(m.body) for m in messages] == saved
+    assert messages[0].headers["aggregate-id"] == "o0"
+    assert messages[0].headers["tenant"] == "acme"
+    assert messages[0].routing_key == "order.placed"
+
+
+async def test_rabbitmq_unroutable_message_is_an_outage_of_its_destination(
+    channel: Any, unique: str
+) -> None:
+    await channel.declare_exchange(unique, "topic", durable=True)  # bound to no queue
+    async with RabbitBroker(RABBITMQ_URL) as broker:
+        publisher = FastStreamPublisher(broker, "{type}", exchange=unique)
+        event = Event(type="order.placed")
+        with pytest.raises(BrokerUnavailableError) as raised:
+            await publisher.publish(event)
+    assert raised.value.destination == "order.placed" and raised.value.event_id == event.id
+
+
+async def test_nats_messages_are_deduplicated_by_jetstream_on_the_event_id(
+    db: Any, nats_client: Any, nats_stream: str
+) -> None:
+    saved = await save(db, 3)
+    async with NatsBroker(NATS_URL) as broker:
+        publisher = FastStreamPublisher(broker, f"{nats_stream}.{{type}}", stream=nats_stream)
+        assert await relay(db, publisher) == 3
+        await publisher.publish(saved[0])  # a relay's republish after a crash
+    messages = await read_stream(nats_client, nats_stream, 3)
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [e.id for e in saved]
+    assert [Event.from_json(m.data) for m in messages] == saved
+    assert messages[1].headers["aggregate-id"] == "o1"
+
+
+async def test_a_faststream_subscriber_sees_the_event_id_as_message_id_on_nats_and_redis(
+    db: Any, nats_stream: str, unique: str
+) -> None:
+    saved = await save(db, 2)
+    seen: dict[str, list[tuple[str, str]]] = {"nats": [], "redis": []}
+    nats_broker = NatsBroker(NATS_URL)
+    redis_broker = RedisBroker(REDIS_URL)
+
+    @nats_broker.subscriber(
+        f"{nats_stream}.>", stream=JStream(nats_stream, declare=False), queue=unique
+    )
+    async def on_nats(message: Annotated[Any, Context("message")]) -> None:
+        seen["nats"].append((message.message_id, Event.from_json(message.body).id))
+
+    @redis_broker.subscriber(stream=StreamSub(unique, last_id="0"))
+    async def on_redis(message: Annotated[Any, Context("message")]) -> None:
+        seen["redis"].append((message.message_id, Event.from_json(message.body).id))
+
+    try:
+        async with nats_broker, redis_broker:
+            await nats_broker.start()
+            await redis_broker.start()
+            nats_publisher = FastStreamPublisher(
+                nats_broker, f"{nats_stream}.x", stream=nats_stream
+            )
+            assert await relay(db, nats_publisher) == 2
+            redis_publisher = FastStreamPublisher(redis_broker, unique)
+            for event in saved:
+                await redis_publisher.publish(event)
+
+            def both_seen() -> bool:
+                return all(len(v) >= 2 for v in seen.values())
+
+            await until(both_seen, 30)
+    finally:
+        await _delete_redis_key(unique)
+    expected = [(e.id, e.id) for e in saved]
+    assert seen == {"nats": expected, "redis": expected}
+
+
+async def _delete_redis_key(key: str) -> None:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(REDIS_URL)
+    try:
+        await client.delete(key)
+    finally:
+        await client.aclose()
+
+
+async def test_redis_stream_entries_carry_the_event_and_its_id(db: Any, unique: str) -> None:
+    saved = await save(db, 3)
+    try:
+        async with RedisBroker(REDIS_URL) as broker:
+            assert await relay(db, FastStreamPublisher(broker, unique)) == 3
+        import redis.asyncio
+
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+            entries = await client.xrange(unique)
+        finally:
+            await client.aclose()
+        assert len(entries) == 3
+        decoded = []
+        for _, fields in entries:
+            # FastStream's envelope: the body and its headers in one field.
+            body, headers = broker.message_format.parse(fields[b"__data__"])
+            decoded.append((Event.from_json(body), headers))
+        assert [e for e, _ in decoded] == saved
+        assert [h["message_id"] for _, h in decoded] == [e.id for e in saved]
+        assert decoded[2][1]["aggregate-id"] == "o2"
+    finally:
+        await _delete_redis_key(unique)
+
+
+async def test_redis_down_is_an_outage() -> None:
+    port = _closed_port()
+    async with RedisBroker(f"redis://127.0.0.1:{port}") as broker:
+        publisher = FastStreamPublisher(broker, "events", timeout=2)
+        event = Event(type="order.placed")
+        with pytest.raises(BrokerUnavailableError) as raised:
+            await publisher.publish(event)
+    assert unavailable(raised.value) and raised.value.event_id == event.id
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed again when the block ends
+
+
+async def test_a_broker_not_connected_is_an_outage_the_relay_does_not_count(db: Any) -> None:
+    saved = await save(db, 1)
+    publisher = FastStreamPublisher(RabbitBroker(RABBITMQ_URL), "{type}")
+    with pytest.raises(BrokerUnavailableError):
+        await publisher.publish(saved[0])
+    assert await relay(db, publisher) == 0
+    stored = await db.outbox.find_one({"_id": saved[0].id})
+    assert stored["status"] == "pending" and stored.get("attempts", 0) == 0
+
+
+@pytest.fixture
+async def private_nats(tmp_path: Path) -> AsyncIterator[Broker]:
+    if not HAVE_NATS_SERVER:
+        pytest.skip("needs the nats-server binary to run a broker of the test's own")
+    server = Broker(tmp_path)
+    await server.start()
+    yield server
+    if server.process and server.process.returncode is None:
+        await server.kill()
+
+
+async def test_nats_server_killed_is_an_outage_and_publishing_resumes(
+    private_nats: Broker,
+) -> None:
+    import nats
+
+    nc = await nats.connect(private_nats.url)
+    await nc.jetstream().add_stream(name="orders", subjects=["orders.>"])
+    await nc.close()
+    async with NatsBroker(private_nats.url, max_reconnect_attempts=-1) as broker:
+        publisher = FastStreamPublisher(broker, "orders.{type}", stream="orders", timeout=1)
+        await publisher.publish(Event(type="placed"))
+        await private_nats.kill()
+        lost = Event(type="placed")
+        with pytest.raises(BrokerUnavailableError) as raised:
+            await publisher.publish(lost)
+        assert raised.value.event_id == lost.id
+        await private_nats.start()
+
+        async def published() -> bool:
+            with contextlib.suppress(BrokerUnavailableError):
+                await publisher.publish(lost)
+                return True
+            return False
+
+        await until(published, 30)
+
+
+async def test_kafka_key_is_the_aggregate_id_through_the_in_memory_test_broker(db: Any) -> None:
+    """FastStream's TestKafkaBroker is a fake: no Kafka server runs here."""
+    saved = await save(db, 3)
+    broker = KafkaBroker("127.0.0.1:9092")
+    received: list[tuple[bytes | None, dict[str, Any], Event]] = []
+
+    @broker.subscriber("orders")
+    async def on_order(message: Annotated[Any, Context("message")]) -> None:
+        received.append(
+            (message.raw_message.key, dict(message.headers), Event.from_json(message.body))
+        )
+
+    async with TestKafkaBroker(broker) as fake:
+        assert await relay(db, FastStreamPublisher(fake, "orders")) == 3
+    assert [key for key, _, _ in received] == [b"o0", b"o1", b"o2"]
+    assert [event for _, _, event in received] == saved
+    headers = received[0][1]
+    assert headers["message_id"] == saved[0].id and headers["aggregate-id"] == "o0"
+    assert headers["correlation_id"] == saved[0].id and headers["tenant"] == "acme"
+
+
+def test_settings_are_checked_before_anything_is_published() -> None:
+    with pytest.raises(ConfigurationError, match="required for NATS"):
+        FastStreamPublisher(NatsBroker(NATS_URL), "orders")
+    with pytest.raises(ConfigurationError, match="only for NATS"):
+        FastStreamPublisher(RabbitBroker(RABBITMQ_URL), "orders", stream="orders")
+    with pytest.raises(ConfigurationError, match="exchange is for RabbitMQ"):
+        FastStreamPublisher(RedisBroker(REDIS_URL), "orders", exchange="x")
+    with pytest.raises(ConfigurationError, match="not object"):
+        FastStreamPublisher(object(), "orders")
