@@ -1,0 +1,42 @@
+"""examples/faststream_service.py, run as a user would, on the real NATS and RabbitMQ against the
+test MongoDB: every order invoiced once although the relay published everything twice, the
+poison orders dead-lettered."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.servers import MongoServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("broker", "name"), [("nats", "NATS JetStream"), ("rabbitmq", "RabbitMQ")])
+def test_the_faststream_service_invoices_each_order_once(
+    mongo: MongoServer, broker: str, name: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "examples/faststream_service.py", "--orders", "20", "--broker", broker],
+        cwd=ROOT,
+        env=os.environ | {"MONGODB_URI": mongo.uri},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
+    summary = {key.strip(): value.strip() for key, value in lines}
+    assert summary == {
+        "broker": name,
+        "orders saved": "20",
+        "events published": "40",  # everything twice, as after a relay crash
+        "invoices written": "18",
+        "orders invoiced twice": "0",
+        "dead-lettered": "2",  # orders 9 and 19
+    }
