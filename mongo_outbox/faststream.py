@@ -50,7 +50,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 __all__ = ["FastStreamHandler", "inbox_handler"]
 
-Handler = Callable[..., Awaitable[None]]
+_Handler = Callable[..., Awaitable[None]]
 
 
 class _Delivery:
@@ -147,7 +147,7 @@ def inbox_handler(
     rejected: Rejected | None = None,
     delivery_limit: int | None = None,
     stop: asyncio.Event | None = None,
-) -> Callable[[Handler], Callable[..., Awaitable[None]]]:
+) -> Callable[[_Handler], Callable[..., Awaitable[None]]]:
     """Decorate ``async def handler(event, session)`` into a FastStream subscriber function
     that runs it once per message::
 
@@ -179,7 +179,7 @@ def inbox_handler(
         )
     guard = inbox_guard(inbox, max_attempts=max_attempts, backoff=backoff, dead_letter=dead_letter)
 
-    def decorate(handler: Handler) -> Callable[..., Awaitable[None]]:
+    def decorate(handler: _Handler) -> Callable[..., Awaitable[None]]:
         guarded = guard(handler if payload is None else _typed(handler, payload))
         settings = FastStreamHandler(
             guarded,
@@ -203,7 +203,7 @@ def inbox_handler(
     return decorate
 
 
-def _typed(handler: Handler, model: type[BaseModel]) -> Handler:
+def _typed(handler: _Handler, model: type[BaseModel]) -> _Handler:
     # functools.wraps keeps the handler's name (the inbox registers it) and its signature (the
     # guard passes ``attempt`` only to a handler that takes it).
     @functools.wraps(handler)

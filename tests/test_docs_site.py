@@ -25,6 +25,7 @@ REFERENCE = {
     "mongo_outbox": "mongo_outbox",
     "publishers": "mongo_outbox.publishers",
     "consumers": "mongo_outbox.consumers",
+    "faststream": "mongo_outbox.faststream",
     "changestream": "mongo_outbox.changestream",
     "testing": "mongo_outbox.testing",
     "settings": "mongo_outbox.settings",

@@ -247,7 +247,7 @@ async def test_kafka_key_is_the_aggregate_id_through_the_in_memory_test_broker(d
             (message.raw_message.key, dict(message.headers), Event.from_json(message.body))
         )
 
-    async with TestKafkaBroker(broker) as fake:
+    async with TestKafkaBroker(broker, connect_only=False) as fake:
         assert await relay(db, FastStreamPublisher(fake, "orders")) == 3
     assert sorted(event.id for _, _, event in received) == sorted(e.id for e in saved)
     for key, headers, event in received:
