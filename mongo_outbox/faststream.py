@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel
 
@@ -42,11 +42,14 @@ from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
 
 try:
     from faststream import Context
-    from faststream.message import StreamMessage
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "mongo_outbox.faststream needs the faststream extra: pip install 'mongo-outbox[faststream]'"
     ) from error
+
+if TYPE_CHECKING:
+    # Where FastStream 0.6 and later keep it (0.5: faststream.broker.message).
+    from faststream.message import StreamMessage
 
 __all__ = ["FastStreamHandler", "inbox_handler"]
 

@@ -4,6 +4,7 @@ RabbitMQ and NATS JetStream: each effect once, poison to the dead letter, no id 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -220,3 +221,91 @@ async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
     assert seen == [Order(n=7)]
     failed = await Inbox(db, consumer="typed").failed()
     assert failed[0]["message_id"] == misfit.id and "not a Order" in failed[0]["last_error"]
+
+
+async def test_nats_last_delivery_is_dead_lettered_not_dropped(
+    db: Any, nats_client: Any, unique: str
+) -> None:
+    """max_deliver=2 and a handler that always fails: the guard would retry 5 times, but the
+    broker delivers twice; the second delivery dead-letters the message instead."""
+    js = nats_client.jetstream()
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"])
+    event = Event(type="order.placed")
+    runs: list[int] = []
+
+    @inbox_handler(
+        Inbox(db, consumer="billing", transactional=True),
+        backoff=FAST,
+        max_attempts=5,
+        delivery_limit=2,
+    )
+    async def bill(event: Event, session: Any, *, attempt: int) -> None:
+        runs.append(attempt)
+        raise ConnectionError("ledger down")
+
+    try:
+        await js.publish(
+            f"{unique}.o", event.model_dump_json().encode(), headers={"Nats-Msg-Id": event.id}
+        )
+        broker = NatsBroker(NATS_URL)
+        broker.subscriber(
+            f"{unique}.>",
+            stream=JStream(unique, declare=False),
+            queue="billing",
+            config=ConsumerConfig(max_deliver=2),
+        )(bill)
+
+        async def dead() -> bool:
+            return len(await Inbox(db, consumer="billing").failed()) == 1
+
+        async with broker:
+            await broker.start()
+            await until(dead, 30)
+
+            async def settled() -> bool:
+                info = await js.consumer_info(unique, "billing")
+                return info.num_ack_pending == 0 and info.num_pending == 0
+
+            await until(settled, 30)
+    finally:
+        await js.delete_stream(unique)
+    assert runs == [1, 2]
+    failed = await Inbox(db, consumer="billing").failed()
+    assert failed[0]["message_id"] == event.id and "ledger down" in failed[0]["last_error"]
+
+
+async def test_setting_stop_requeues_a_rabbitmq_message_held_for_its_retry(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """RabbitMQ has no delayed nack: a retry is held for its delay (here 300 s) unless stop."""
+    channel = await amqp_connection.channel()
+    queue = await channel.declare_queue(unique)
+    event = Event(type="order.placed")
+    await channel.default_exchange.publish(
+        aio_pika.Message(event.model_dump_json().encode(), message_id=event.id), unique
+    )
+    stop = asyncio.Event()
+
+    @inbox_handler(
+        Inbox(db, consumer="billing", transactional=False), backoff=Backoff(initial=300), stop=stop
+    )
+    async def bill(event: Event, session: Any) -> None:
+        raise ConnectionError("ledger busy")
+
+    async def held() -> bool:
+        return await db.inbox.count_documents({"status": "retrying"}) == 1
+
+    broker = RabbitBroker(RABBITMQ_URL)
+    broker.subscriber(RabbitQueue(unique, declare=False))(bill)
+    async with broker:
+        await broker.start()
+        await until(held, 30)
+        started = time.monotonic()
+        stop.set()  # as an app's on_shutdown would, before FastStream stops the subscriber
+        await broker.stop()
+    assert time.monotonic() - started < 10
+    again = await queue.get(timeout=5)
+    assert (again.message_id, again.redelivered) == (event.id, True)
+    await again.ack()
+    await queue.delete(if_unused=False, if_empty=False)
+    await channel.close()
