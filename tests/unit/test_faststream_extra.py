@@ -1,0 +1,71 @@
+"""The faststream extra stays optional: nothing imports FastStream until its modules are asked
+for, and they name the extra when it is missing. inbox_handler checks its settings before any
+message arrives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from mongo_outbox import ConfigurationError, Event, Inbox
+
+
+def run(code: str) -> subprocess.CompletedProcess[str]:
+    # A process of its own: this one has imported FastStream already.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_importing_the_library_and_its_publishers_imports_no_faststream() -> None:
+    result = run(
+        "import sys, mongo_outbox, mongo_outbox.publishers, mongo_outbox.consumers\n"
+        "assert 'faststream' not in sys.modules, sorted(sys.modules)\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from mongo_outbox.faststream import inbox_handler",
+        "from mongo_outbox.publishers import FastStreamPublisher",
+    ],
+)
+def test_a_missing_faststream_names_its_extra(statement: str) -> None:
+    result = run(
+        f"import sys\nsys.modules['faststream'] = None  # as if not installed\n{statement}"
+    )
+    assert result.returncode == 1
+    assert "ImportError" in result.stderr and "mongo-outbox[faststream]" in result.stderr
+
+
+async def handler(event: Event, session: Any) -> None:
+    pass
+
+
+def test_inbox_handler_refuses_bad_settings_before_any_message(db: Any) -> None:
+    from mongo_outbox.faststream import inbox_handler
+
+    inbox = Inbox(db, consumer="billing")
+    with pytest.raises(ConfigurationError, match="pydantic model class"):
+        inbox_handler(inbox, payload=dict)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="source"):
+        inbox_handler(inbox, source="x" * 600)
+    with pytest.raises(ConfigurationError, match="delivery_limit"):
+        inbox_handler(inbox, delivery_limit=-1)
+    with pytest.raises(TypeError, match="async function"):
+        inbox_handler(inbox)(lambda event, session: None)
+
+
+async def test_a_message_of_another_broker_is_refused(db: Any) -> None:
+    """A Redis (or batch) message has no identity the handler knows how to read."""
+    from faststream.message import StreamMessage
+
+    from mongo_outbox.faststream import inbox_handler
+
+    subscriber: Any = inbox_handler(Inbox(db, consumer="billing"))(handler)
+    message = StreamMessage(raw_message={"data": b"{}"}, body=b"{}")
+    with pytest.raises(ConfigurationError, match="RabbitMQ and NATS JetStream"):
+        await subscriber.inbox.handle(message)
