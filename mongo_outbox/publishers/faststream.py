@@ -129,7 +129,12 @@ class FastStreamPublisher:
     async def publish(self, event: Event) -> None:
         if self.closed:
             raise closed_error(self, event)
-        destination = render(self.destination, event)
+        if self.kind == "NATS":
+            from mongo_outbox.publishers.nats import subject_of
+
+            destination = subject_of(self.destination, event)  # no wildcard, no empty token
+        else:
+            destination = render(self.destination, event)
         if not destination:
             raise InvalidEventError(f"empty destination for event {event.id}", event_id=event.id)
         body = event.model_dump_json().encode()

@@ -16,7 +16,14 @@ from faststream.nats import JStream, NatsBroker
 from faststream.rabbit import RabbitBroker
 from faststream.redis import RedisBroker, StreamSub
 
-from mongo_outbox import BrokerUnavailableError, ConfigurationError, Event, Outbox, PollingRelay
+from mongo_outbox import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    Event,
+    InvalidEventError,
+    Outbox,
+    PollingRelay,
+)
 from mongo_outbox.publishers import FastStreamPublisher
 from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
@@ -265,3 +272,13 @@ def test_settings_are_checked_before_anything_is_published() -> None:
         FastStreamPublisher(RedisBroker(REDIS_URL), "orders", exchange="x")
     with pytest.raises(ConfigurationError, match="not object"):
         FastStreamPublisher(object(), "orders")
+
+
+async def test_an_event_no_broker_can_carry_is_refused_before_it_is_sent() -> None:
+    # Not even connected: the refusal comes first, as the event's own fault (parked).
+    nats_publisher = FastStreamPublisher(NatsBroker(NATS_URL), "orders.{type}", stream="s")
+    with pytest.raises(InvalidEventError, match="not a valid NATS subject"):
+        await nats_publisher.publish(Event(type="a.>"))
+    redis_publisher = FastStreamPublisher(RedisBroker(REDIS_URL), "{aggregate_type}")
+    with pytest.raises(InvalidEventError, match="aggregate_type"):
+        await redis_publisher.publish(Event(type="placed"))  # no aggregate_type to render
