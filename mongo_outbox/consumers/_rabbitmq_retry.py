@@ -75,17 +75,17 @@ def retry_buckets(backoff: Backoff) -> tuple[int, ...]:
     """The retry queues' TTLs, in milliseconds, ascending: the ceilings of ``backoff``'s
     delays, at most ``MAX_BUCKETS`` of them."""
     initial, maximum = float(backoff.initial), float(backoff.maximum)  # type: ignore[arg-type]
+    # In whole milliseconds, as x-message-ttl counts; Backoff refuses a zero initial delay.
+    first, last = math.ceil(initial * 1000), math.ceil(maximum * 1000)
     factor = float(backoff.factor)
-    # A Backoff starting at 0 still needs a first step to grow from.
-    first = initial if initial > 0 else min(maximum, 0.1)
-    points = [first, maximum]
-    if maximum > first and factor > 1:
-        steps = math.ceil(math.log(maximum / first, factor))
-        if steps + 1 > MAX_BUCKETS:  # a factor close to 1: fewer, wider steps
+    points = [float(first), float(last)]
+    if last > first and factor > 1:
+        steps = math.ceil(math.log(last / first, factor))
+        if steps + 1 > MAX_BUCKETS:  # a factor close to 1, or a wide range: fewer, wider steps
             steps = MAX_BUCKETS - 1
-            factor = (maximum / first) ** (1 / steps)
+            factor = (last / first) ** (1 / steps)
         points += [first * factor**k for k in range(1, steps)]
-    return tuple(sorted({math.ceil(point * 1000) for point in points}))
+    return tuple(sorted({min(last, math.ceil(point)) for point in points}))
 
 
 def bucket_for(buckets: tuple[int, ...], delay: float) -> int:
@@ -160,8 +160,8 @@ class RetryQueues:
             raise ConfigurationError(
                 f"the retry queue {name!r} exists with other arguments than consume_rabbitmq "
                 f"declares (durable={durable}, exclusive={self.exclusive}, {arguments}): the "
-                f"broker said {_reply_text(error)}. Delete it (it is refilled by the next "
-                "retries), or remove the policy or declaration that made it differ",
+                f"broker said {_reply_text(error)}. Delete it once it is empty (messages waiting "
+                "in it would be lost), or change the declaration that made it differ",
                 setting="consume_rabbitmq.queue",
             ) from error
         except aiormq.exceptions.ChannelAccessRefused as error:
