@@ -1,8 +1,9 @@
 """Every ```python block of README.md and docs/*.md runs, as written, against the test MongoDB.
 
 Blocks see ``client`` (AsyncMongoClient), ``db`` (a fresh database), ``sync_client`` (a
-``MongoClient`` of the same server, for ``mongo_outbox.sync``) and ``NATS_URL``, and may use
-top-level ``await``. A block preceded by ``<!-- not-tested: reason -->`` is skipped, visibly.
+``MongoClient`` of the same server, for ``mongo_outbox.sync``), ``NATS_URL`` and
+``RABBITMQ_URL``, and may use top-level ``await``. A block preceded by
+``<!-- not-tested: reason -->`` is skipped, visibly.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from tests.support.servers import NATS_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -59,6 +60,7 @@ async def test_block_runs(
         "db": db,
         "sync_client": sync_client,
         "NATS_URL": NATS_URL,
+        "RABBITMQ_URL": RABBITMQ_URL,
     }
     try:
         code = compile(

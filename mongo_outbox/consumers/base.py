@@ -8,7 +8,9 @@ outcome         RabbitMQ                               NATS JetStream
 ==============  =====================================  ==================================
 handled         ack                                    ack
 duplicate       ack                                    ack
-retry           nack(requeue) after the backoff delay  nak(delay=backoff delay)
+retry           a confirmed copy to the retry queue    nak(delay=backoff delay)
+                of the delay, then ack (held, then
+                nack(requeue), without retry queues)
 dead-lettered   ack (the dead letter has it)           ack (the dead letter has it)
 no usable id    reject, no requeue (to the DLX, if     term
 or not an       the queue has one), ``rejected``
