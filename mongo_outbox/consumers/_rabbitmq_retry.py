@@ -24,6 +24,7 @@ count it as an attempt, so the effect happens once and ``max_attempts`` still en
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Mapping
@@ -108,11 +109,12 @@ class RetryQueues:
         self.buckets = retry_buckets(backoff)
         self.names = {ms: retry_queue_name(queue.name, ms) for ms in self.buckets}
         self._channel: AbstractChannel | None = None
-        arguments = queue.arguments or {}
-        # Quorum queues replicate; a quorum work queue's retries should be as safe. Without
-        # knowing the work queue's type (a queue got with get_queue), classic queues.
-        self.quorum = arguments.get("x-queue-type") == "quorum"
-        self.exclusive = bool(queue.exclusive) and not self.quorum
+        self._opening = asyncio.Lock()
+        # Classic queues whatever the work queue's type: what a queue object says of its type
+        # depends on how it was got (get_queue knows no arguments), and two consumers of one
+        # queue must declare the same retry queues. Durable, so that a delay survives a broker
+        # restart; exclusive like an exclusive work queue, which they would outlive otherwise.
+        self.exclusive = bool(queue.exclusive)
         for name in self.names.values():
             if len(name.encode()) > _MAX_NAME:
                 raise ConfigurationError(
@@ -123,14 +125,11 @@ class RetryQueues:
 
     def arguments(self, ms: int) -> dict[str, Any]:
         """What the retry queue of bucket ``ms`` is declared with."""
-        arguments: dict[str, Any] = {
+        return {
             "x-message-ttl": ms,
             "x-dead-letter-exchange": "",
             "x-dead-letter-routing-key": self.queue.name,
         }
-        if self.quorum:
-            arguments["x-queue-type"] = "quorum"
-        return arguments
 
     async def declare(self) -> None:
         """Open the publishing channel and declare every bucket's queue (idempotent).
@@ -174,14 +173,10 @@ class RetryQueues:
     async def send(self, message: AbstractIncomingMessage, delay: float) -> str:
         """Publish a copy of ``message`` to the bucket for ``delay`` and wait for the broker's
         confirm; the retry queue's name. Raises if the broker did not take it."""
-        if self._channel is None or self._channel.is_closed:
-            # The connection came back (a robust connection reconnects): a new channel, and the
-            # queues again in case they were exclusive to the old connection.
-            await self.declare()
-        assert self._channel is not None
+        channel = await self._open()
         ms = bucket_for(self.buckets, delay)
         name = self.names[ms]
-        confirm = await self._channel.basic_publish(
+        confirm = await channel.basic_publish(
             message.body,
             exchange="",
             routing_key=name,
@@ -192,6 +187,15 @@ class RetryQueues:
         if not isinstance(confirm, Basic.Ack):
             raise aiormq.exceptions.DeliveryError(None, confirm)  # type: ignore[arg-type]
         return name
+
+    async def _open(self) -> AbstractChannel:
+        async with self._opening:  # one new channel, however many retries find it closed
+            if self._channel is None or self._channel.is_closed:
+                # The connection came back (a robust connection reconnects): a new channel,
+                # and the queues again in case they were exclusive to the old connection.
+                await self.declare()
+            assert self._channel is not None
+            return self._channel
 
     async def close(self) -> None:
         if self._channel is not None and not self._channel.is_closed:

@@ -313,3 +313,31 @@ async def test_a_copy_the_broker_does_not_take_leaves_the_message_held_in_the_pr
     assert (record["status"], record["attempts"]) == ("done", 2)
     assert await queue.get(fail=False, timeout=1) is None
     await channel.close()
+
+
+async def test_consumers_of_one_queue_got_either_way_declare_the_same_retry_queues(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """One process declares the quorum queue with its arguments, another gets it by name (its
+    queue object knows no arguments): both start, on the same classic retry queues."""
+    channel = await amqp_connection.channel()
+    declared = await channel.declare_queue(
+        unique, durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    got = await (await amqp_connection.channel()).get_queue(unique)
+    backoff = Backoff(initial=3, maximum=3)
+
+    @inbox_guard(Inbox(db, consumer="billing"), backoff=backoff)
+    async def bill(event: Event, session: Any) -> None:
+        pass
+
+    stopped = asyncio.Event()
+    stopped.set()  # declare, consume, and stop at once
+    try:
+        for queue in (declared, got, declared):
+            await consume_rabbitmq(queue, bill, stop=stopped)
+        assert await ready_count(channel, f"{unique}.retry.3000") == 0  # it exists
+    finally:
+        await channel.queue_delete(f"{unique}.retry.3000")
+        await declared.delete(if_unused=False, if_empty=False)
+        await channel.close()
