@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import Any
 
 import aio_pika
@@ -19,6 +20,7 @@ from mongo_outbox.consumers import consume_rabbitmq
 from mongo_outbox.consumers._rabbitmq_retry import RETRIES_HEADER, RetryQueues, retry_buckets
 
 TIMEOUT = 30.0
+SENT_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 
 
 async def publish(channel: Any, queue: str, event: Event, **properties: Any) -> None:
@@ -99,6 +101,8 @@ async def test_a_copy_keeps_the_message_s_properties_and_counts_its_trips(
         correlation_id="c-1",
         app_id="shop",
         type="order.placed",
+        timestamp=SENT_AT,
+        priority=3,
     )
     retries = RetryQueues(queue, Backoff(initial=0.05, maximum=0.05))
     await retries.declare()
@@ -120,6 +124,7 @@ async def test_a_copy_keeps_the_message_s_properties_and_counts_its_trips(
                 "shop",
                 "order.placed",
             )
+            assert (copy.timestamp, copy.priority) == (SENT_AT, 3)
             assert copy.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
             assert copy.headers["aggregate-id"] == "7"
             assert copy.headers[RETRIES_HEADER] == trip
