@@ -140,6 +140,7 @@ class RetryQueues:
         underlay = await self.queue.channel.get_underlay_channel()
         channel = await underlay.connection.channel(publisher_confirms=True)
         try:
+            await self._check_work_queue(channel)
             for ms, name in self.names.items():
                 await self._declare_one(channel, ms, name)
         except BaseException:
@@ -147,6 +148,18 @@ class RetryQueues:
                 await channel.close()
             raise
         self._channel = channel
+
+    async def _check_work_queue(self, channel: AbstractChannel) -> None:
+        # Expired copies are dead-lettered to it by name: were it missing, the broker would drop
+        # them without a word.
+        try:
+            await channel.queue_declare(self.queue.name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity as error:
+            raise ConfigurationError(
+                f"the work queue {self.queue.name!r} does not exist: declare it before "
+                f"consume_rabbitmq (the broker said {_reply_text(error)})",
+                setting="consume_rabbitmq.queue",
+            ) from error
 
     async def _declare_one(self, channel: AbstractChannel, ms: int, name: str) -> None:
         arguments = self.arguments(ms)

@@ -346,3 +346,20 @@ async def test_consumers_of_one_queue_got_either_way_declare_the_same_retry_queu
         await channel.queue_delete(f"{unique}.retry.3000")
         await declared.delete(if_unused=False, if_empty=False)
         await channel.close()
+
+
+async def test_a_work_queue_that_does_not_exist_is_a_configuration_error(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """Retry copies would be dead-lettered to nowhere: refused before anything is sent."""
+    channel = await amqp_connection.channel()
+    queue = await channel.get_queue(unique, ensure=False)
+
+    @inbox_guard(Inbox(db, consumer="billing"))
+    async def bill(event: Event, session: Any) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match=f"the work queue '{unique}' does not exist"):
+        await consume_rabbitmq(queue, bill, stop=asyncio.Event())
+    assert not channel.is_closed
+    await channel.close()
