@@ -17,7 +17,9 @@ import pytest
 from mongo_outbox import Event
 from mongo_outbox.consumers import consume_rabbitmq
 from tests.crash.retry_consumer_process import RETRY_DELAY, flaky_billing
+from tests.support.queues import ready_count
 from tests.support.servers import MongoServer
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60.0
@@ -35,19 +37,6 @@ async def start_consumer(mongo: MongoServer, db: Any, queue: str, mode: str, poi
         point,
         cwd=ROOT,
     )
-
-
-async def ready_count(channel: Any, name: str) -> int:
-    # Through aiormq: a robust channel answers a passive declare of a queue it knows from cache.
-    underlay = await channel.get_underlay_channel()
-    return int((await underlay.queue_declare(name, passive=True)).message_count)
-
-
-async def until(condition: Any, seconds: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + seconds
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -83,12 +72,12 @@ async def restart_and_settle(db: Any, channel: Any, queue: Any, transactional: b
     async def copy_came_back() -> bool:
         return await ready_count(channel, retry_queue) == 0
 
-    await until(copy_came_back)
+    await until(copy_came_back, TIMEOUT)
 
     async def work_queue_empty() -> bool:
         return await ready_count(channel, queue.name) == 0
 
-    await until(work_queue_empty)
+    await until(work_queue_empty, TIMEOUT)
     stop.set()  # a delivery still in flight finishes and settles first
     await asyncio.wait_for(consumer, 20)
     assert await queue.get(fail=False, timeout=1) is None
@@ -108,7 +97,7 @@ async def test_killed_between_the_confirmed_copy_and_the_ack_the_effect_happens_
         # delay, back in the work queue too).
         return await ready_count(channel, queue.name) + await ready_count(channel, retry_queue) == 2
 
-    await until(both_in_the_broker)
+    await until(both_in_the_broker, TIMEOUT)
     [record] = await db.inbox.find().to_list(None)
     assert (record["status"], record["attempts"]) == ("retrying", 1)
 
@@ -134,7 +123,7 @@ async def test_killed_while_the_retry_waits_its_delay_is_kept_by_the_broker(
             failed = await db.inbox.count_documents({"status": "retrying"}) == 1
             return failed and await ready_count(channel, retry_queue) == 1
 
-        await until(waiting_in_retry_queue)
+        await until(waiting_in_retry_queue, TIMEOUT)
         seen_waiting = time.monotonic()
     finally:
         process.send_signal(signal.SIGKILL)

@@ -1,7 +1,6 @@
 """``consume_rabbitmq``'s retry queues against the real RabbitMQ: a retry waits in the broker,
 not in a prefetch slot; copies keep the message's properties; max_attempts and poison still end
-in the dead letter; a retry queue the broker has with other arguments is a ConfigurationError;
-a copy the broker does not take leaves the message held in the process."""
+in the dead letter; a copy the broker does not take leaves the message held in the process."""
 
 from __future__ import annotations
 
@@ -15,9 +14,11 @@ from typing import Any
 import aio_pika
 import pytest
 
-from mongo_outbox import Backoff, ConfigurationError, Event, Inbox, PoisonMessage, inbox_guard
+from mongo_outbox import Backoff, Event, Inbox, PoisonMessage, inbox_guard
 from mongo_outbox.consumers import consume_rabbitmq
 from mongo_outbox.consumers._rabbitmq_retry import RETRIES_HEADER, RetryQueues, retry_buckets
+from tests.support.queues import ready_count
+from tests.support.waiting import until
 
 TIMEOUT = 30.0
 SENT_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
@@ -26,19 +27,6 @@ SENT_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 async def publish(channel: Any, queue: str, event: Event, **properties: Any) -> None:
     message = aio_pika.Message(event.model_dump_json().encode(), message_id=event.id, **properties)
     await channel.default_exchange.publish(message, routing_key=queue)
-
-
-async def ready_count(channel: Any, name: str) -> int:
-    # Through aiormq: a robust channel answers a passive declare of a queue it knows from cache.
-    underlay = await channel.get_underlay_channel()
-    return int((await underlay.queue_declare(name, passive=True)).message_count)
-
-
-async def until(condition: Any, seconds: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + seconds
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -79,7 +67,7 @@ async def test_a_retry_waiting_its_delay_holds_no_prefetch_slot(
         return len(handled) == len(events)
 
     async with consuming(queue, bill):
-        await until(all_handled)
+        await until(all_handled, TIMEOUT)
     assert all(handled[e.id] < handled[slow.id] for e in events[1:])
     assert handled[slow.id] - failed_at[0] >= 2.0  # the whole delay, served by the broker
     assert await queue.get(fail=False, timeout=1) is None
@@ -115,7 +103,7 @@ async def test_a_copy_keeps_the_message_s_properties_and_counts_its_trips(
             async def back() -> bool:
                 return await ready_count(channel, unique) == 1
 
-            await until(back)
+            await until(back, TIMEOUT)
             copy = await queue.get(timeout=5)
             assert (copy.message_id, copy.body) == (event.id, original.body)
             assert (copy.content_type, copy.correlation_id, copy.app_id, copy.type) == (
@@ -175,7 +163,7 @@ async def test_max_attempts_end_the_retries_through_retry_queues_of_a_quorum_que
             return bool(dead)
 
         async with consuming(queue, failing(db, runs, dead)):
-            await until(dead_lettered)
+            await until(dead_lettered, TIMEOUT)
         assert runs == [1, 2, 3, 4, 5]
         assert dead == ["gave up after 5: ConnectionError: ledger down"]
         [record] = await db.inbox.find().to_list(None)
@@ -203,90 +191,12 @@ async def test_a_poison_message_goes_to_the_dead_letter_not_to_a_retry_queue(
         return bool(dead)
 
     async with consuming(queue, failing(db, runs, dead, poison=True)):
-        await until(dead_lettered)
+        await until(dead_lettered, TIMEOUT)
         await asyncio.sleep(0.2)  # a copy sent to a retry queue would be back by now
     assert (runs, dead) == ([1], ["cannot be billed"])
     for ms in retry_buckets(Backoff(0.01, 0.02)):
         assert await ready_count(channel, f"{unique}.retry.{ms}") == 0
     assert await queue.get(fail=False, timeout=1) is None
-    await channel.close()
-
-
-MISMATCHES = {
-    "another TTL": {"durable": True, "arguments": {"x-message-ttl": 999}},
-    "not durable": {
-        "durable": False,
-        "arguments": {
-            "x-message-ttl": 3000,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": "<work queue>",
-        },
-    },
-    "another work queue": {
-        "durable": True,
-        "arguments": {
-            "x-message-ttl": 3000,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": "elsewhere",
-        },
-    },
-}
-
-
-@pytest.mark.parametrize("mismatch", list(MISMATCHES))
-async def test_a_retry_queue_declared_with_other_arguments_is_a_configuration_error(
-    db: Any, amqp_connection: Any, unique: str, mismatch: str
-) -> None:
-    channel = await amqp_connection.channel()
-    queue = await channel.declare_queue(unique, durable=True)
-    existing = dict(MISMATCHES[mismatch])
-    arguments = {
-        key: unique if value == "<work queue>" else value
-        for key, value in existing["arguments"].items()  # type: ignore[attr-defined]
-    }
-    other = await amqp_connection.channel()
-    await other.declare_queue(
-        f"{unique}.retry.3000", durable=existing["durable"], arguments=arguments
-    )
-    try:
-
-        @inbox_guard(Inbox(db, consumer="billing"), backoff=Backoff(initial=3, maximum=3))
-        async def bill(event: Event, session: Any) -> None:
-            pass
-
-        with pytest.raises(ConfigurationError) as raised:
-            await consume_rabbitmq(queue, bill, stop=asyncio.Event())
-        assert f"the retry queue '{unique}.retry.3000' exists with other arguments" in str(
-            raised.value
-        )
-        assert "PRECONDITION_FAILED" in str(raised.value)
-        assert raised.value.setting == "consume_rabbitmq.queue"
-        # It was found out on a channel of its own: the caller's channel is still open.
-        assert not channel.is_closed
-        assert await queue.get(fail=False, timeout=1) is None
-    finally:
-        await other.queue_delete(f"{unique}.retry.3000")
-        await queue.delete(if_unused=False, if_empty=False)
-        await channel.close()
-        await other.close()
-
-
-async def test_a_work_queue_name_too_long_for_its_retry_queues_is_a_configuration_error(
-    db: Any, amqp_connection: Any, unique: str
-) -> None:
-    channel = await amqp_connection.channel()
-    queue = await channel.declare_queue(unique + "x" * (250 - len(unique)), exclusive=True)
-
-    @inbox_guard(Inbox(db, consumer="billing"))
-    async def bill(event: Event, session: Any) -> None:
-        pass
-
-    with pytest.raises(ConfigurationError, match="longer than 255 bytes"):
-        await consume_rabbitmq(queue, bill, stop=asyncio.Event())
-    # Without retry queues the same queue is consumed, retries held in the process.
-    stop = asyncio.Event()
-    stop.set()
-    await consume_rabbitmq(queue, bill, stop=stop, retry_queues=False)
     await channel.close()
 
 
@@ -312,54 +222,9 @@ async def test_a_copy_the_broker_does_not_take_leaves_the_message_held_in_the_pr
         return runs == [1, 2]
 
     async with consuming(queue, bill):
-        await until(handled)
+        await until(handled, TIMEOUT)
     assert "could not send message" in caplog.text and "NO_ROUTE" in caplog.text
     [record] = await db.inbox.find().to_list(None)
     assert (record["status"], record["attempts"]) == ("done", 2)
     assert await queue.get(fail=False, timeout=1) is None
-    await channel.close()
-
-
-async def test_consumers_of_one_queue_got_either_way_declare_the_same_retry_queues(
-    db: Any, amqp_connection: Any, unique: str
-) -> None:
-    """One process declares the quorum queue with its arguments, another gets it by name (its
-    queue object knows no arguments): both start, on the same classic retry queues."""
-    channel = await amqp_connection.channel()
-    declared = await channel.declare_queue(
-        unique, durable=True, arguments={"x-queue-type": "quorum"}
-    )
-    got = await (await amqp_connection.channel()).get_queue(unique)
-    backoff = Backoff(initial=3, maximum=3)
-
-    @inbox_guard(Inbox(db, consumer="billing"), backoff=backoff)
-    async def bill(event: Event, session: Any) -> None:
-        pass
-
-    stopped = asyncio.Event()
-    stopped.set()  # declare, consume, and stop at once
-    try:
-        for queue in (declared, got, declared):
-            await consume_rabbitmq(queue, bill, stop=stopped)
-        assert await ready_count(channel, f"{unique}.retry.3000") == 0  # it exists
-    finally:
-        await channel.queue_delete(f"{unique}.retry.3000")
-        await declared.delete(if_unused=False, if_empty=False)
-        await channel.close()
-
-
-async def test_a_work_queue_that_does_not_exist_is_a_configuration_error(
-    db: Any, amqp_connection: Any, unique: str
-) -> None:
-    """Retry copies would be dead-lettered to nowhere: refused before anything is sent."""
-    channel = await amqp_connection.channel()
-    queue = await channel.get_queue(unique, ensure=False)
-
-    @inbox_guard(Inbox(db, consumer="billing"))
-    async def bill(event: Event, session: Any) -> None:
-        pass
-
-    with pytest.raises(ConfigurationError, match=f"the work queue '{unique}' does not exist"):
-        await consume_rabbitmq(queue, bill, stop=asyncio.Event())
-    assert not channel.is_closed
     await channel.close()
