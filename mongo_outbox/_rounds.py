@@ -51,6 +51,8 @@ WAKE_EVERY = 1.0
 """Seconds between two looks for entries that wait for the broker, once it confirms again."""
 PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
+OUTAGE_WAIT = 30.0
+"""Seconds at least before an event that waited for the whole broker is retried on its own."""
 
 
 class Rounds:
@@ -340,6 +342,12 @@ class Rounds:
     def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
         # One warning per round says so, not one per event.
         delay = self.settings.backoff.delay(waits + 1)
+        if wake:
+            # While the whole broker is away, the probe (one entry a second) finds out when it
+            # is back, and the wake then makes every waiting entry due: their own retries only
+            # matter if this relay stops meanwhile, so a short backoff must not retry them all
+            # in a loop.
+            delay = max(delay, OUTAGE_WAIT)
         return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
 
     def _park(self, event: Event, claim: Claim, text: str) -> Failure:
