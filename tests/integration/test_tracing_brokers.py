@@ -1,0 +1,173 @@
+"""One trace from the save to the consumer, through the real NATS and RabbitMQ: the save's span,
+the relay's producer span (its child), the guarded handler's consumer span (the producer's
+child), with the producer's context on the broker message; and the spans of failures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from mongo_outbox import Event, Inbox, PollingRelay, inbox_guard
+from mongo_outbox.backoff import Backoff
+from mongo_outbox.consumers import handle_nats_message, handle_rabbitmq_message
+from mongo_outbox.inbox import Outcome
+from mongo_outbox.publishers import MemoryPublisher, NatsPublisher, RabbitMQPublisher
+from tests.support.messages import bind_queue
+from tests.support.outboxes import MODES, make_outbox
+from tests.support.servers import RABBITMQ_URL
+from tests.support.tracing import one, recorded_spans, traceparent
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    with recorded_spans() as exporter:
+        yield exporter
+
+
+def billing(db: Any, handled: list[Any]) -> Any:
+    """A guarded handler that writes an invoice inside a span of its own."""
+    app = trace.get_tracer("shop")
+
+    @inbox_guard(Inbox(db, consumer="billing"), backoff=Backoff(initial=0.05, maximum=0.1))
+    async def bill(event: Event, session: Any) -> None:
+        with app.start_as_current_span("bill"):
+            handled.append(event)
+            await db.invoices.insert_one({"event": event.id}, session=session)
+
+    return bill
+
+
+async def save_in_a_span(db: Any, mode: str) -> Event:
+    outbox = make_outbox(db, mode)
+    with trace.get_tracer("shop").start_as_current_span("checkout"):
+        saved = await outbox.save_with_events(
+            None, db.orders, {"_id": "o-1", "total": 42}, [Event(type="placed")]
+        )
+    return saved.events[0]
+
+
+def check_trace(
+    spans: tuple[ReadableSpan, ...], event: Event, producer_name: str, headers: Any
+) -> ReadableSpan:
+    """save -> producer -> consumer -> the handler's span, one trace; returns the producer."""
+    save, producer = one(spans, "checkout"), one(spans, producer_name)
+    consumer, handler = one(spans, "process orders"), one(spans, "bill")
+    assert save.parent is None
+    assert {s.context.trace_id for s in (save, producer, consumer, handler)} == {
+        save.context.trace_id
+    }
+    assert producer.kind is SpanKind.PRODUCER and producer.parent is not None
+    assert producer.parent.span_id == save.context.span_id
+    assert producer.status.status_code is StatusCode.UNSET
+    assert producer.attributes is not None
+    assert producer.attributes["messaging.message.id"] == event.id
+    assert producer.attributes["messaging.operation.type"] == "send"
+    # The message carries the producer's context, so the consumer is its child.
+    assert headers["traceparent"] == traceparent(producer)
+    assert consumer.kind is SpanKind.CONSUMER and consumer.parent is not None
+    assert consumer.parent.span_id == producer.context.span_id
+    assert consumer.attributes == {
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.message.id": event.id,
+        "messaging.consumer.group.name": "billing",
+        "messaging.destination.name": "orders",
+        "mongo_outbox.inbox.outcome": "handled",
+        "mongo_outbox.inbox.attempt": 1,
+    }
+    assert handler.parent is not None and handler.parent.span_id == consumer.context.span_id
+    return producer
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_one_trace_from_the_save_through_nats_to_the_consumer(
+    db: Any, spans: InMemorySpanExporter, nats_client: Any, nats_stream: str, mode: str
+) -> None:
+    event = await save_in_a_span(db, mode)
+    publisher = NatsPublisher(nats_client.jetstream(), subject=f"{nats_stream}.{{type}}")
+    assert await PollingRelay(make_outbox(db, mode), publisher).drain() == 1
+    js = nats_client.jetstream()
+    subscription = await js.pull_subscribe(f"{nats_stream}.>", durable="billing")
+    [message] = await subscription.fetch(1, timeout=10)
+    handled: list[Event] = []
+    assert await handle_nats_message(message, billing(db, handled)) is Outcome.HANDLED
+    assert [e.id for e in handled] == [event.id]
+    producer = check_trace(
+        spans.get_finished_spans(), event, f"publish {nats_stream}.placed", message.headers
+    )
+    assert producer.attributes is not None
+    assert producer.attributes["messaging.system"] == "nats"
+    assert producer.attributes["messaging.destination.name"] == f"{nats_stream}.placed"
+    # The event in the body carries the same context as the message's headers.
+    assert handled[0].headers == {"traceparent": traceparent(producer)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_one_trace_from_the_save_through_rabbitmq_to_the_consumer(
+    db: Any, spans: InMemorySpanExporter, channel: Any, unique: str, mode: str
+) -> None:
+    event = await save_in_a_span(db, mode)
+    queue = await bind_queue(channel, unique)
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    try:
+        assert await PollingRelay(make_outbox(db, mode), publisher).drain() == 1
+    finally:
+        await publisher.aclose()
+    message = await queue.get(timeout=10)
+    handled: list[Event] = []
+    assert await handle_rabbitmq_message(message, billing(db, handled)) is Outcome.HANDLED
+    assert [e.id for e in handled] == [event.id]
+    producer = check_trace(spans.get_finished_spans(), event, f"publish {unique}", message.headers)
+    assert producer.attributes is not None
+    assert producer.attributes["messaging.system"] == "rabbitmq"
+    assert producer.attributes["messaging.destination.name"] == unique
+    assert producer.attributes["messaging.rabbitmq.destination.routing_key"] == "placed"
+
+
+async def test_a_failed_publish_is_recorded_on_its_producer_span(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    event = await save_in_a_span(db, "collection")
+    publisher = MemoryPublisher(fail=lambda e: RuntimeError("refused by the broker"))
+    assert await PollingRelay(make_outbox(db), publisher).drain() == 0
+    producer = one(spans.get_finished_spans(), "publish")
+    assert producer.kind is SpanKind.PRODUCER
+    assert producer.status.status_code is StatusCode.ERROR
+    assert producer.attributes is not None
+    assert producer.attributes["error.type"] == "RuntimeError"
+    assert producer.attributes["messaging.message.id"] == event.id
+    [recorded] = producer.events
+    assert recorded.name == "exception" and recorded.attributes is not None
+    assert recorded.attributes["exception.message"] == "refused by the broker"
+
+
+async def test_a_failing_handler_is_recorded_on_its_consumer_span_with_the_outcome(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    event = await save_in_a_span(db, "collection")
+
+    @inbox_guard(Inbox(db, consumer="billing"), max_attempts=2)
+    async def bill(event: Event, session: Any) -> None:
+        raise ValueError("no such customer")
+
+    first = await bill.handle(event)
+    second = await bill.handle(event)
+    assert (first.outcome, second.outcome) == (Outcome.RETRY, Outcome.DEAD_LETTERED)
+    consumers = [s for s in spans.get_finished_spans() if s.kind is SpanKind.CONSUMER]
+    save = one(spans.get_finished_spans(), "checkout")
+    assert len(consumers) == 2
+    for span, outcome in zip(consumers, ("retry", "dead_lettered"), strict=True):
+        # No relay here: the event carries the save's context, and the consumer is its child.
+        assert span.parent is not None and span.parent.span_id == save.context.span_id
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.attributes is not None
+        assert span.attributes["mongo_outbox.inbox.outcome"] == outcome
+    assert [e.name for e in consumers[0].events] == ["exception"]
+    assert consumers[0].events[0].attributes is not None
+    assert consumers[0].events[0].attributes["exception.type"] == "ValueError"
