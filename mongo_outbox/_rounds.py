@@ -45,7 +45,7 @@ from mongo_outbox.publishers.base import (
 )
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.stats import RelayStats, RelayStatus, State
-from mongo_outbox.tracing import publishing
+from mongo_outbox.tracing import publishing, tracer
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -260,6 +260,7 @@ class Rounds:
         gets its turn only after ``deadline`` is not started: it could end after the claim."""
         loop = asyncio.get_running_loop()
         publisher = self.publisher
+        traced = tracer()  # once per wave: asking the API for its provider is not free
         if not isinstance(publisher, BatchPublisher):
             slots = asyncio.Semaphore(self.settings.max_in_flight)
 
@@ -267,7 +268,7 @@ class Rounds:
                 async with slots:
                     if loop.time() > deadline:
                         return _NotStarted()
-                    spans = publishing(publisher, (event,))
+                    spans = publishing(traced, publisher, (event,))
                     sent = spans.sent[0] if spans else event
                     result = await self._confirm(publisher.publish(sent), event)
                 error = result if isinstance(result, BaseException) else None
@@ -286,7 +287,7 @@ class Rounds:
             async with turns:
                 if loop.time() > deadline:
                     return [_NotStarted()] * len(chunk)
-                spans = publishing(publisher, chunk)
+                spans = publishing(traced, publisher, chunk)
                 sent = spans.sent if spans else chunk
                 result = await self._confirm(publisher.publish_many(sent), chunk[0])
             if not (isinstance(result, list) and len(result) == len(chunk)):
