@@ -130,25 +130,22 @@ def publishing(
                 attributes.update(describe_destination(event))
         destination = attributes.get("messaging.destination.name")
         carried = _traced(event.headers)
+        parent = _PROPAGATOR.extract(carried)
         span = found.start_span(
             f"publish {destination}" if destination else "publish",
-            context=_PROPAGATOR.extract(carried),
+            context=parent,
             kind=SpanKind.PRODUCER,
             attributes=attributes,
         )
         spans.append(span)
-        sent.append(_carrying(event, span, carried))
+        # Headers that are not a valid trace context are the caller's: they stay.
+        keep = carried and not trace.get_current_span(parent).get_span_context().is_valid
+        sent.append(event if keep else _carrying(event, span))
     return Publishing(spans, sent)
 
 
-def _carrying(event: Event, span: Span, carried: Mapping[str, str]) -> Event:
-    """``event`` with ``span``'s context in place of the one it carried (the same trace), unless
-    it carried headers that are not a trace context: those are the caller's and stay."""
-    if (
-        carried
-        and not trace.get_current_span(_PROPAGATOR.extract(carried)).get_span_context().is_valid
-    ):
-        return event
+def _carrying(event: Event, span: Span) -> Event:
+    """``event`` with ``span``'s context in place of the one it carried (the same trace)."""
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     if not carrier:

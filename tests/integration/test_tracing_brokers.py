@@ -171,3 +171,30 @@ async def test_a_failing_handler_is_recorded_on_its_consumer_span_with_the_outco
     assert [e.name for e in consumers[0].events] == ["exception"]
     assert consumers[0].events[0].attributes is not None
     assert consumers[0].events[0].attributes["exception.type"] == "ValueError"
+
+
+async def test_an_event_saved_outside_a_span_is_published_in_a_trace_of_its_own(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    outbox = make_outbox(db)
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 1
+    producer = one(spans.get_finished_spans(), "publish")
+    assert producer.parent is None
+    assert publisher.events[0].headers == {"traceparent": traceparent(producer)}
+
+
+async def test_trace_headers_that_are_not_a_valid_context_are_published_as_the_caller_set_them(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    outbox = make_outbox(db)
+    theirs = {"traceparent": "not-a-trace", "tracestate": "vendor=1"}
+    with trace.get_tracer("shop").start_as_current_span("checkout"):
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 1}, [Event(type="placed", headers=theirs)]
+        )
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 1
+    assert publisher.events[0].headers == theirs
+    assert one(spans.get_finished_spans(), "publish").parent is None
