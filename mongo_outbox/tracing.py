@@ -27,7 +27,13 @@ from mongo_outbox.events import Event
 
 try:
     from opentelemetry import trace
-    from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, SpanKind, StatusCode
+    from opentelemetry.trace import (
+        Link,
+        NoOpTracerProvider,
+        ProxyTracerProvider,
+        SpanKind,
+        StatusCode,
+    )
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the otel extra is not installed: tracing is off
     _ON = False
@@ -36,6 +42,7 @@ else:
     _PROPAGATOR = TraceContextTextMapPropagator()
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer
 
 __all__ = ["TRACE_HEADERS", "Publishing", "consuming", "publishing", "stamped", "tracer"]
@@ -160,7 +167,11 @@ def consuming(
 ) -> Iterator[Span | None]:
     """Run a guarded delivery in a ``CONSUMER`` span (current meanwhile, so the handler's own
     spans nest in it), the child of the context ``event`` carries; ``None`` when no tracer
-    provider is configured."""
+    provider is configured.
+
+    Called inside a span already (a framework that traces its own deliveries), the span is that
+    one's child instead, linked to the context the event carries: one trace, not two siblings.
+    """
     found = tracer()
     if found is None:
         yield None
@@ -173,11 +184,18 @@ def consuming(
     }
     if source:
         attributes["messaging.destination.name"] = source
+    carried = _PROPAGATOR.extract(_traced(event.headers))
+    parent: Context | None = carried  # None: the current context
+    links: list[Link] = []
+    if trace.get_current_span().get_span_context().is_valid:
+        sender = trace.get_current_span(carried).get_span_context()
+        parent, links = None, [Link(sender)] if sender.is_valid else []
     with found.start_as_current_span(
         f"process {source}" if source else "process",
-        context=_PROPAGATOR.extract(_traced(event.headers)),
+        context=parent,
         kind=SpanKind.CONSUMER,
         attributes=attributes,
+        links=links,
     ) as span:
         yield span
 

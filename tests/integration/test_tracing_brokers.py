@@ -198,3 +198,19 @@ async def test_trace_headers_that_are_not_a_valid_context_are_published_as_the_c
     assert await PollingRelay(outbox, publisher).drain() == 1
     assert publisher.events[0].headers == theirs
     assert one(spans.get_finished_spans(), "publish").parent is None
+
+
+async def test_a_guard_called_inside_a_framework_s_span_nests_in_it_linked_to_the_message(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    event = await save_in_a_span(db, "collection")
+    handled: list[Event] = []
+    guarded = billing(db, handled)
+    with trace.get_tracer("framework").start_as_current_span("framework receive"):
+        assert await guarded(event) is True
+    finished = spans.get_finished_spans()
+    save, framework = one(finished, "checkout"), one(finished, "framework receive")
+    consumer = one(finished, "process orders")
+    assert consumer.parent is not None and consumer.parent.span_id == framework.context.span_id
+    assert [link.context.span_id for link in consumer.links] == [save.context.span_id]
+    assert one(finished, "bill").parent.span_id == consumer.context.span_id  # type: ignore[union-attr]
