@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from mongo_outbox.errors import describe
@@ -51,6 +52,8 @@ TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 """The W3C trace-context header names (compared case-insensitively)."""
 
 _SCOPE = "mongo_outbox"
+# The delivery a consumer helper is settling: it knows the broker, which the guard does not.
+_delivery: ContextVar[object] = ContextVar("mongo_outbox_delivery", default=None)
 _cached: tuple[Any, Any] | None = None  # (provider, its tracer): get_tracer once per provider
 
 
@@ -183,7 +186,13 @@ def consuming(
         "messaging.consumer.group.name": consumer,
     }
     if source:
-        attributes["messaging.destination.name"] = source
+        attributes["mongo_outbox.inbox.source"] = source
+    messaging = getattr(_delivery.get(), "messaging", None)
+    if callable(messaging):
+        attributes.update(messaging())  # the broker's system and destination
+    # Read once: a guard the handler calls itself is not this delivery.
+    unset = _delivery.set(None)
+    destination = attributes.get("messaging.destination.name") or source
     carried = _PROPAGATOR.extract(_traced(event.headers))
     parent: Context | None = carried  # None: the current context
     links: list[Link] = []
@@ -191,13 +200,27 @@ def consuming(
         sender = trace.get_current_span(carried).get_span_context()
         parent, links = None, [Link(sender)] if sender.is_valid else []
     with found.start_as_current_span(
-        f"process {source}" if source else "process",
+        f"process {destination}" if destination else "process",
         context=parent,
         kind=SpanKind.CONSUMER,
         attributes=attributes,
         links=links,
     ) as span:
-        yield span
+        try:
+            yield span
+        finally:
+            _delivery.reset(unset)
+
+
+@contextlib.contextmanager
+def receiving(delivery: object) -> Iterator[None]:
+    """Consumer spans started inside describe ``delivery``'s broker, from its ``messaging()``
+    attributes (a consumer helper's delivery has it)."""
+    token = _delivery.set(delivery)
+    try:
+        yield
+    finally:
+        _delivery.reset(token)
 
 
 def outcome(span: Span, name: str, attempt: int, error: str | None) -> None:

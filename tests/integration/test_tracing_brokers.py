@@ -53,11 +53,16 @@ async def save_in_a_span(db: Any, mode: str) -> Event:
 
 
 def check_trace(
-    spans: tuple[ReadableSpan, ...], event: Event, producer_name: str, headers: Any
+    spans: tuple[ReadableSpan, ...],
+    event: Event,
+    destination: str,
+    headers: Any,
+    broker: dict[str, str],
 ) -> ReadableSpan:
-    """save -> producer -> consumer -> the handler's span, one trace; returns the producer."""
-    save, producer = one(spans, "checkout"), one(spans, producer_name)
-    consumer, handler = one(spans, "process orders"), one(spans, "bill")
+    """save -> producer -> consumer -> the handler's span, one trace; returns the producer.
+    ``broker``: the messaging attributes both the producer and the consumer span have."""
+    save, producer = one(spans, "checkout"), one(spans, f"publish {destination}")
+    consumer, handler = one(spans, f"process {destination}"), one(spans, "bill")
     assert save.parent is None
     assert {s.context.trace_id for s in (save, producer, consumer, handler)} == {
         save.context.trace_id
@@ -68,6 +73,7 @@ def check_trace(
     assert producer.attributes is not None
     assert producer.attributes["messaging.message.id"] == event.id
     assert producer.attributes["messaging.operation.type"] == "send"
+    assert {k: producer.attributes[k] for k in broker} == broker
     # The message carries the producer's context, so the consumer is its child.
     assert headers["traceparent"] == traceparent(producer)
     assert consumer.kind is SpanKind.CONSUMER and consumer.parent is not None
@@ -77,9 +83,10 @@ def check_trace(
         "messaging.operation.name": "process",
         "messaging.message.id": event.id,
         "messaging.consumer.group.name": "billing",
-        "messaging.destination.name": "orders",
+        "mongo_outbox.inbox.source": "orders",
         "mongo_outbox.inbox.outcome": "handled",
         "mongo_outbox.inbox.attempt": 1,
+        **broker,
     }
     assert handler.parent is not None and handler.parent.span_id == consumer.context.span_id
     return producer
@@ -98,12 +105,9 @@ async def test_one_trace_from_the_save_through_nats_to_the_consumer(
     handled: list[Event] = []
     assert await handle_nats_message(message, billing(db, handled)) is Outcome.HANDLED
     assert [e.id for e in handled] == [event.id]
-    producer = check_trace(
-        spans.get_finished_spans(), event, f"publish {nats_stream}.placed", message.headers
-    )
-    assert producer.attributes is not None
-    assert producer.attributes["messaging.system"] == "nats"
-    assert producer.attributes["messaging.destination.name"] == f"{nats_stream}.placed"
+    subject = f"{nats_stream}.placed"
+    nats = {"messaging.system": "nats", "messaging.destination.name": subject}
+    producer = check_trace(spans.get_finished_spans(), event, subject, message.headers, nats)
     # The event in the body carries the same context as the message's headers.
     assert handled[0].headers == {"traceparent": traceparent(producer)}
 
@@ -123,11 +127,12 @@ async def test_one_trace_from_the_save_through_rabbitmq_to_the_consumer(
     handled: list[Event] = []
     assert await handle_rabbitmq_message(message, billing(db, handled)) is Outcome.HANDLED
     assert [e.id for e in handled] == [event.id]
-    producer = check_trace(spans.get_finished_spans(), event, f"publish {unique}", message.headers)
-    assert producer.attributes is not None
-    assert producer.attributes["messaging.system"] == "rabbitmq"
-    assert producer.attributes["messaging.destination.name"] == unique
-    assert producer.attributes["messaging.rabbitmq.destination.routing_key"] == "placed"
+    rabbitmq = {
+        "messaging.system": "rabbitmq",
+        "messaging.destination.name": unique,
+        "messaging.rabbitmq.destination.routing_key": "placed",
+    }
+    check_trace(spans.get_finished_spans(), event, unique, message.headers, rabbitmq)
 
 
 async def test_a_failed_publish_is_recorded_on_its_producer_span(
