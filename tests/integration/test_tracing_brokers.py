@@ -1,9 +1,11 @@
 """One trace from the save to the consumer, through the real NATS and RabbitMQ: the save's span,
 the relay's producer span (its child), the guarded handler's consumer span (the producer's
-child), with the producer's context on the broker message; and the spans of failures."""
+child), with the producer's context on the broker message; the change-stream relay's producer spans; a
+guard inside a framework's span; and the spans of failures."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,13 +17,16 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from mongo_outbox import Event, Inbox, PollingRelay, inbox_guard
 from mongo_outbox.backoff import Backoff
+from mongo_outbox.changestream import ChangeStreamRelay
 from mongo_outbox.consumers import handle_nats_message, handle_rabbitmq_message
 from mongo_outbox.inbox import Outcome
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher, RabbitMQPublisher
+from tests.support.changestream_sources import ScriptedSource, inserts
 from tests.support.messages import bind_queue
 from tests.support.outboxes import MODES, make_outbox
 from tests.support.servers import RABBITMQ_URL
 from tests.support.tracing import one, recorded_spans, traceparent
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -219,3 +224,37 @@ async def test_a_guard_called_inside_a_framework_s_span_nests_in_it_linked_to_th
     assert consumer.parent is not None and consumer.parent.span_id == framework.context.span_id
     assert [link.context.span_id for link in consumer.links] == [save.context.span_id]
     assert one(finished, "bill").parent.span_id == consumer.context.span_id  # type: ignore[union-attr]
+
+
+async def test_the_change_stream_relay_publishes_in_producer_spans_too(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    outbox = make_outbox(db)
+    await outbox.ensure_indexes()
+    app = trace.get_tracer("shop")
+    with app.start_as_current_span("before"):  # found by the relay's first sweep
+        await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
+    source, publisher = ScriptedSource(), MemoryPublisher()
+    relay = ChangeStreamRelay(outbox, publisher, name="orders-relay", source=source)
+    task = asyncio.create_task(relay.run())
+    try:
+        await publisher.wait_for(1)
+
+        async def watching() -> bool:
+            return bool(source.opens)
+
+        await until(watching)
+        with app.start_as_current_span("after"):  # seen in the change stream
+            saved = await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="x")])
+        source.play(inserts(await db.outbox.find({"_id": saved.events[0].id}).to_list(), "t1"))
+        await publisher.wait_for(2)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+    finished = spans.get_finished_spans()
+    producers = [s for s in finished if s.kind is SpanKind.PRODUCER]
+    assert len(producers) == 2
+    for producer, name, sent in zip(producers, ("before", "after"), publisher.events, strict=True):
+        save = one(finished, name)
+        assert producer.parent is not None and producer.parent.span_id == save.context.span_id
+        assert sent.headers == {"traceparent": traceparent(producer)}
