@@ -1,7 +1,7 @@
 """One trace from the save to the consumer, through the real NATS and RabbitMQ: the save's span,
 the relay's producer span (its child), the guarded handler's consumer span (the producer's
-child), with the producer's context on the broker message; the change-stream relay's producer spans; a
-guard inside a framework's span; and the spans of failures."""
+child), with the producer's context on the broker message. Also the change-stream relay's
+producer spans, a guard inside a framework's span, and the spans of failures."""
 
 from __future__ import annotations
 
