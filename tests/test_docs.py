@@ -19,6 +19,11 @@ from pymongo import MongoClient
 
 from tests.support.servers import NATS_URL, RABBITMQ_URL
 
+try:
+    from opentelemetry.test.globals_test import reset_trace_globals
+except ImportError:  # without the otel extra and the SDK's test helper
+    reset_trace_globals = None  # type: ignore[assignment]
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- not-tested: [^>]*-->\s*)?```python\n(.*?)```", re.DOTALL)
@@ -72,6 +77,8 @@ async def test_block_runs(
         if path.name == "README.md" and "publisher" in namespace:  # it reached the broker
             assert (await js.stream_info(stream)).state.messages == 1
     finally:
+        if reset_trace_globals is not None:
+            reset_trace_globals()  # a block that installed a tracer provider (docs/tracing.md)
         publisher = namespace.get("publisher")
         if publisher is not None:
             await publisher.aclose()

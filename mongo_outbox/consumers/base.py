@@ -41,6 +41,7 @@ from mongo_outbox.events import Event
 from mongo_outbox.guard import MAX_ID_LENGTH, Guarded, check_message_id
 from mongo_outbox.inbox import Outcome
 from mongo_outbox.settings import count
+from mongo_outbox.tracing import receiving
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,11 @@ Rejected = Callable[[bytes, str], Awaitable[None]]
 
 
 class Delivery(Protocol):
-    """One broker delivery, as the settling loop sees it."""
+    """One broker delivery, as the settling loop sees it.
+
+    A delivery may also have ``messaging() -> dict[str, str]``: the OpenTelemetry attributes
+    of its consumer span (``messaging.system``, ``messaging.destination.name``, ...).
+    """
 
     message_id: object
     body: bytes
@@ -141,9 +146,10 @@ async def settle(
             # Not started, or held for a retry: the broker has it again at once.
             await _give_back(delivery, message_id)
             return Outcome.RETRY
-        result = await guarded.handle(
-            event, message_id=message_id, source=source, last_delivery=delivery.last
-        )
+        with receiving(delivery):
+            result = await guarded.handle(
+                event, message_id=message_id, source=source, last_delivery=delivery.last
+            )
         if result.outcome is not Outcome.RETRY:
             await delivery.ack()
             return result.outcome

@@ -94,6 +94,13 @@ class _Delivery:
     async def give_back(self) -> None:
         await self.message.nack(requeue=True)
 
+    def messaging(self) -> dict[str, str]:
+        return {
+            "messaging.system": "rabbitmq",
+            "messaging.destination.name": self.message.exchange or "",
+            "messaging.rabbitmq.destination.routing_key": self.message.routing_key or "",
+        }
+
 
 async def handle_rabbitmq_message(
     message: AbstractIncomingMessage,
