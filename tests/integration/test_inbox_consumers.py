@@ -16,6 +16,7 @@ from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guar
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.waiting import until
 
 
 def concurrency(mongo: Any) -> int:
@@ -102,6 +103,7 @@ async def test_rabbitmq_end_to_end_each_effect_once(
         consume_rabbitmq(queue, guarded_billing(db, flaky=flaky), rejected=on_rejected, stop=stop)
     )
     invoices = await wait_for_invoices(db, len(saved))
+    await until(lambda: bool(rejected))  # the bad message may come last: stop once it was seen
     stop.set()
     await asyncio.wait_for(task, 10)
     assert invoices == {e.id: 1 for e in saved}
@@ -142,6 +144,7 @@ async def test_nats_end_to_end_each_effect_once(
             )
         )
         invoices = await wait_for_invoices(db, len(saved))
+        await until(lambda: bool(rejected))  # the bad message may come last
         stop.set()
         await asyncio.wait_for(task, 10)
         assert invoices == {e.id: 1 for e in saved}
@@ -196,14 +199,6 @@ async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIter
             await asyncio.wait_for(task, 10)
 
 
-async def until(condition: Any, seconds: float = 15.0) -> None:
-    """Poll an async condition until it holds, or fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def always_failing(db: Any, runs: list[int], dead: list[str], **inbox: Any) -> Any:
     async def dead_letter(event: Event, reason: str) -> None:
         dead.append(reason)
@@ -248,7 +243,7 @@ async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
     stop = asyncio.Event()
     consumer = consume_rabbitmq(queue, bill, ordered=ordered, stop=stop, retry_queues=retry_queues)
     async with consuming(consumer, stop) as task:
-        await until(failed_once)  # the message is held for its retry delay now
+        await until(failed_once, timeout=15)  # the message is held for its retry delay now
         started = time.monotonic()
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -281,7 +276,7 @@ async def test_stopping_consume_rabbitmq_leaves_a_retry_in_its_retry_queue(
 
     stop = asyncio.Event()
     async with consuming(consume_rabbitmq(queue, bill, stop=stop), stop) as task:
-        await until(failed_once)
+        await until(failed_once, timeout=15)
         started = time.monotonic()
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -318,7 +313,7 @@ async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
 
         consumer = consume_rabbitmq(queue, guarded, stop=stop, retry_queues=False)
         async with consuming(consumer, stop):
-            await until(dead_lettered)
+            await until(dead_lettered, timeout=15)
         assert runs == [1, 2, 3]
         assert dead == [
             "gave up after 3 on the broker's last delivery: ConnectionError: ledger down"
@@ -354,7 +349,7 @@ async def test_nats_consumer_s_last_delivery_is_dead_lettered(
 
     consumer = consume_nats(js, subject, "billing", guarded, stream=nats_stream, stop=stop)
     async with consuming(consumer, stop):
-        await until(dead_lettered)
+        await until(dead_lettered, timeout=15)
     assert runs == [1, 2, 3]
     assert dead == ["gave up after 3 on the broker's last delivery: ConnectionError: ledger down"]
     [record] = await db.inbox.find().to_list(None)
