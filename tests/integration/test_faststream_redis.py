@@ -172,9 +172,7 @@ async def test_faststream_entry_of_a_killed_handler_is_reclaimed_only_by_a_claim
     # recovery takes a second subscriber of its own.
     claiming = RedisBroker(REDIS_URL)
 
-    @claiming.subscriber(
-        stream=StreamSub(unique, group="g", consumer="claimer", min_idle_time=500)
-    )
+    @claiming.subscriber(stream=StreamSub(unique, group="g", consumer="claimer", min_idle_time=500))
     async def reclaimed(body: str) -> None:
         calls.append(f"claimer:{body}")
 
