@@ -67,6 +67,7 @@ _UNAVAILABLE = (
 )
 # Error prefixes of a server that answered but cannot take writes for now.
 _OUTAGE_PREFIXES = ("MISCONF", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
+_MAX_CONNECTIONS = 32  # connect()'s pool: publish_many needs two, each publish in flight one
 _WRONG_TYPE = "WRONGTYPE"  # the key holds something other than a stream
 
 
@@ -145,9 +146,16 @@ class RedisStreamsPublisher:
         password."""
         wait = seconds(timeout, "RedisStreamsPublisher.timeout")
         try:
-            client = redis.asyncio.Redis.from_url(
-                url, socket_timeout=wait, socket_connect_timeout=wait
+            # A blocking pool: a publish waits for a free connection (up to the timeout) rather
+            # than failing as an outage when many are in flight.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                url,
+                max_connections=_MAX_CONNECTIONS,
+                timeout=wait,
+                socket_timeout=wait,
+                socket_connect_timeout=wait,
             )
+            client = redis.asyncio.Redis.from_pool(pool)
         except ValueError as error:
             raise ConfigurationError(
                 f"not a Redis URL: {redact_url(url)}", setting="RedisStreamsPublisher.url"
