@@ -197,9 +197,10 @@ async def consume_redis(
             ``None``: unlimited (the guard's ``max_attempts`` still bounds the handler's runs).
         start_id: where a group created here starts: ``"0"`` (default) reads what the stream
             already holds, ``"$"`` only what is added from now on.
-        ordered, batch, max_in_flight, source, rejected, stop: as for ``consume_nats``; on
-            stop, running handlers finish and settle, and entries held or waiting their turn
-            are made reclaimable at once.
+
+    ``ordered``, ``batch``, ``max_in_flight``, ``source``, ``rejected`` and ``stop`` are as for
+    ``consume_nats``. On stop, running handlers finish and settle, and entries held for a retry
+    or waiting their turn are made reclaimable at once.
     """
     for setting, value in (("consume_redis.stream", stream), ("consume_redis.group", group)):
         if not isinstance(value, str) or not value:
