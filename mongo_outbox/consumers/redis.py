@@ -52,7 +52,9 @@ _BLOCK_MS = 500  # how long XREADGROUP waits for entries: how soon the loop noti
 _OUTAGE_PAUSE = 1.0  # seconds between attempts while Redis cannot be reached
 _TRIM_CHECK_EVERY = 10.0  # seconds between checks that trimming has not passed the group
 _BUSYGROUP = "BUSYGROUP"  # XGROUP CREATE: the group exists already
-_NOGROUP = "NOGROUP"  # the stream or the group is gone (a Redis restarted without its data)
+# The stream or the group is gone (deleted, or a Redis restarted without its data): NOGROUP for
+# a read that starts then, UNBLOCKED for one that was waiting on the stream.
+_GONE = ("NOGROUP", "UNBLOCKED")
 
 
 def _text(value: Any) -> str:
@@ -241,7 +243,7 @@ async def consume_redis(
                 await asyncio.sleep(_OUTAGE_PAUSE)
                 continue
             except redis.exceptions.ResponseError as error:
-                if not str(error).startswith(_NOGROUP):
+                if not str(error).startswith(_GONE):
                     raise
                 log.warning("group %s of stream %s is gone: creating it again", group, stream)
                 await reader.ensure_group()
@@ -344,11 +346,15 @@ class _Reader:
             return
         self.checked = loop.time()
         entries = self.entries
-        info = await entries.client.xinfo_stream(entries.stream)
+        try:
+            info = await entries.client.xinfo_stream(entries.stream)
+            groups = await entries.client.xinfo_groups(entries.stream)
+        except redis.exceptions.ResponseError:  # the stream is gone: the next read says so
+            return
         deleted = _text(info.get("max-deleted-entry-id", "0-0"))  # Redis >= 7
         if deleted == "0-0" or deleted == self.trimmed:
             return
-        for group in await entries.client.xinfo_groups(entries.stream):
+        for group in groups:
             if _text(group["name"]) == entries.group:
                 read = _text(group["last-delivered-id"])
                 if _entry_id(deleted) > _entry_id(read):

@@ -272,3 +272,58 @@ async def test_stopping_makes_a_held_entry_reclaimable_at_once(
     async with consuming(redis, stream, handler, claim_idle=120, consumer="two"):
         await until(lambda: runs == ["attempt 1", "attempt 2"], timeout=15)
         await until(lambda: no_pending(redis, stream))
+
+
+async def test_a_slow_handler_s_entry_is_kept_alive_not_reclaimed_by_another_consumer(
+    db: Any, redis: Redis, unique: str
+) -> None:
+    stream = f"{unique}:orders"
+    runs: list[str] = []
+    held_by: list[Any] = []
+
+    def slow() -> Any:
+        # A guard of its own per consumer, as in two processes: one guard would make the
+        # second delivery wait for the first in the process.
+        @inbox_guard(Inbox(db, consumer="billing"))
+        async def handler(event: Event, session: Any) -> None:
+            runs.append(event.id)
+            await asyncio.sleep(3)  # three times claim_idle
+            # The inbox would absorb a second delivery; Redis shows whether there was one.
+            held_by.extend(await redis.xpending_range(stream, "billing", "-", "+", 10))
+
+        return handler
+
+    event = Event(type="e", aggregate_type="orders")
+    await RedisStreamsPublisher(redis, stream=stream).publish(event)
+    async with consuming(redis, stream, slow(), claim_idle=1, consumer="one"):
+        await until(lambda: runs == [event.id])
+        async with consuming(redis, stream, slow(), claim_idle=1, consumer="two"):
+            await until(lambda: no_pending(redis, stream), timeout=30)
+    assert runs == [event.id]
+    (entry,) = held_by
+    assert entry["consumer"] == b"one" and entry["times_delivered"] == 1
+
+
+async def test_a_group_that_vanished_is_created_again(db: Any, redis: Redis, unique: str) -> None:
+    stream = f"{unique}:orders"
+    guarded = guarded_billing(db)
+    publisher = RedisStreamsPublisher(redis, stream=stream)
+    first, second = (Event(type="e", aggregate_type="orders") for _ in range(2))
+    async with consuming(redis, stream, guarded, claim_idle=1):
+        await publisher.publish(first)
+        await until(lambda: no_pending_and_read(redis, stream))
+        await redis.delete(stream)  # as a Redis restarted without its data: no group either
+        await publisher.publish(second)
+        await until(lambda: invoices(db, 2), timeout=30)
+    assert sorted(d["event"] for d in await db.invoices.find().to_list(None)) == sorted(
+        [first.id, second.id]
+    )
+
+
+async def no_pending_and_read(redis: Redis, stream: str) -> bool:
+    groups = await redis.xinfo_groups(stream)
+    return bool(groups) and groups[0]["lag"] == 0 and groups[0]["pending"] == 0
+
+
+async def invoices(db: Any, wanted: int) -> bool:
+    return await db.invoices.count_documents({}) >= wanted
