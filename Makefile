@@ -27,8 +27,8 @@ test-oldest: $(BIN)/.installed
 	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,redis,cli]' pytest pytest-asyncio pytest-timeout hypothesis motor
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 
-# The whole suite against docker-compose.yml's replica set, RabbitMQ and NATS (started, healthy,
-# and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on
+# The whole suite against docker-compose.yml's replica set, RabbitMQ, NATS and Redis (started,
+# healthy, and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on
 # Python 3.10; REPLSET_SERVICES=mongodb starts only MongoDB, for brokers you already run.
 REPLSET_URI ?= mongodb://127.0.0.1:27017/?directConnection=true
 REPLSET_TEST ?= test
