@@ -187,7 +187,10 @@ class RedisStreamsPublisher:
                 lambda reason: self._failed(event, reason),
             )
         except Exception as error:
-            raise self._classify(event, error, stream) from error
+            classified = self._classify(event, error, stream)
+            if classified is error:
+                raise
+            raise classified from error
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
         """Every XADD in one pipeline (not a transaction): one round trip for the wave."""
@@ -218,7 +221,10 @@ class RedisStreamsPublisher:
             # The connection failed: Redis may have some of the entries, which the relay then
             # publishes again (the inbox makes their effects happen once).
             for index, stream in sent:
-                results[index] = self._classify(events[index], error, stream)
+                if isinstance(error, BrokerUnavailableError):  # the timeout: told of the first
+                    results[index] = BrokerUnavailableError(str(error), event_id=events[index].id)
+                else:
+                    results[index] = self._classify(events[index], error, stream)
             return results
         for (index, stream), answer in zip(sent, answers, strict=True):
             if isinstance(answer, Exception):

@@ -4,6 +4,7 @@ redis-server of the test's own: failures that are not the event's raise BrokerUn
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from mongo_outbox import BrokerFullError, BrokerUnavailableError, Event
+from mongo_outbox import BrokerFullError, BrokerUnavailableError, ConfigurationError, Event
 from mongo_outbox.publishers import RedisStreamsPublisher
 from tests.integration.test_broker_restart import relay_through_outage
 from tests.support.brokers import KillsTheBroker
@@ -110,3 +111,37 @@ async def test_redis_killed_and_restarted_mid_run_parks_nothing(
                 assert event.sequence is not None
                 firsts.append(event.sequence)
         assert firsts == [1, 2, 3, 4]
+
+
+async def test_a_redis_that_stops_answering_is_an_outage_within_the_timeout(
+    redis_server: RedisServer,
+) -> None:
+    publisher = await RedisStreamsPublisher.connect(redis_server.url, stream="s", timeout=0.5)
+    assert redis_server.process is not None
+    redis_server.process.send_signal(signal.SIGSTOP)  # alive, connected, silent
+    try:
+        event = Event(type="e")
+        with pytest.raises(BrokerUnavailableError, match="no answer within") as raised:
+            await publisher.publish(event)
+        assert raised.value.event_id == event.id
+        events = [Event(type="a"), Event(type="b")]
+        results = await publisher.publish_many(events)
+        assert [getattr(r, "event_id", None) for r in results] == [e.id for e in events]
+        assert all(isinstance(r, BrokerUnavailableError) for r in results)
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+        await publisher.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "setting"),
+    [
+        ({"maxlen": 0}, "RedisStreamsPublisher.maxlen"),
+        ({"maxlen": 10.5}, "RedisStreamsPublisher.maxlen"),
+        ({"timeout": 0}, "RedisStreamsPublisher.timeout"),
+    ],
+)
+def test_settings_out_of_range_are_refused(options: dict[str, Any], setting: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        RedisStreamsPublisher(Redis(), **options)
+    assert raised.value.setting == setting
