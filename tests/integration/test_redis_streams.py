@@ -174,6 +174,21 @@ async def test_a_pending_entry_trimmed_away_is_logged_as_lost_not_dropped_silent
     assert any("lost to this group" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_stream_trimmed_past_what_the_group_read_is_logged(
+    db: Any, mongo: Any, redis: Redis, unique: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = f"{unique}:orders"
+    await redis.xgroup_create(stream, "billing", id="0", mkstream=True)
+    # Published faster than the group reads, into a stream that keeps only ten entries.
+    for _ in range(30):
+        await redis.xadd(stream, entry_of(Event(type="e")), maxlen=10, approximate=False)
+    with caplog.at_level(logging.ERROR, logger="mongo_outbox.consumers.redis"):
+        async with consuming(redis, stream, guarded_billing(db), batch=concurrency(mongo)):
+            await until(lambda: no_pending_and_read(redis, stream), timeout=15)
+    assert await db.invoices.count_documents({}) == 10  # what was left of the thirty
+    assert any("entries it never read are likely lost" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_retry_is_left_pending_and_reclaimed_after_its_delay_not_after_claim_idle(
     db: Any, redis: Redis, unique: str
 ) -> None:
