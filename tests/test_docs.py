@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from tests.support.servers import NATS_URL
+from tests.support.servers import NATS_URL, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -74,3 +74,14 @@ async def test_block_runs(
         if publisher is not None:
             await publisher.aclose()
         await js.delete_stream(stream)
+        if "redis" in source:  # docs/redis.md names its streams after the database
+            await delete_redis_keys(f"{db.name}*")
+
+
+async def delete_redis_keys(pattern: str) -> None:
+    from redis.asyncio import Redis
+
+    async with Redis.from_url(REDIS_URL) as redis:
+        keys = [key async for key in redis.scan_iter(match=pattern)]
+        if keys:
+            await redis.delete(*keys)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from mongo_outbox import (
@@ -25,6 +28,7 @@ from mongo_outbox import (
 )
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
+from mongo_outbox.publishers.base import message_headers
 from mongo_outbox.publishers.redis import entry_of
 from tests.integration.test_inbox_consumers import (
     concurrency,
@@ -342,3 +346,63 @@ async def no_pending_and_read(redis: Redis, stream: str) -> bool:
 
 async def invoices(db: Any, wanted: int) -> bool:
     return await db.invoices.count_documents({}) >= wanted
+
+
+HEADER_NAMES = st.from_regex(r"[a-z][a-z0-9_.\-]{0,20}", fullmatch=True)
+TEXT = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)
+
+
+@st.composite
+def events(draw: st.DrawFn) -> Event:
+    headers = draw(st.dictionaries(HEADER_NAMES, TEXT.map(str.strip), max_size=4))
+    try:
+        return Event(
+            type=draw(TEXT.filter(str.strip)),
+            aggregate_type=draw(st.none() | st.just("orders")),
+            aggregate_id=draw(st.none() | st.integers() | TEXT.filter(str.strip)),
+            sequence=draw(st.none() | st.integers(min_value=1, max_value=10**6)),
+            headers=headers,
+            payload=draw(st.dictionaries(TEXT, st.none() | st.integers() | TEXT, max_size=3)),
+        )
+    except ValueError:  # a reserved or invalid header, say: not an event anyone can send
+        assume(False)
+        raise
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(event=events())
+async def test_any_event_comes_back_whole_from_its_entry(
+    redis: Redis, unique: str, event: Event
+) -> None:
+    stream = f"{unique}:any"
+    await RedisStreamsPublisher(redis, stream=stream, maxlen=None).publish(event)
+    entry_id, fields = (await redis.xrevrange(stream, count=1))[0]
+    await redis.xdel(stream, entry_id)
+    assert Event.from_json(fields[b"body"]) == event
+    headers = json.loads(fields[b"headers"])
+    assert headers == message_headers(event)
+    assert fields[b"event-id"].decode() == event.id
+    assert (b"aggregate-id" in fields) == (event.aggregate_id is not None)
+
+
+async def test_a_client_that_decodes_responses_consumes_alike(db: Any, unique: str) -> None:
+    redis = Redis.from_url(REDIS_URL, decode_responses=True)
+    stream = f"{unique}:orders"
+    try:
+        good = Event(type="e", aggregate_type="orders")
+        await RedisStreamsPublisher(redis, stream=stream).publish(good)
+        await redis.xadd(stream, {"body": "{}"})  # no event id
+        async with consuming(redis, stream, guarded_billing(db)):
+            await until(lambda: redis.exists(f"{stream}:dead"), timeout=15)
+            await until(lambda: invoices(db, 1), timeout=15)
+            await until(lambda: no_pending(redis, stream))
+        assert [d["event"] for d in await db.invoices.find().to_list(None)] == [good.id]
+        ((_, dead),) = await redis.xrange(f"{stream}:dead")
+        assert "no id to deduplicate on" in dead["dead-letter-reason"]
+    finally:
+        await redis.delete(stream, f"{stream}:dead")
+        await redis.aclose()
