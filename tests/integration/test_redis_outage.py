@@ -4,6 +4,7 @@ redis-server of the test's own: failures that are not the event's raise BrokerUn
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,8 +14,14 @@ import pytest
 from redis.asyncio import Redis
 
 from mongo_outbox import BrokerFullError, BrokerUnavailableError, ConfigurationError, Event
+from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
 from tests.integration.test_broker_restart import relay_through_outage
+from tests.integration.test_inbox_consumers import (
+    concurrency,
+    guarded_billing,
+    wait_for_invoices,
+)
 from tests.support.brokers import KillsTheBroker
 from tests.support.redis_server import HAVE_REDIS_SERVER, RedisServer
 from tests.support.waiting import eventually
@@ -89,8 +96,8 @@ async def test_connect_error_hides_the_password() -> None:
 
 
 @pytest.mark.parametrize("relay_kind", ["polling", "change stream"])
-async def test_redis_killed_and_restarted_mid_run_parks_nothing(
-    db: Any, redis_server: RedisServer, relay_kind: str
+async def test_redis_killed_and_restarted_mid_run_parks_nothing_and_each_effect_happens_once(
+    db: Any, mongo: Any, redis_server: RedisServer, relay_kind: str
 ) -> None:
     inner = await RedisStreamsPublisher.connect(redis_server.url, stream="orders", timeout=0.5)
     publisher = KillsTheBroker(inner, redis_server, after=10)
@@ -100,7 +107,6 @@ async def test_redis_killed_and_restarted_mid_run_parks_nothing(
         await publisher.aclose()
     client = Redis.from_url(redis_server.url)
     received = [Event.from_json(fields[b"body"]) for _, fields in await client.xrange("orders")]
-    await client.aclose()
     # Every event at least once (one whose answer the kill cut off is there twice: the inbox
     # handles it once), and each order's events first seen in their order.
     assert {e.id for e in received} == {e.id for e in saved}
@@ -111,6 +117,20 @@ async def test_redis_killed_and_restarted_mid_run_parks_nothing(
                 assert event.sequence is not None
                 firsts.append(event.sequence)
         assert firsts == [1, 2, 3, 4]
+    # And consume_redis turns what the relay delivered, duplicates included, into one effect each.
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(
+        consume_redis(
+            client, "orders", "billing", guarded_billing(db), batch=concurrency(mongo), stop=stop
+        )
+    )
+    try:
+        counted = await wait_for_invoices(db, len(saved))
+    finally:
+        stop.set()
+        await asyncio.wait_for(consumer, 30)
+        await client.aclose()
+    assert counted == {e.id: 1 for e in saved}
 
 
 async def test_a_redis_that_stops_answering_is_an_outage_within_the_timeout(
