@@ -24,7 +24,7 @@ from tests.integration.test_inbox_consumers import (
 )
 from tests.support.brokers import KillsTheBroker
 from tests.support.redis_server import HAVE_REDIS_SERVER, RedisServer
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, until
 
 pytestmark = pytest.mark.skipif(not HAVE_REDIS_SERVER, reason="needs the redis-server binary")
 
@@ -165,3 +165,52 @@ def test_settings_out_of_range_are_refused(options: dict[str, Any], setting: str
     with pytest.raises(ConfigurationError) as raised:
         RedisStreamsPublisher(Redis(), **options)
     assert raised.value.setting == setting
+
+
+async def test_consume_redis_rides_out_a_redis_restart_and_each_effect_happens_once(
+    db: Any, mongo: Any, redis_server: RedisServer
+) -> None:
+    client = Redis.from_url(redis_server.url, socket_timeout=1, socket_connect_timeout=1)
+    events = [Event(type="e", aggregate_type="orders", aggregate_id=n) for n in range(20)]
+    publisher = RedisStreamsPublisher(client, stream="orders")
+    assert await publisher.publish_many(events[:10]) == [None] * 10
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(
+        consume_redis(
+            client,
+            "orders",
+            "billing",
+            guarded_billing(db),
+            claim_idle=1,
+            batch=concurrency(mongo),
+            stop=stop,
+        )
+    )
+    try:
+        await until(lambda: invoices_at_least(db, 3), timeout=30)
+        await redis_server.kill()  # mid-run: reads, acks and keep-alives fail meanwhile
+        await asyncio.sleep(1.5)
+        assert not consumer.done()  # it waits for Redis instead of failing
+        await redis_server.start()
+        await eventually(lambda: publish_all(publisher, events[10:]))
+        counted = await wait_for_invoices(db, len(events))
+        await until(lambda: nothing_pending(client), timeout=30)
+    finally:
+        stop.set()
+        await asyncio.wait_for(consumer, 30)
+        await client.aclose()
+    assert counted == {e.id: 1 for e in events}
+
+
+async def invoices_at_least(db: Any, count: int) -> bool:
+    return await db.invoices.count_documents({}) >= count
+
+
+async def nothing_pending(client: Redis) -> bool:
+    return int((await client.xpending("orders", "billing"))["pending"]) == 0
+
+
+async def publish_all(publisher: RedisStreamsPublisher, events: list[Event]) -> None:
+    for result in await publisher.publish_many(events):
+        if result is not None:
+            raise result
