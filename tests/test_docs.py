@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 
 try:
     from opentelemetry.test.globals_test import reset_trace_globals
@@ -83,3 +83,14 @@ async def test_block_runs(
         if publisher is not None:
             await publisher.aclose()
         await js.delete_stream(stream)
+        if "redis" in source:  # docs/redis.md names its streams after the database
+            await delete_redis_keys(f"{db.name}*")
+
+
+async def delete_redis_keys(pattern: str) -> None:
+    from redis.asyncio import Redis
+
+    async with Redis.from_url(REDIS_URL) as redis:
+        keys = [key async for key in redis.scan_iter(match=pattern)]
+        if keys:
+            await redis.delete(*keys)

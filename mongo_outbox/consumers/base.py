@@ -17,6 +17,10 @@ or not an       the queue has one), ``rejected``
 Event           callback                               ``rejected`` callback
 ==============  =====================================  ==================================
 
+Redis Streams (``consume_redis``) acks too, except that a dead-lettered message, and one with no
+usable id, moves to the dead-letter stream (XADD and XACK in one transaction), and a retry is
+left pending with its idle time set so that it is reclaimed after the backoff delay.
+
 A retry is done in the process instead, the message held unsettled meanwhile, in two cases: in
 ordered mode (so that later messages of its aggregate wait behind it), and on the broker's last
 delivery of a message (which the broker would not deliver again). On stop, a held message goes
@@ -29,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mongo_outbox.errors import (
     ConfigurationError,
@@ -72,6 +76,14 @@ class Delivery(Protocol):
 
     async def give_back(self) -> None:
         """Return it to the broker for delivery again now."""
+
+
+@runtime_checkable
+class DeadLetterDelivery(Delivery, Protocol):
+    """A delivery from a broker that has no dead-letter destination of its own (Redis): the
+    consumer moves a dead-lettered message there itself, instead of acknowledging it."""
+
+    async def dead_letter(self, reason: str) -> None: ...
 
 
 def decode(message_id: object, body: bytes) -> Event | str:
@@ -150,6 +162,9 @@ async def settle(
             result = await guarded.handle(
                 event, message_id=message_id, source=source, last_delivery=delivery.last
             )
+        if result.outcome is Outcome.DEAD_LETTERED and isinstance(delivery, DeadLetterDelivery):
+            await delivery.dead_letter(result.error or "dead-lettered")
+            return result.outcome
         if result.outcome is not Outcome.RETRY:
             await delivery.ack()
             return result.outcome

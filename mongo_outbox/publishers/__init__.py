@@ -1,4 +1,5 @@
-"""Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``."""
+"""Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``,
+``[redis]``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from mongo_outbox.publishers.memory import MemoryPublisher
 if TYPE_CHECKING:
     from mongo_outbox.publishers.nats import NatsPublisher
     from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
+    from mongo_outbox.publishers.redis import RedisStreamsPublisher
 
-__all__ = ["BatchPublisher", "MemoryPublisher", "NatsPublisher", "Publisher", "RabbitMQPublisher"]
+__all__ = [
+    "BatchPublisher",
+    "MemoryPublisher",
+    "NatsPublisher",
+    "Publisher",
+    "RabbitMQPublisher",
+    "RedisStreamsPublisher",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
         return RabbitMQPublisher
+    if name == "RedisStreamsPublisher":
+        from mongo_outbox.publishers.redis import RedisStreamsPublisher
+
+        return RedisStreamsPublisher
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

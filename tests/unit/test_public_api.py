@@ -58,6 +58,7 @@ def test_all_is_exactly_the_public_surface() -> None:
         "NatsPublisher",
         "Publisher",
         "RabbitMQPublisher",
+        "RedisStreamsPublisher",
     }
     for name in mongo_outbox.publishers.__all__:
         assert inspect.isclass(getattr(mongo_outbox.publishers, name))
@@ -102,6 +103,7 @@ IMPORT_PATHS = {
     "mongo_outbox.consumers": [
         "consume_nats",
         "consume_rabbitmq",
+        "consume_redis",
         "handle_nats_message",
         "handle_rabbitmq_message",
     ],
@@ -134,6 +136,7 @@ IMPORT_PATHS = {
     "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.publishers.nats": ["NatsPublisher"],
     "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
+    "mongo_outbox.publishers.redis": ["RedisStreamsPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }
