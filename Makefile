@@ -24,11 +24,12 @@ test: $(BIN)/.installed
 test-oldest: $(BIN)/.installed
 	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
 	test -x .venv-oldest/bin/python || $(OLDEST) -m venv .venv-oldest
-	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,cli,faststream]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor
+	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,otel,faststream]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor \
+		opentelemetry-sdk 'opentelemetry-test-utils>=0.41b0'
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 
-# The whole suite against docker-compose.yml's replica set, RabbitMQ and NATS (started, healthy,
-# and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on
+# The whole suite against docker-compose.yml's replica set, RabbitMQ, NATS and Redis (started,
+# healthy, and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on
 # Python 3.10; REPLSET_SERVICES=mongodb starts only MongoDB, for brokers you already run.
 REPLSET_URI ?= mongodb://127.0.0.1:27017/?directConnection=true
 REPLSET_TEST ?= test

@@ -23,6 +23,7 @@ from mongo_outbox._codec import encode
 from mongo_outbox._updates import Update, check_update, id_of
 from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
 from mongo_outbox.events import Event
+from mongo_outbox.tracing import stamped
 
 Kind = Literal["save", "update", "delete", "add"]
 
@@ -215,7 +216,8 @@ class Rules:
     def _stamp(
         self, events: Iterable[Event], name: str, doc_id: Any
     ) -> tuple[list[Event], dict[str, Any]]:
-        """The events, checked, and the stamp that makes them this aggregate's."""
+        """The events, checked and carrying the current trace context (``tracing.py``), and
+        the stamp that makes them this aggregate's."""
         stamp: dict[str, Any] = {
             "aggregate_type": type_of(self.aggregate_types, name),
             "aggregate_id": aggregate_id(doc_id, name),
@@ -239,7 +241,8 @@ class Rules:
                         event_id=event.id,
                     )
             checked.append(event)
-        return checked, stamp
+        # Every write API passes here: the one place events take the current trace context.
+        return stamped(checked), stamp
 
     def _entries(
         self, collection: Any, events: list[Event], stamp: dict[str, Any], document_size: int

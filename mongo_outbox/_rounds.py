@@ -5,7 +5,8 @@ predecessor is confirmed, so a failure can never let a later event overtake it. 
 no publish that could outlast its claim (``claim_lease`` minus a tenth for the settle), also in
 a wave wider than ``max_in_flight``, so a slow broker cannot let the claim run out while this
 relay still publishes; and it stops before the next wave the moment its caller's ``lost`` event
-is set (a relay that lost its leader lease).
+is set (a relay that lost its leader lease). Each publish runs in a producer span
+(``tracing.py``) when a tracer provider is configured.
 
 Failures are classified here (see docs/failures.md): an event the broker cannot carry is parked
 at once; a failure for want of a broker waits without counting, its delay growing with the
@@ -44,6 +45,7 @@ from mongo_outbox.publishers.base import (
 )
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.stats import RelayStats, RelayStatus, State
+from mongo_outbox.tracing import publishing, tracer
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -51,6 +53,8 @@ WAKE_EVERY = 1.0
 """Seconds between two looks for entries that wait for the broker, once it confirms again."""
 PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
+OUTAGE_WAIT = 30.0
+"""Seconds at least before an event that waited for the whole broker is retried on its own."""
 
 
 class Rounds:
@@ -258,6 +262,7 @@ class Rounds:
         gets its turn only after ``deadline`` is not started: it could end after the claim."""
         loop = asyncio.get_running_loop()
         publisher = self.publisher
+        traced = tracer()  # once per wave: asking the API for its provider is not free
         if not isinstance(publisher, BatchPublisher):
             slots = asyncio.Semaphore(self.settings.max_in_flight)
 
@@ -265,8 +270,13 @@ class Rounds:
                 async with slots:
                     if loop.time() > deadline:
                         return _NotStarted()
-                    result = await self._confirm(publisher.publish(event), event)
-                return result if isinstance(result, BaseException) else None
+                    spans = publishing(traced, publisher, (event,))
+                    sent = spans.sent[0] if spans else event
+                    result = await self._confirm(publisher.publish(sent), event)
+                error = result if isinstance(result, BaseException) else None
+                if spans:
+                    spans.end((error,))
+                return error
 
             return list(await asyncio.gather(*map(one, wave)))
         # Two half-size chunks in flight at once: one is being sent while the other awaits its
@@ -279,11 +289,16 @@ class Rounds:
             async with turns:
                 if loop.time() > deadline:
                     return [_NotStarted()] * len(chunk)
-                result = await self._confirm(publisher.publish_many(chunk), chunk[0])
-            if isinstance(result, list) and len(result) == len(chunk):
-                return result
-            error = result if isinstance(result, BaseException) else None
-            return [error or TypeError("publish_many returned no result per event")] * len(chunk)
+                spans = publishing(traced, publisher, chunk)
+                sent = spans.sent if spans else chunk
+                result = await self._confirm(publisher.publish_many(sent), chunk[0])
+            if not (isinstance(result, list) and len(result) == len(chunk)):
+                error = result if isinstance(result, BaseException) else None
+                result = [error or TypeError("publish_many returned no result per event")]
+                result *= len(chunk)
+            if spans:
+                spans.end(result)
+            return result
 
         done = await asyncio.gather(*map(chunk_of, chunks))
         return [result for results in done for result in results]
@@ -340,6 +355,12 @@ class Rounds:
     def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
         # One warning per round says so, not one per event.
         delay = self.settings.backoff.delay(waits + 1)
+        if wake:
+            # While the whole broker is away, the probe (one entry a second) finds out when it
+            # is back, and the wake then makes every waiting entry due: their own retries only
+            # matter if this relay stops meanwhile, so a short backoff must not retry them all
+            # in a loop.
+            delay = max(delay, OUTAGE_WAIT)
         return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
 
     def _park(self, event: Event, claim: Claim, text: str) -> Failure:

@@ -90,6 +90,17 @@ class _Delivery:
             and delivered >= delivery_limit
         )
 
+    def messaging(self) -> dict[str, str]:
+        # The consumer span's attributes, as mongo_outbox.consumers gives them.
+        raw = self.message.raw_message
+        if self.broker == "nats":
+            return {"messaging.system": "nats", "messaging.destination.name": raw.subject}
+        return {
+            "messaging.system": "rabbitmq",
+            "messaging.destination.name": raw.exchange or "",
+            "messaging.rabbitmq.destination.routing_key": raw.routing_key or "",
+        }
+
     async def ack(self) -> None:
         await self.message.ack()
 

@@ -3,7 +3,8 @@
 The guard checks what it is given (an async handler, a message id it can deduplicate on),
 keeps deliveries of one message in a process from racing, and hands each delivery to
 ``mongo_outbox._inbox_attempts``, which runs the attempt in the inbox's mode and decides what
-becomes of a failure.
+becomes of a failure. Each delivery runs in a consumer span, the child of the trace context
+the event carries (``tracing.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome, Result
 from mongo_outbox.settings import count
+from mongo_outbox.tracing import consuming, outcome, record_failure
 
 __all__ = ["MAX_ID_LENGTH", "Guarded", "check_message_id", "inbox_guard"]
 
@@ -166,6 +168,17 @@ class Guarded:
         source = (event.aggregate_type or "") if source is None else source
         if source != "":  # no source at all is a source of its own
             check_message_id(source, what="source")
+        with consuming(
+            event, message_id=message_id, source=source, consumer=self.inbox.consumer
+        ) as span:
+            result = await self._handle(event, source, message_id, last_delivery)
+            if span is not None:
+                outcome(span, result.outcome.value, result.attempt, result.error)
+            return result
+
+    async def _handle(
+        self, event: Event, source: str, message_id: str, last_delivery: bool
+    ) -> Result:
         identity = self.store.identity(source, message_id)
         key = (source, message_id)
         busy = self._busy.setdefault(key, _Busy())
@@ -204,10 +217,14 @@ class Guarded:
             )
 
     async def _run(self, event: Event, session: Any, attempt: int) -> None:
-        if self._wants_attempt:
-            await self.handler(event, session, attempt=attempt)
-        else:
-            await self.handler(event, session)
+        try:
+            if self._wants_attempt:
+                await self.handler(event, session, attempt=attempt)
+            else:
+                await self.handler(event, session)
+        except Exception as error:
+            record_failure(error)
+            raise
 
 
 def qualified_name(handler: Callable[..., Any]) -> str:

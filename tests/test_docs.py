@@ -1,8 +1,9 @@
 """Every ```python block of README.md and docs/*.md runs, as written, against the test MongoDB.
 
 Blocks see ``client`` (AsyncMongoClient), ``db`` (a fresh database), ``sync_client`` (a
-``MongoClient`` of the same server, for ``mongo_outbox.sync``) and ``NATS_URL``, and may use
-top-level ``await``. A block preceded by ``<!-- not-tested: reason -->`` is skipped, visibly.
+``MongoClient`` of the same server, for ``mongo_outbox.sync``), ``NATS_URL`` and
+``RABBITMQ_URL``, and may use top-level ``await``. A block preceded by
+``<!-- not-tested: reason -->`` is skipped, visibly.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from tests.support.servers import NATS_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
+
+try:
+    from opentelemetry.test.globals_test import reset_trace_globals
+except ImportError:  # without the otel extra and the SDK's test helper
+    reset_trace_globals = None  # type: ignore[assignment]
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -59,6 +65,7 @@ async def test_block_runs(
         "db": db,
         "sync_client": sync_client,
         "NATS_URL": NATS_URL,
+        "RABBITMQ_URL": RABBITMQ_URL,
     }
     try:
         code = compile(
@@ -70,7 +77,20 @@ async def test_block_runs(
         if path.name == "README.md" and "publisher" in namespace:  # it reached the broker
             assert (await js.stream_info(stream)).state.messages == 1
     finally:
+        if reset_trace_globals is not None:
+            reset_trace_globals()  # a block that installed a tracer provider (docs/tracing.md)
         publisher = namespace.get("publisher")
         if publisher is not None:
             await publisher.aclose()
         await js.delete_stream(stream)
+        if "redis" in source:  # docs/redis.md names its streams after the database
+            await delete_redis_keys(f"{db.name}*")
+
+
+async def delete_redis_keys(pattern: str) -> None:
+    from redis.asyncio import Redis
+
+    async with Redis.from_url(REDIS_URL) as redis:
+        keys = [key async for key in redis.scan_iter(match=pattern)]
+        if keys:
+            await redis.delete(*keys)

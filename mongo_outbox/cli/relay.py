@@ -11,6 +11,7 @@ longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from typing import Any
@@ -33,16 +34,22 @@ from mongo_outbox.errors import ChangeStreamError, ConfigurationError
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
 from mongo_outbox.settings import RelaySettings, seconds
+from mongo_outbox.tenants import TenantRelays
 
 log = logging.getLogger("mongo_outbox.cli")
 
-Relay = PollingRelay | ChangeStreamRelay
+Relay = PollingRelay | ChangeStreamRelay | TenantRelays
 
 
 @click.command()
 @target_options
 @broker_options
 @option("--polling", is_flag=True, help="Run a polling relay instead of the change-stream relay.")
+@option(
+    "--databases",
+    help="Relay the outbox of each of these databases (comma-separated; tenants) in this one "
+    "process, instead of --db's.",
+)
 @option("--name", default="outbox-relay", show_default=True, help="The relay's name.")
 @option("--checkpoints", default="outbox_relays", show_default=True, help="Relays' checkpoints.")
 @option("--batch-size", type=int, default=100, show_default=True, help="Entries per round.")
@@ -54,9 +61,15 @@ Relay = PollingRelay | ChangeStreamRelay
 @option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
-def relay(target: Target, broker: Broker, polling: bool, **settings: Any) -> None:
+def relay(
+    target: Target, broker: Broker, polling: bool, databases: str | None, **settings: Any
+) -> None:
     """Publish the outbox's events until SIGTERM or SIGINT."""
+    names = _databases(target, databases)
+    if names:
+        target = dataclasses.replace(target, db=names[0])
     plan = _plan(target, broker, polling, settings)
+    plan.databases = names
     run(_serve(plan))
 
 
@@ -80,8 +93,9 @@ class _Plan:
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
         self.sample = sample_event(target.collections)
         broker.check(self.sample)
+        self.databases: tuple[str, ...] = ()
 
-    def relay(self, outbox: Outbox, publisher: Any) -> Relay:
+    def relay(self, outbox: Outbox, publisher: Any) -> PollingRelay | ChangeStreamRelay:
         if self.polling:
             return PollingRelay(
                 outbox, publisher, settings=self.settings, interval=self.interval, name=self.name
@@ -98,6 +112,19 @@ class _Plan:
         )
 
 
+def _databases(target: Target, given: str | None) -> tuple[str, ...]:
+    if given is None:
+        return ()
+    if target.db:
+        raise Failure("--db and --databases exclude each other: name the databases once")
+    names = tuple(name.strip() for name in given.split(",") if name.strip())
+    if not names:
+        raise Failure("--databases names no database")
+    if len(set(names)) != len(names):
+        raise Failure(f"--databases names a database twice: {given}")
+    return names
+
+
 def _plan(target: Target, broker: Broker, polling: bool, given: dict[str, Any]) -> _Plan:
     try:
         return _Plan(target, broker, polling, given)
@@ -109,18 +136,25 @@ def _plan(target: Target, broker: Broker, polling: bool, given: dict[str, Any]) 
 
 async def _serve(plan: _Plan) -> None:
     async with connected(plan.target, service=True) as conn:
+        outboxes = [conn.outbox]
+        if plan.databases:
+            outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
         if not plan.polling:
-            await _check_change_streams(conn.outbox)
+            for outbox in outboxes:
+                await _check_change_streams(outbox)
         publisher = await plan.broker.connect(plan.sample)
         try:
-            relay = plan.relay(conn.outbox, publisher)
-            log.info(
-                "relay %s: %s relay of %s to %s",
-                plan.name,
-                "polling" if plan.polling else "change-stream",
-                plan.target.describe(conn.db.name),
-                plan.broker.describe(),
-            )
+            relays = [plan.relay(outbox, publisher) for outbox in outboxes]
+            for outbox in outboxes:
+                log.info(
+                    "relay %s: %s relay of %s to %s",
+                    plan.name,
+                    "polling" if plan.polling else "change-stream",
+                    plan.target.describe(outbox.db.name),
+                    plan.broker.describe(),
+                )
+            # One publisher connection serves every database's relay.
+            relay = TenantRelays(relays) if plan.databases else relays[0]
             await _supervise(relay, plan.name, plan.stop_timeout)
         finally:
             await publisher.aclose()

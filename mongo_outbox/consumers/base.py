@@ -8,12 +8,18 @@ outcome         RabbitMQ                               NATS JetStream
 ==============  =====================================  ==================================
 handled         ack                                    ack
 duplicate       ack                                    ack
-retry           nack(requeue) after the backoff delay  nak(delay=backoff delay)
+retry           a confirmed copy to the retry queue    nak(delay=backoff delay)
+                of the delay, then ack (held, then
+                nack(requeue), without retry queues)
 dead-lettered   ack (the dead letter has it)           ack (the dead letter has it)
 no usable id    reject, no requeue (to the DLX, if     term
 or not an       the queue has one), ``rejected``
 Event           callback                               ``rejected`` callback
 ==============  =====================================  ==================================
+
+Redis Streams (``consume_redis``) acks too, except that a dead-lettered message, and one with no
+usable id, moves to the dead-letter stream (XADD and XACK in one transaction), and a retry is
+left pending with its idle time set so that it is reclaimed after the backoff delay.
 
 A retry is done in the process instead, the message held unsettled meanwhile, in two cases: in
 ordered mode (so that later messages of its aggregate wait behind it), and on the broker's last
@@ -27,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mongo_outbox.errors import (
     ConfigurationError,
@@ -39,6 +45,7 @@ from mongo_outbox.events import Event
 from mongo_outbox.guard import MAX_ID_LENGTH, Guarded, check_message_id
 from mongo_outbox.inbox import Outcome
 from mongo_outbox.settings import count
+from mongo_outbox.tracing import receiving
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,11 @@ Rejected = Callable[[bytes, str], Awaitable[None]]
 
 
 class Delivery(Protocol):
-    """One broker delivery, as the settling loop sees it."""
+    """One broker delivery, as the settling loop sees it.
+
+    A delivery may also have ``messaging() -> dict[str, str]``: the OpenTelemetry attributes
+    of its consumer span (``messaging.system``, ``messaging.destination.name``, ...).
+    """
 
     message_id: object
     body: bytes
@@ -65,6 +76,14 @@ class Delivery(Protocol):
 
     async def give_back(self) -> None:
         """Return it to the broker for delivery again now."""
+
+
+@runtime_checkable
+class DeadLetterDelivery(Delivery, Protocol):
+    """A delivery from a broker that has no dead-letter destination of its own (Redis): the
+    consumer moves a dead-lettered message there itself, instead of acknowledging it."""
+
+    async def dead_letter(self, reason: str) -> None: ...
 
 
 def decode(message_id: object, body: bytes) -> Event | str:
@@ -139,9 +158,13 @@ async def settle(
             # Not started, or held for a retry: the broker has it again at once.
             await _give_back(delivery, message_id)
             return Outcome.RETRY
-        result = await guarded.handle(
-            event, message_id=message_id, source=source, last_delivery=delivery.last
-        )
+        with receiving(delivery):
+            result = await guarded.handle(
+                event, message_id=message_id, source=source, last_delivery=delivery.last
+            )
+        if result.outcome is Outcome.DEAD_LETTERED and isinstance(delivery, DeadLetterDelivery):
+            await delivery.dead_letter(result.error or "dead-lettered")
+            return result.outcome
         if result.outcome is not Outcome.RETRY:
             await delivery.ack()
             return result.outcome

@@ -64,6 +64,9 @@ class _Delivery:
     async def keep_alive(self) -> None:
         await self.message.in_progress()
 
+    def messaging(self) -> dict[str, str]:
+        return {"messaging.system": "nats", "messaging.destination.name": self.message.subject}
+
 
 async def handle_nats_message(
     message: Msg,

@@ -1,5 +1,5 @@
 """Broker adapters. Each broker's client is an extra: ``mongo-outbox[rabbitmq]``, ``[nats]``,
-``[faststream]`` (with the FastStream broker of your choice)."""
+``[redis]``, ``[faststream]`` (with the FastStream broker of your choice)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from mongo_outbox.publishers.faststream import FastStreamPublisher
     from mongo_outbox.publishers.nats import NatsPublisher
     from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
+    from mongo_outbox.publishers.redis import RedisStreamsPublisher
 
 __all__ = [
     "BatchPublisher",
@@ -20,6 +21,7 @@ __all__ = [
     "NatsPublisher",
     "Publisher",
     "RabbitMQPublisher",
+    "RedisStreamsPublisher",
 ]
 
 
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
         return RabbitMQPublisher
+    if name == "RedisStreamsPublisher":
+        from mongo_outbox.publishers.redis import RedisStreamsPublisher
+
+        return RedisStreamsPublisher
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

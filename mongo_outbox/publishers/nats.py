@@ -175,6 +175,10 @@ class NatsPublisher:
     def subject_for(self, event: Event) -> str:
         return subject_of(self.subject, event)
 
+    def messaging_attributes(self, event: Event) -> dict[str, str]:
+        """The OpenTelemetry messaging attributes of ``event``'s publish span."""
+        return {"messaging.system": "nats", "messaging.destination.name": self.subject_for(event)}
+
     def _max_payload(self) -> int:
         # A borrowed JetStreamContext does not expose its connection but as ``_nc``.
         nc = self.connection or getattr(self.js, "_nc", None)

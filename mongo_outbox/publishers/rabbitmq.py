@@ -130,6 +130,14 @@ class RabbitMQPublisher:
     def routing_key_for(self, event: Event) -> str:
         return routing_key_of(self.routing_key, event)
 
+    def messaging_attributes(self, event: Event) -> dict[str, str]:
+        """The OpenTelemetry messaging attributes of ``event``'s publish span."""
+        return {
+            "messaging.system": "rabbitmq",
+            "messaging.destination.name": self.exchange.name,
+            "messaging.rabbitmq.destination.routing_key": self.routing_key_for(event),
+        }
+
     async def publish(self, event: Event) -> None:
         if self.closed:
             raise closed_error(self, event)

@@ -28,10 +28,8 @@ from mongo_outbox.publishers import FastStreamPublisher
 from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.messages import bind_queue, drain_queue, read_stream
-from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from tests.support.waiting import until
-
-REDIS_URL = "redis://127.0.0.1:6379"
 
 
 async def save(db: Any, count: int) -> list[Event]:

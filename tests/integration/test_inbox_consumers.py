@@ -16,6 +16,7 @@ from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guar
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.waiting import until
 
 
 def concurrency(mongo: Any) -> int:
@@ -102,6 +103,7 @@ async def test_rabbitmq_end_to_end_each_effect_once(
         consume_rabbitmq(queue, guarded_billing(db, flaky=flaky), rejected=on_rejected, stop=stop)
     )
     invoices = await wait_for_invoices(db, len(saved))
+    await until(lambda: bool(rejected))  # the bad message may come last: stop once it was seen
     stop.set()
     await asyncio.wait_for(task, 10)
     assert invoices == {e.id: 1 for e in saved}
@@ -142,6 +144,7 @@ async def test_nats_end_to_end_each_effect_once(
             )
         )
         invoices = await wait_for_invoices(db, len(saved))
+        await until(lambda: bool(rejected))  # the bad message may come last
         stop.set()
         await asyncio.wait_for(task, 10)
         assert invoices == {e.id: 1 for e in saved}
@@ -196,14 +199,6 @@ async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIter
             await asyncio.wait_for(task, 10)
 
 
-async def until(condition: Any, seconds: float = 15.0) -> None:
-    """Poll an async condition until it holds, or fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def always_failing(db: Any, runs: list[int], dead: list[str], **inbox: Any) -> Any:
     async def dead_letter(event: Event, reason: str) -> None:
         dead.append(reason)
@@ -221,11 +216,15 @@ def always_failing(db: Any, runs: list[int], dead: list[str], **inbox: Any) -> A
     return bill
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+@pytest.mark.parametrize(
+    ("ordered", "retry_queues"),
+    [(True, True), (False, False)],
+    ids=["ordered", "without-retry-queues"],
+)
 async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
-    db: Any, amqp_connection: Any, unique: str, ordered: bool
+    db: Any, amqp_connection: Any, unique: str, ordered: bool, retry_queues: bool
 ) -> None:
-    """A retry waits up to Backoff.maximum (here 300 s) in the process; stop must not."""
+    """A retry held in the process waits up to Backoff.maximum (here 300 s); stop must not."""
     channel = await amqp_connection.channel()
     queue = await channel.declare_queue(unique, exclusive=True)
     event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
@@ -242,8 +241,9 @@ async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
         return await db.inbox.count_documents({"status": "retrying"}) == 1
 
     stop = asyncio.Event()
-    async with consuming(consume_rabbitmq(queue, bill, ordered=ordered, stop=stop), stop) as task:
-        await until(failed_once)  # the message is held for its retry delay now
+    consumer = consume_rabbitmq(queue, bill, ordered=ordered, stop=stop, retry_queues=retry_queues)
+    async with consuming(consumer, stop) as task:
+        await until(failed_once, timeout=15)  # the message is held for its retry delay now
         started = time.monotonic()
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -255,11 +255,44 @@ async def test_stopping_consume_rabbitmq_requeues_a_held_retry_at_once(
     await channel.close()
 
 
+async def test_stopping_consume_rabbitmq_leaves_a_retry_in_its_retry_queue(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """Unordered, the retry waits in the broker: stop has nothing to give back."""
+    channel = await amqp_connection.channel()
+    queue = await channel.declare_queue(unique, exclusive=True)
+    event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
+    await channel.default_exchange.publish(
+        aio_pika.Message(event.model_dump_json().encode(), message_id=event.id),
+        routing_key=unique,
+    )
+
+    @inbox_guard(Inbox(db, consumer="billing", transactional=False), backoff=Backoff(initial=300))
+    async def bill(event: Event, session: Any) -> None:
+        raise ConnectionError("ledger busy")
+
+    async def failed_once() -> bool:
+        return await db.inbox.count_documents({"status": "retrying"}) == 1
+
+    stop = asyncio.Event()
+    async with consuming(consume_rabbitmq(queue, bill, stop=stop), stop) as task:
+        await until(failed_once, timeout=15)
+        started = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 1.0
+    assert await queue.get(fail=False, timeout=1) is None
+    waiting = await channel.declare_queue(f"{unique}.retry.300000", passive=True)
+    assert waiting.declaration_result.message_count == 1
+    await channel.close()
+
+
 async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
     db: Any, amqp_connection: Any, unique: str
 ) -> None:
-    """x-delivery-limit 2 with max_attempts 5: the broker would drop the message after its
-    third delivery, never dead-lettered, its record left ``retrying``."""
+    """x-delivery-limit 2 with max_attempts 5, retries held in the process: the broker would
+    drop the message after its third delivery, never dead-lettered, its record left
+    ``retrying``."""
     channel = await amqp_connection.channel()
     queue = await channel.declare_queue(
         unique, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 2}
@@ -278,8 +311,9 @@ async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
         async def dead_lettered() -> bool:
             return bool(dead)
 
-        async with consuming(consume_rabbitmq(queue, guarded, stop=stop), stop):
-            await until(dead_lettered)
+        consumer = consume_rabbitmq(queue, guarded, stop=stop, retry_queues=False)
+        async with consuming(consumer, stop):
+            await until(dead_lettered, timeout=15)
         assert runs == [1, 2, 3]
         assert dead == [
             "gave up after 3 on the broker's last delivery: ConnectionError: ledger down"
@@ -315,7 +349,7 @@ async def test_nats_consumer_s_last_delivery_is_dead_lettered(
 
     consumer = consume_nats(js, subject, "billing", guarded, stream=nats_stream, stop=stop)
     async with consuming(consumer, stop):
-        await until(dead_lettered)
+        await until(dead_lettered, timeout=15)
     assert runs == [1, 2, 3]
     assert dead == ["gave up after 3 on the broker's last delivery: ConnectionError: ledger down"]
     [record] = await db.inbox.find().to_list(None)

@@ -19,6 +19,7 @@ from mongo_outbox.testing import start_emulator
 
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @dataclass

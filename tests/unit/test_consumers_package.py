@@ -17,7 +17,8 @@ def run(code: str) -> subprocess.CompletedProcess[str]:
 def test_importing_the_consumers_imports_no_broker_client() -> None:
     result = run(
         "import sys, mongo_outbox, mongo_outbox.consumers\n"
-        "assert not {'aio_pika', 'aiormq', 'nats'} & set(sys.modules), sorted(sys.modules)\n"
+        "clients = {'aio_pika', 'aiormq', 'nats', 'redis'}\n"
+        "assert not clients & set(sys.modules), sorted(sys.modules)\n"
     )
     assert result.returncode == 0, result.stderr
 
@@ -27,6 +28,7 @@ def test_importing_the_consumers_imports_no_broker_client() -> None:
     [
         ("nats", "consume_nats", "mongo-outbox[nats]"),
         ("aio_pika", "handle_rabbitmq_message", "mongo-outbox[rabbitmq]"),
+        ("redis", "consume_redis", "mongo-outbox[redis]"),
     ],
 )
 def test_a_missing_broker_client_names_its_extra(blocked: str, name: str, extra: str) -> None:

@@ -59,6 +59,7 @@ def test_all_is_exactly_the_public_surface() -> None:
         "NatsPublisher",
         "Publisher",
         "RabbitMQPublisher",
+        "RedisStreamsPublisher",
     }
     for name in mongo_outbox.publishers.__all__:
         assert inspect.isclass(getattr(mongo_outbox.publishers, name))
@@ -103,6 +104,7 @@ IMPORT_PATHS = {
     "mongo_outbox.consumers": [
         "consume_nats",
         "consume_rabbitmq",
+        "consume_redis",
         "handle_nats_message",
         "handle_rabbitmq_message",
     ],
@@ -137,6 +139,7 @@ IMPORT_PATHS = {
     "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.publishers.nats": ["NatsPublisher"],
     "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
+    "mongo_outbox.publishers.redis": ["RedisStreamsPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }

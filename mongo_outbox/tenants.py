@@ -1,0 +1,100 @@
+"""TenantRelays: one process relays the outboxes of several databases (tenants).
+
+Each database keeps a relay of its own (its own change stream or polling rounds, its own lease
+and checkpoint, in its own database), and each runs as its own task. So one database's backlog
+cannot starve another's: a relay's round is bounded by its batch size and awaits MongoDB and the
+broker, and no relay waits for another's round to end. What they share is the process, the
+event loop and, if the caller passes the same one to each, a publisher and its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+
+from mongo_outbox.changestream.relay import ChangeStreamRelay
+from mongo_outbox.errors import UsageError
+from mongo_outbox.relay import PollingRelay
+from mongo_outbox.stats import RelayStatus
+
+__all__ = ["TenantRelays"]
+
+log = logging.getLogger(__name__)
+
+Relay = PollingRelay | ChangeStreamRelay
+
+
+class TenantRelays:
+    """Runs one relay per database in one process, side by side.
+
+    Parameters:
+        relays: a ``PollingRelay`` or ``ChangeStreamRelay`` per outbox, each over the ``Outbox``
+            of its own database. They may share a publisher.
+
+    ``run()`` runs them all until ``stop()``. If one fails, the others are stopped (giving their
+    leases up) and ``run()`` raises that failure: a process is healthy or it exits, so a
+    supervisor restarting it restarts every tenant's relay with it.
+    """
+
+    def __init__(self, relays: Sequence[Relay]) -> None:
+        self.relays: dict[str, Relay] = {}
+        for relay in relays:
+            if not isinstance(relay, PollingRelay | ChangeStreamRelay):
+                raise UsageError(
+                    f"TenantRelays takes PollingRelay or ChangeStreamRelay objects, "
+                    f"not {type(relay).__name__}"
+                )
+            database = relay.outbox.db.name
+            if database in self.relays:
+                # Two relays of one outbox in one process compete with themselves for a lease
+                # (or for claims): that is a mistake, not a way to go faster.
+                raise UsageError(
+                    f"TenantRelays got two relays for database {database!r}: "
+                    "give each database one relay"
+                )
+            self.relays[database] = relay
+        if not self.relays:
+            raise UsageError("TenantRelays needs at least one relay")
+        self._stopping = False
+
+    async def run(self) -> None:
+        """Run every relay until ``stop()`` or cancellation; see the class for failures."""
+        self._stopping = False
+        tasks = {
+            asyncio.ensure_future(relay.run()): database for database, relay in self.relays.items()
+        }
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                if failed:
+                    log.warning(
+                        "tenant relays: the relay of database %s failed: stopping the others",
+                        tasks[failed[0]],
+                    )
+                    self.stop()
+                    await asyncio.wait(pending)
+                    raise failed[0].exception()  # type: ignore[misc]
+                if not self._stopping:
+                    # A relay returns only when stopped: someone stopped it directly.
+                    for task in done:
+                        log.info("tenant relays: the relay of database %s stopped", tasks[task])
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stop(self) -> None:
+        """Stop every relay after its current round (each gives its lease up)."""
+        self._stopping = True
+        for relay in self.relays.values():
+            relay.stop()
+
+    async def status(self) -> Mapping[str, RelayStatus]:
+        """Each relay's ``status()``, by database name."""
+        statuses = await asyncio.gather(*(relay.status() for relay in self.relays.values()))
+        return dict(zip(self.relays, statuses, strict=True))
