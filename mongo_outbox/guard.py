@@ -17,6 +17,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import metrics
 from mongo_outbox._callables import is_async_callable
 from mongo_outbox._inbox_attempts import Attempts
 from mongo_outbox._inbox_store import InboxStore
@@ -166,6 +167,13 @@ class Guarded:
         source = (event.aggregate_type or "") if source is None else source
         if source != "":  # no source at all is a source of its own
             check_message_id(source, what="source")
+        result = await self._handle(event, message_id, source, last_delivery)
+        metrics.inbox_outcome(self.inbox.consumer, result.outcome.value)
+        return result
+
+    async def _handle(
+        self, event: Event, message_id: str, source: str, last_delivery: bool
+    ) -> Result:
         identity = self.store.identity(source, message_id)
         key = (source, message_id)
         busy = self._busy.setdefault(key, _Busy())
@@ -204,10 +212,11 @@ class Guarded:
             )
 
     async def _run(self, event: Event, session: Any, attempt: int) -> None:
-        if self._wants_attempt:
-            await self.handler(event, session, attempt=attempt)
-        else:
-            await self.handler(event, session)
+        with metrics.handler_timer(self.inbox.consumer):
+            if self._wants_attempt:
+                await self.handler(event, session, attempt=attempt)
+            else:
+                await self.handler(event, session)
 
 
 def qualified_name(handler: Callable[..., Any]) -> str:
