@@ -251,6 +251,7 @@ class RelayGauges:
     async def refreshing(self, status: Callable[[], Awaitable[RelayStatus]]) -> AsyncIterator[None]:
         """While the block runs, refresh the backlog from ``status()`` every ``REFRESH_EVERY``
         seconds once a gauge was observed; never without a metrics SDK that collects."""
+        _instruments()  # the gauges exist from now on, also if nothing is ever published
         with _lock:
             _relays.add(self)
         task = asyncio.ensure_future(self._refresh(status))
