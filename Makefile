@@ -24,7 +24,7 @@ test: $(BIN)/.installed
 test-oldest: $(BIN)/.installed
 	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
 	test -x .venv-oldest/bin/python || $(OLDEST) -m venv .venv-oldest
-	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,cli]' pytest pytest-asyncio pytest-timeout hypothesis motor
+	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,cli,otel,prometheus]' pytest pytest-asyncio pytest-timeout hypothesis motor
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 
 # The whole suite against docker-compose.yml's replica set, RabbitMQ and NATS (started, healthy,
