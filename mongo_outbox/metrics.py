@@ -29,12 +29,17 @@ Prometheus names (the exporter adds ``_total`` to counters and ``_seconds`` for 
 | ``mongo_outbox_relay_state`` | gauge | ``relay``, ``state`` |
 | ``mongo_outbox_inbox_messages_total`` | counter | ``consumer``, ``outcome`` |
 | ``mongo_outbox_handler_duration_seconds`` | histogram | ``consumer`` |
+
+The handler histogram asks for buckets from 1 ms to 60 s; opentelemetry-api older than 1.30
+cannot ask, and the SDK's default buckets (meant for milliseconds) apply unless a ``View`` sets
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -94,7 +99,7 @@ class _Instruments:
                 description=description,
                 explicit_bucket_boundaries_advisory=HANDLER_BUCKETS,
             )
-        except TypeError:  # opentelemetry-api < 1.23 takes no advisory (SDK default buckets)
+        except TypeError:  # opentelemetry-api < 1.30 takes no advisory (SDK default buckets)
             self.duration = meter.create_histogram(
                 "mongo_outbox_handler_duration", unit="s", description=description
             )
@@ -123,7 +128,7 @@ def use(meter_provider: Any = None) -> None:
     goes back to the global one (``opentelemetry.metrics.set_meter_provider``), the default.
     Without the ``otel`` extra, ``None`` is accepted and nothing is recorded."""
     global _bound, _observed
-    _bound = _bind(meter_provider)
+    _bound = _bind(meter_provider) if meter_provider is not None else _global()
     _observed = False  # until the new provider collects
 
 
@@ -149,11 +154,17 @@ def _bind(meter_provider: Any) -> _Instruments | None:
     return _Instruments(provider.get_meter(METER_NAME, ours))
 
 
+@functools.lru_cache(maxsize=1)
+def _global() -> _Instruments | None:
+    # Once: the global provider keeps every instrument it was asked for.
+    return _bind(None)
+
+
 def _instruments() -> _Instruments | None:
     global _bound
     if _bound is _UNBOUND:
         # Bound on first use, not at import: importing the library costs nothing.
-        _bound = _bind(None)
+        _bound = _global()
     return _bound
 
 

@@ -70,9 +70,9 @@ async def test_the_relay_serves_prometheus_metrics_and_health_while_it_publishes
     await outbox.ensure_indexes()
     saved = await save_orders(outbox, db, 5)  # before the relay starts: its sweep publishes them
     port = free_port()
-    relay = await Service(
-        *relay_args(mongo, db, "metered", f"{nats_stream}.{{type}}", port)
-    ).start()
+    args = relay_args(mongo, db, "metered", f"{nats_stream}.{{type}}", port)
+    args.remove(f"--metrics-port={port}")  # given through its environment twin instead
+    relay = await Service(*args, env=environment(MONGO_OUTBOX_METRICS_PORT=str(port))).start()
     base = f"http://127.0.0.1:{port}"
     metrics: list[str] = []
     try:
