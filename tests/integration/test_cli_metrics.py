@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Event, Outbox
-from tests.support.cli import Service, cli, environment
+from tests.support.cli import Service, cli, environment, until_active
 from tests.support.metrics import get, samples, value
 from tests.support.servers import NATS_URL, MongoServer
 from tests.support.waiting import until
@@ -121,6 +121,42 @@ async def test_the_relay_serves_prometheus_metrics_and_health_while_it_publishes
     info = await nats_client.jetstream().stream_info(nats_stream)
     assert info.state.messages == 5
     assert f"serving /metrics and /healthz on http://127.0.0.1:{port}" in ran.err
+
+
+async def test_a_standby_relay_is_healthy_and_not_active(
+    mongo: MongoServer, db: Any, nats_stream: str
+) -> None:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    subject = f"{nats_stream}.{{type}}"
+    leader = await Service(*relay_args(mongo, db, "pair", subject, free_port())).start()
+    port = free_port()
+    standby: Service | None = None
+    try:
+        await until_active(db, "pair", leader, timeout=60)
+        standby = await Service(*relay_args(mongo, db, "pair", subject, port)).start()
+        base = f"http://127.0.0.1:{port}"
+        text: list[str] = []
+
+        async def standing_by() -> bool:
+            assert standby is not None
+            health = await scrape(standby, f"{base}/healthz")
+            metrics = await scrape(standby, f"{base}/metrics")
+            if health != (200, "standby\n") or metrics is None:
+                return False
+            text[:] = [metrics[1]]
+            return True
+
+        await until(standing_by, timeout=60, every=0.2)
+        stopped = await standby.stop(signal.SIGTERM, timeout=20)
+    finally:
+        leader.kill()
+        if standby is not None:
+            standby.kill()
+    assert stopped.code == 0, stopped.output
+    [metrics] = text
+    assert value(metrics, "mongo_outbox_relay_active", relay="pair") == 0
+    assert value(metrics, "mongo_outbox_relay_state", relay="pair", state="standby") == 1
 
 
 async def test_a_failed_relay_answers_503_until_it_exits(
