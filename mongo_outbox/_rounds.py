@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from mongo_outbox import metrics
 from mongo_outbox._store import Claim, Failure, store_for
 from mongo_outbox.errors import (
     BrokerFullError,
@@ -58,7 +59,13 @@ OUTAGE_WAIT = 30.0
 
 
 class Rounds:
-    def __init__(self, outbox: Outbox, publisher: Publisher, settings: RelaySettings) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        publisher: Publisher,
+        settings: RelaySettings,
+        relay: str | None = None,  # the relay's name in metrics; None: not a relay's rounds
+    ) -> None:
         check_publisher(publisher)
         if not isinstance(settings, RelaySettings):
             raise TypeError(f"settings must be a RelaySettings, not {type(settings).__name__}")
@@ -66,6 +73,7 @@ class Rounds:
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayStats()
+        self.relay = metrics.relay_labels(relay, outbox.db.name) if relay is not None else None
         # The last round found the broker unavailable and confirmed nothing. A relay starts as
         # if it did: one probe finds out, in case it was restarted during an outage.
         self.outage = True
@@ -189,6 +197,7 @@ class Rounds:
         published, failed, left = await self.publish_claim(claim, deadline, lost)
         await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
+        metrics.published(self.relay, len(published))
         self.stats.failed += len(failed)
         parked = sum(f.kind == "park" for f in failed)
         self.stats.parked += parked
@@ -325,6 +334,7 @@ class Rounds:
         """Classify a failed publish; ``confirmed``: the broker confirmed others this round."""
         text = describe(error)
         self.stats.last_error = text
+        metrics.publish_failed(self.relay, error)
         name = type(error).__name__
         self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
         limit = self.settings.max_attempts

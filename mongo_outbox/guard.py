@@ -18,6 +18,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import metrics
 from mongo_outbox._callables import is_async_callable
 from mongo_outbox._inbox_attempts import Attempts
 from mongo_outbox._inbox_store import InboxStore
@@ -171,13 +172,14 @@ class Guarded:
         with consuming(
             event, message_id=message_id, source=source, consumer=self.inbox.consumer
         ) as span:
-            result = await self._handle(event, source, message_id, last_delivery)
+            result = await self._handle(event, message_id, source, last_delivery)
             if span is not None:
                 outcome(span, result.outcome.value, result.attempt, result.error)
-            return result
+        metrics.inbox_outcome(self.inbox.consumer, result.outcome.value)
+        return result
 
     async def _handle(
-        self, event: Event, source: str, message_id: str, last_delivery: bool
+        self, event: Event, message_id: str, source: str, last_delivery: bool
     ) -> Result:
         identity = self.store.identity(source, message_id)
         key = (source, message_id)
@@ -217,14 +219,15 @@ class Guarded:
             )
 
     async def _run(self, event: Event, session: Any, attempt: int) -> None:
-        try:
-            if self._wants_attempt:
-                await self.handler(event, session, attempt=attempt)
-            else:
-                await self.handler(event, session)
-        except Exception as error:
-            record_failure(error)
-            raise
+        with metrics.handler_timer(self.inbox.consumer):
+            try:
+                if self._wants_attempt:
+                    await self.handler(event, session, attempt=attempt)
+                else:
+                    await self.handler(event, session)
+            except Exception as error:
+                record_failure(error)
+                raise
 
 
 def qualified_name(handler: Callable[..., Any]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import metrics
 from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
@@ -54,10 +55,11 @@ class PollingRelay:
         self.interval = seconds(interval, "PollingRelay.interval")
         self.outbox = outbox
         self.publisher = publisher
-        self._rounds = Rounds(outbox, publisher, self.settings)
+        self._rounds = Rounds(outbox, publisher, self.settings, relay=self.name)
         self._stopping = asyncio.Event()
         self.state: State = "starting"
         self.last_error: str | None = None
+        self._gauges = metrics.RelayGauges(self.name, outbox.db.name)
 
     @property
     def stats(self) -> RelayStats:
@@ -76,7 +78,8 @@ class PollingRelay:
         with self._rounds.exclusive("run()"):
             self._enter("active", "run() started")
             try:
-                await self._relay()
+                async with self._gauges.refreshing(self.status):
+                    await self._relay()
             except asyncio.CancelledError:
                 self._enter("stopped", "cancelled")
                 raise
@@ -140,4 +143,4 @@ class PollingRelay:
         return await self._rounds.store.requeue(event_ids)
 
     def _enter(self, state: State, reason: str) -> None:
-        self.state = transition(log, self.name, self.state, state, reason)
+        self.state = self._gauges.state = transition(log, self.name, self.state, state, reason)

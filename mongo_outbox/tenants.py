@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
 from mongo_outbox.relay import PollingRelay
-from mongo_outbox.stats import RelayStatus
+from mongo_outbox.stats import RelayStatus, State
 
 __all__ = ["TenantRelays"]
 
@@ -87,6 +87,17 @@ class TenantRelays:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def state(self) -> State:
+        """One state for the whole process, as ``/healthz`` reads it: ``failed`` if any relay
+        failed, ``stopped`` once all stopped, ``starting`` while any is, then ``active`` if any
+        publishes, else ``standby``."""
+        states = {relay.state for relay in self.relays.values()}
+        for state in ("failed", "stopped", "starting", "active"):
+            if state in states and (state != "stopped" or states == {"stopped"}):
+                return state
+        return "standby"
 
     def stop(self) -> None:
         """Stop every relay after its current round (each gives its lease up)."""

@@ -29,6 +29,7 @@ REFERENCE = {
     "changestream": "mongo_outbox.changestream",
     "testing": "mongo_outbox.testing",
     "settings": "mongo_outbox.settings",
+    "metrics": "mongo_outbox.metrics",
 }
 NEEDS = (
     "mkdocs",

@@ -24,6 +24,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import metrics
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
@@ -85,8 +86,9 @@ class ChangeStreamRelay:
         self.name = name
         self.source: ChangeSource = source or WatchSource.for_outbox(outbox)
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
-        self._rounds = Rounds(outbox, publisher, self.settings)
+        self._rounds = Rounds(outbox, publisher, self.settings, relay=name)
         self.state: State = "starting"
+        self._gauges = metrics.RelayGauges(name, outbox.db.name)
         self.recoveries = 0
         self.last_error: str | None = None
         self._sweep_due = 0.0
@@ -110,7 +112,8 @@ class ChangeStreamRelay:
             # Cancellation stands for a crash (the lease runs out); anything else gives it up.
             cancelled = False
             try:
-                await self._relay()
+                async with self._gauges.refreshing(self.status):
+                    await self._relay()
             except asyncio.CancelledError:
                 cancelled = True
                 self.checkpoint.fence = None  # no more writes; the lease in the database runs out
@@ -251,6 +254,7 @@ class ChangeStreamRelay:
 
     async def _recover(self, reason: str) -> ChangeStream:
         self.recoveries += 1
+        metrics.recovered(self._gauges.labels)
         log.warning(
             "relay %s: recovering (%s): sweeping the outbox, then watching from the cluster "
             "time taken before the sweep",
@@ -310,7 +314,7 @@ class ChangeStreamRelay:
     # -- helpers ------------------------------------------------------------------------------
 
     def _enter(self, state: State, reason: str) -> None:
-        self.state = transition(log, self.name, self.state, state, reason)
+        self.state = self._gauges.state = transition(log, self.name, self.state, state, reason)
 
 
 async def _close(stream: ChangeStream) -> None:

@@ -6,11 +6,16 @@ event), MongoDB and the broker (each must answer within seconds), and for the ch
 relay whether the server serves change streams. SIGTERM or SIGINT stops it cleanly: it
 finishes its round, gives its lease up and exits 0; a second signal, or a stop that takes
 longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1.
+
+``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
+that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
+exits 1, so a probe and a last scrape can see the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -30,6 +35,7 @@ from mongo_outbox.cli.common import (
     run,
     target_options,
 )
+from mongo_outbox.cli.metrics import Endpoint, check_extra
 from mongo_outbox.errors import ChangeStreamError, ConfigurationError
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
@@ -61,16 +67,43 @@ Relay = PollingRelay | ChangeStreamRelay | TenantRelays
 @option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
+@option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve /metrics (Prometheus) and /healthz on this port (0: any free port, logged).",
+)
+@option("--metrics-host", default="0.0.0.0", show_default=True, help="Address to serve them on.")
+@option(
+    "--metrics-linger",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Seconds a failed relay keeps serving them (/healthz: 503) before it exits.",
+)
 def relay(
-    target: Target, broker: Broker, polling: bool, databases: str | None, **settings: Any
+    target: Target,
+    broker: Broker,
+    polling: bool,
+    databases: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    metrics_linger: float,
+    **settings: Any,
 ) -> None:
     """Publish the outbox's events until SIGTERM or SIGINT."""
+    if metrics_port is not None:
+        check_extra()
     names = _databases(target, databases)
     if names:
         target = dataclasses.replace(target, db=names[0])
-    plan = _plan(target, broker, polling, settings)
+    plan = _plan(target, broker, polling, settings | {"metrics_linger": metrics_linger})
     plan.databases = names
-    run(_serve(plan))
+    endpoint = Endpoint(metrics_host, metrics_port) if metrics_port is not None else None
+    try:
+        run(_serve(plan, endpoint))
+    finally:
+        if endpoint is not None:
+            endpoint.close()
 
 
 class _Plan:
@@ -91,6 +124,7 @@ class _Plan:
         self.leader_lease = seconds(given["leader_lease"], "--leader-lease")
         self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
+        self.linger = seconds(given["metrics_linger"], "--metrics-linger", zero=True)
         self.sample = sample_event(target.collections)
         broker.check(self.sample)
         self.databases: tuple[str, ...] = ()
@@ -134,7 +168,7 @@ def _plan(target: Target, broker: Broker, polling: bool, given: dict[str, Any]) 
         raise Failure(f"bad {flag}: {error}") from None
 
 
-async def _serve(plan: _Plan) -> None:
+async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
     async with connected(plan.target, service=True) as conn:
         outboxes = [conn.outbox]
         if plan.databases:
@@ -155,7 +189,7 @@ async def _serve(plan: _Plan) -> None:
                 )
             # One publisher connection serves every database's relay.
             relay = TenantRelays(relays) if plan.databases else relays[0]
-            await _supervise(relay, plan.name, plan.stop_timeout)
+            await _supervise(relay, plan, endpoint)
         finally:
             await publisher.aclose()
 
@@ -171,16 +205,23 @@ async def _check_change_streams(outbox: Outbox) -> None:
     await stream.aclose()
 
 
-async def _supervise(relay: Relay, name: str, stop_timeout: float) -> None:
+async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> None:
+    name, stop_timeout = plan.name, plan.stop_timeout
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(relay.run())
     stopping: list[signal.Signals] = []
+    lingering = asyncio.Event()
+    if endpoint is not None:
+        endpoint.state = lambda: _state(relay, task)
 
     def force() -> None:
         if not task.done():
             task.cancel()
 
     def on_signal(received: signal.Signals) -> None:
+        if task.done():
+            lingering.set()
+            return
         if stopping:
             log.warning("relay %s: %s again: cancelling", name, received.name)
             force()
@@ -195,6 +236,14 @@ async def _supervise(relay: Relay, name: str, stop_timeout: float) -> None:
         loop.add_signal_handler(received, on_signal, received)
     try:
         await asyncio.wait({task})
+        if endpoint is not None and plan.linger and _state(relay, task) == "failed":
+            log.warning(
+                "relay %s failed: /healthz answers 503 for %gs (--metrics-linger), then it exits",
+                name,
+                plan.linger,
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(lingering.wait(), plan.linger)
     finally:
         for received in signals:
             loop.remove_signal_handler(received)
@@ -209,3 +258,11 @@ async def _supervise(relay: Relay, name: str, stop_timeout: float) -> None:
     if error is not None:
         raise error
     log.info("relay %s: stopped", name)
+
+
+def _state(relay: Relay, task: asyncio.Future[None]) -> str:
+    """The relay's state for ``/healthz``: a run that raised has failed, whatever the relay
+    object last recorded."""
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        return "failed"
+    return relay.state

@@ -223,3 +223,23 @@ async def test_the_command_line_refuses_bad_database_lists(
     ran = await cli("relay", f"--uri={mongo.uri}", f"--nats={NATS_URL}", *flags)
     assert ran.code != 0
     assert reason in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err
+
+
+@pytest.mark.parametrize(
+    ("states", "whole"),
+    [
+        (["active", "standby"], "active"),
+        (["standby", "standby"], "standby"),
+        (["starting", "active"], "starting"),
+        (["active", "failed"], "failed"),
+        (["stopped", "active"], "active"),
+        (["stopped", "stopped"], "stopped"),
+    ],
+)
+def test_the_state_of_the_whole_is_what_healthz_needs(
+    databases: list[Any], states: list[str], whole: str
+) -> None:
+    relays = [PollingRelay(Outbox(db), MemoryPublisher()) for db in databases[:2]]
+    for relay, state in zip(relays, states, strict=True):
+        relay.state = state  # type: ignore[assignment]
+    assert TenantRelays(relays).state == whole

@@ -1,0 +1,375 @@
+"""The relays' and the inbox's metrics, through the OpenTelemetry metrics API.
+
+Without the ``otel`` extra (``opentelemetry-api``) every hook here returns at once, and
+``import mongo_outbox`` never imports OpenTelemetry. With the API but no SDK, the hooks record
+into OpenTelemetry's no-op instruments and no gauge is ever observed, so the relays never read
+anything for them. The library configures no exporter: an application installs an SDK
+``MeterProvider`` (or calls ``use()``), and ``mongo-outbox relay --metrics-port`` serves them to
+Prometheus.
+
+Counters and the handler histogram are recorded where things happen (one call per relay round,
+per failed publish, per inbox delivery). Gauges are observable: their callbacks read values
+cached in memory, which a running relay refreshes from its ``status()`` every
+``REFRESH_EVERY`` seconds once any gauge was observed, so a scrape never waits for MongoDB.
+Ages are computed at observation time from cached moments (the oldest pending event's, the
+last checkpoint's), so they keep growing when a relay is stuck.
+
+Prometheus names (the exporter adds ``_total`` to counters and ``_seconds`` for unit ``s``):
+
+| name | kind | attributes |
+|---|---|---|
+| ``mongo_outbox_published_total`` | counter | ``relay`` |
+| ``mongo_outbox_publish_failures_total`` | counter | ``relay``, ``reason`` (``FAILURE_REASONS``) |
+| ``mongo_outbox_relay_recoveries_total`` | counter | ``relay`` |
+| ``mongo_outbox_pending_events`` | gauge | ``relay`` |
+| ``mongo_outbox_oldest_pending_age_seconds`` | gauge | ``relay`` |
+| ``mongo_outbox_parked_events`` | gauge | ``relay`` |
+| ``mongo_outbox_checkpoint_lag_seconds`` | gauge | ``relay`` (change-stream relays) |
+| ``mongo_outbox_relay_active`` | gauge | ``relay`` |
+| ``mongo_outbox_relay_state`` | gauge | ``relay``, ``state`` |
+| ``mongo_outbox_inbox_messages_total`` | counter | ``consumer``, ``outcome`` |
+| ``mongo_outbox_handler_duration_seconds`` | histogram | ``consumer`` |
+
+The handler histogram asks for buckets from 1 ms to 60 s; opentelemetry-api older than 1.30
+cannot ask, and the SDK's default buckets (meant for milliseconds) apply unless a ``View`` sets
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, get_args
+
+from mongo_outbox.events import as_utc, utc_now
+from mongo_outbox.stats import RelayStatus, State
+
+__all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "use"]
+
+log = logging.getLogger(__name__)
+
+METER_NAME = "mongo_outbox"
+"""The OpenTelemetry meter (instrumentation scope) every instrument belongs to."""
+REFRESH_EVERY = 5.0
+"""Seconds between two refreshes of a running relay's gauges from its ``status()``."""
+FAILURE_REASONS = (
+    "invalid_event",  # no broker can carry it: parked at once
+    "broker_unavailable",  # the broker as a whole (also a confirmation that timed out)
+    "broker_full",  # the destination is full: waits until it drains
+    "no_destination",  # no stream or queue takes it: waits, parked if it stays its own
+    "error",  # any other refusal: an attempt that counts towards max_attempts
+)
+"""The values of ``mongo_outbox_publish_failures_total``'s ``reason`` attribute."""
+STATES: tuple[State, ...] = get_args(State)
+# Handler durations from a millisecond to the server's 60 s transaction lifetime.
+HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+# -- the instruments --------------------------------------------------------------------------
+
+
+class _Instruments:
+    def __init__(self, meter: Any) -> None:
+        self.published = meter.create_counter(
+            "mongo_outbox_published", description="Events the broker confirmed"
+        )
+        self.failures = meter.create_counter(
+            "mongo_outbox_publish_failures", description="Failed publishes, by reason"
+        )
+        self.recoveries = meter.create_counter(
+            "mongo_outbox_relay_recoveries",
+            description="Change-stream recoveries: the stream could not resume, sweep and watch",
+        )
+        self.inbox = meter.create_counter(
+            "mongo_outbox_inbox_messages", description="Inbox deliveries, by outcome"
+        )
+        description = "How long a guarded handler ran (one attempt)"
+        try:
+            self.duration = meter.create_histogram(
+                "mongo_outbox_handler_duration",
+                unit="s",
+                description=description,
+                explicit_bucket_boundaries_advisory=HANDLER_BUCKETS,
+            )
+        except TypeError:  # opentelemetry-api < 1.30 takes no advisory (SDK default buckets)
+            self.duration = meter.create_histogram(
+                "mongo_outbox_handler_duration", unit="s", description=description
+            )
+        gauges: list[tuple[str, str, str, Callable[[], Iterator[tuple[float, dict[str, str]]]]]] = [
+            ("mongo_outbox_pending_events", "", "Pending outbox events", _pending),
+            ("mongo_outbox_oldest_pending_age", "s", "Age of the oldest pending event", _oldest),
+            ("mongo_outbox_parked_events", "", "Parked (dead-lettered) outbox events", _parked),
+            ("mongo_outbox_checkpoint_lag", "s", "Time since the last checkpoint", _lag),
+            ("mongo_outbox_relay_active", "", "Relays that publish now (leader)", _active),
+            ("mongo_outbox_relay_state", "", "Relays in each state", _states),
+        ]
+        self.gauges = [
+            meter.create_observable_gauge(
+                name, callbacks=[_callback(values)], unit=unit, description=text
+            )
+            for name, unit, text, values in gauges
+        ]
+
+
+_UNBOUND: Any = object()
+_bound: _Instruments | None = _UNBOUND
+
+
+def use(meter_provider: Any = None) -> None:
+    """Record into ``meter_provider`` (an OpenTelemetry ``MeterProvider``) from now on; ``None``
+    goes back to the global one (``opentelemetry.metrics.set_meter_provider``), the default.
+    Without the ``otel`` extra, ``None`` is accepted and nothing is recorded."""
+    global _bound, _observed
+    _bound = _bind(meter_provider) if meter_provider is not None else _global()
+    _observed = False  # until the new provider collects
+
+
+def _bind(meter_provider: Any) -> _Instruments | None:
+    try:
+        from opentelemetry import metrics
+    except ImportError:
+        if meter_provider is not None:
+            from mongo_outbox.errors import ConfigurationError
+
+            raise ConfigurationError(
+                "metrics need OpenTelemetry: pip install 'mongo-outbox[otel]'",
+                setting="metrics.use",
+            ) from None
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("mongo-outbox")
+    except PackageNotFoundError:  # run from a source tree
+        ours = ""
+    provider = meter_provider or metrics.get_meter_provider()
+    return _Instruments(provider.get_meter(METER_NAME, ours))
+
+
+@functools.lru_cache(maxsize=1)
+def _global() -> _Instruments | None:
+    # Once: the global provider keeps every instrument it was asked for.
+    return _bind(None)
+
+
+def _instruments() -> _Instruments | None:
+    global _bound
+    if _bound is _UNBOUND:
+        # Bound on first use, not at import: importing the library costs nothing.
+        _bound = _global()
+    return _bound
+
+
+# -- hooks: where things happen ---------------------------------------------------------------
+
+
+def relay_labels(name: str, database: str) -> dict[str, str]:
+    """A relay's attributes: its name, and its outbox's database (one process may relay several
+    databases under one relay name: ``tenants``)."""
+    return {"relay": name, "database": database}
+
+
+def published(relay: dict[str, str] | None, count: int) -> None:
+    """A round's confirmed events (one call per round, not per event). ``relay`` (its
+    ``relay_labels``) is ``None`` for rounds that are not a relay's (a replay): those are not
+    counted."""
+    instruments = _instruments()
+    if instruments is not None and relay is not None and count:
+        instruments.published.add(count, relay)
+
+
+def publish_failed(relay: dict[str, str] | None, error: BaseException) -> None:
+    instruments = _instruments()
+    if instruments is not None and relay is not None:
+        instruments.failures.add(1, relay | {"reason": failure_reason(error)})
+
+
+def failure_reason(error: BaseException) -> str:
+    """Which of ``FAILURE_REASONS`` a failed publish counts under, as the relay classifies it
+    (docs/failures.md)."""
+    from mongo_outbox.errors import BrokerFullError, InvalidEventError
+    from mongo_outbox.publishers.base import unavailable
+
+    if isinstance(error, InvalidEventError):
+        return "invalid_event"
+    if not unavailable(error):
+        return "error"
+    if isinstance(error, BrokerFullError):
+        return "broker_full"
+    return "no_destination" if getattr(error, "destination", None) else "broker_unavailable"
+
+
+def recovered(relay: dict[str, str]) -> None:
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.recoveries.add(1, relay)
+
+
+def inbox_outcome(consumer: str, outcome: str) -> None:
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.inbox.add(1, {"consumer": consumer, "outcome": outcome})
+
+
+@contextlib.contextmanager
+def handler_timer(consumer: str) -> Iterator[None]:
+    """Time one run of a handler, also one that raised."""
+    instruments = _instruments()
+    if instruments is None:
+        yield
+        return
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        instruments.duration.record(time.perf_counter() - started, {"consumer": consumer})
+
+
+# -- gauges: values cached by running relays --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Backlog:
+    pending: int
+    oldest_at: datetime | None  # when the oldest pending event occurred
+    parked: int
+    checkpoint_at: datetime | None
+
+
+class RelayGauges:
+    """One relay object's gauge values: its state as it changes, and its backlog as its last
+    ``status()`` read it. A relay is reported from its first ``run()`` on (a relay object
+    that only monitors is not), its backlog only while ``run()`` runs."""
+
+    def __init__(self, name: str, database: str) -> None:
+        self.name = name
+        self.labels = relay_labels(name, database)
+        self.state: State = "starting"
+        self.backlog: _Backlog | None = None
+
+    def update(self, status: RelayStatus) -> None:
+        age = status.oldest_pending_age
+        at = status.last_checkpoint_at
+        # A whole snapshot at once: callbacks read it from the exporter's thread.
+        self.backlog = _Backlog(
+            pending=status.pending,
+            oldest_at=utc_now() - age if age is not None else None,
+            parked=status.parked,
+            checkpoint_at=as_utc(at) if at is not None else None,
+        )
+
+    @contextlib.asynccontextmanager
+    async def refreshing(self, status: Callable[[], Awaitable[RelayStatus]]) -> AsyncIterator[None]:
+        """While the block runs, refresh the backlog from ``status()`` every ``REFRESH_EVERY``
+        seconds once a gauge was observed; never without a metrics SDK that collects."""
+        _instruments()  # the gauges exist from now on, also if nothing is ever published
+        with _lock:
+            _relays.add(self)
+        task = asyncio.ensure_future(self._refresh(status))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self.backlog = None
+
+    async def _refresh(self, status: Callable[[], Awaitable[RelayStatus]]) -> None:
+        refreshed = float("-inf")
+        while True:
+            now = time.monotonic()
+            if _observed and now - refreshed >= REFRESH_EVERY:
+                refreshed = now
+                try:
+                    self.update(await status())
+                except Exception as error:  # noqa: BLE001 - the relay itself reports outages
+                    log.debug("relay %s: gauges not refreshed: %s", self.name, error)
+            await asyncio.sleep(min(1.0, REFRESH_EVERY))
+
+
+_relays: weakref.WeakSet[RelayGauges] = weakref.WeakSet()
+_lock = threading.Lock()  # relays are added in the event loop, read in the exporter's thread
+_observed = False  # a gauge was collected: someone reads them, so relays refresh them
+
+
+def _callback(
+    values: Callable[[], Iterator[tuple[float, dict[str, str]]]],
+) -> Callable[[Any], Iterator[Any]]:
+    def observe(options: Any) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        global _observed
+        _observed = True
+        for value, attributes in values():
+            yield Observation(value, attributes)
+
+    return observe
+
+
+def _running() -> list[RelayGauges]:
+    with _lock:
+        return list(_relays)
+
+
+def _backlogs() -> Iterator[tuple[dict[str, str], _Backlog]]:
+    for gauges in _running():
+        backlog = gauges.backlog
+        if backlog is not None:
+            yield gauges.labels, backlog
+
+
+def _pending() -> Iterator[tuple[float, dict[str, str]]]:
+    for labels, backlog in _backlogs():
+        yield backlog.pending, labels
+
+
+def _oldest() -> Iterator[tuple[float, dict[str, str]]]:
+    now = utc_now()
+    for labels, backlog in _backlogs():
+        age = _seconds(now - backlog.oldest_at) if backlog.oldest_at and backlog.pending else 0.0
+        yield age, labels
+
+
+def _parked() -> Iterator[tuple[float, dict[str, str]]]:
+    for labels, backlog in _backlogs():
+        yield backlog.parked, labels
+
+
+def _lag() -> Iterator[tuple[float, dict[str, str]]]:
+    now = utc_now()
+    for labels, backlog in _backlogs():
+        if backlog.checkpoint_at is not None:
+            yield _seconds(now - backlog.checkpoint_at), labels
+
+
+def _counts() -> Iterator[tuple[dict[str, str], dict[State, int]]]:
+    # Relay objects of one name and database in one process (a leader and a standby, say) add up.
+    counts: dict[tuple[str, ...], tuple[dict[str, str], dict[State, int]]] = {}
+    for gauges in _running():
+        key = tuple(gauges.labels.values())
+        _, per_state = counts.setdefault(key, (gauges.labels, dict.fromkeys(STATES, 0)))
+        per_state[gauges.state] += 1
+    return iter(counts.values())
+
+
+def _active() -> Iterator[tuple[float, dict[str, str]]]:
+    for labels, per_state in _counts():
+        yield per_state["active"], labels
+
+
+def _states() -> Iterator[tuple[float, dict[str, str]]]:
+    for labels, per_state in _counts():
+        for state, count in per_state.items():
+            yield count, labels | {"state": state}
+
+
+def _seconds(delta: timedelta) -> float:
+    return max(delta.total_seconds(), 0.0)
