@@ -18,17 +18,19 @@ Prometheus names (the exporter adds ``_total`` to counters and ``_seconds`` for 
 
 | name | kind | attributes |
 |---|---|---|
-| ``mongo_outbox_published_total`` | counter | ``relay`` |
-| ``mongo_outbox_publish_failures_total`` | counter | ``relay``, ``reason`` (``FAILURE_REASONS``) |
-| ``mongo_outbox_relay_recoveries_total`` | counter | ``relay`` |
-| ``mongo_outbox_pending_events`` | gauge | ``relay`` |
-| ``mongo_outbox_oldest_pending_age_seconds`` | gauge | ``relay`` |
-| ``mongo_outbox_parked_events`` | gauge | ``relay`` |
-| ``mongo_outbox_checkpoint_lag_seconds`` | gauge | ``relay`` (change-stream relays) |
-| ``mongo_outbox_relay_active`` | gauge | ``relay`` |
-| ``mongo_outbox_relay_state`` | gauge | ``relay``, ``state`` |
+| ``mongo_outbox_published_total`` | counter | ``relay``, ``database`` |
+| ``mongo_outbox_publish_failures_total`` | counter | ``relay``, ``database``, ``reason`` |
+| ``mongo_outbox_relay_recoveries_total`` | counter | ``relay``, ``database`` |
+| ``mongo_outbox_pending_events`` | gauge | ``relay``, ``database`` |
+| ``mongo_outbox_oldest_pending_age_seconds`` | gauge | ``relay``, ``database`` |
+| ``mongo_outbox_parked_events`` | gauge | ``relay``, ``database`` |
+| ``mongo_outbox_checkpoint_lag_seconds`` | gauge | ``relay``, ``database`` (change-stream relays) |
+| ``mongo_outbox_relay_active`` | gauge | ``relay``, ``database`` |
+| ``mongo_outbox_relay_state`` | gauge | ``relay``, ``database``, ``state`` |
 | ``mongo_outbox_inbox_messages_total`` | counter | ``consumer``, ``outcome`` |
 | ``mongo_outbox_handler_duration_seconds`` | histogram | ``consumer`` |
+
+``reason`` is one of ``FAILURE_REASONS``.
 
 The handler histogram asks for buckets from 1 ms to 60 s; opentelemetry-api older than 1.30
 cannot ask, and the SDK's default buckets (meant for milliseconds) apply unless a ``View`` sets
