@@ -53,7 +53,10 @@ class ChangeStreamRelay:
         name: the relay's name: its checkpoint, and the leader lease that one process holds.
         source: where changes come from; default ``WatchSource.for_outbox(outbox)``.
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
-        max_wait: a batch closes at ``settings.batch_size`` changes or after this long.
+        max_wait: the longest a batch waits for more changes. A batch takes what the stream
+            has already delivered and closes as soon as that runs out (a lone change is
+            published at once; a burst makes large batches), or at ``settings.batch_size``
+            changes, or after this long under a steady trickle.
         leader_lease: how long the active relay holds its lease without renewing it (it renews
             every third of it); a standby takes over within about 1.25 times this after the
             leader died, a quarter of it after its ``stop()``.
