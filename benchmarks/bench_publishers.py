@@ -220,20 +220,22 @@ async def bench_rabbitmq(mongo: Any) -> list[str]:
         declared = await exchange()
 
         async def run(events: list[Event]) -> None:
-            messages = [
-                (e.model_dump_json().encode(), e.id, message_headers(e), e.type) for e in events
-            ]
+            messages = [(e.model_dump_json().encode(), e, message_headers(e)) for e in events]
 
             async def send(i: int) -> None:
-                body, message_id, headers, routing_key = messages[i]
+                # The message the publisher sends: the same properties and headers.
+                body, e, headers = messages[i]
                 message = aio_pika.Message(
                     body,
-                    message_id=message_id,
+                    message_id=e.id,
+                    type=e.type,
                     content_type="application/json",
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    timestamp=e.occurred_at,
+                    correlation_id=e.correlation_id,
                     headers=dict(headers),
                 )
-                await declared.publish(message, routing_key=routing_key, mandatory=True)
+                await declared.publish(message, routing_key=e.type, mandatory=True)
 
             await bounded(len(messages), send)
 

@@ -259,16 +259,21 @@ class Rounds:
         loop = asyncio.get_running_loop()
         publisher = self.publisher
         if not isinstance(publisher, BatchPublisher):
-            slots = asyncio.Semaphore(self.settings.max_in_flight)
+            # max_in_flight workers take the events in turn: a task per worker, not per event.
+            results: list[BaseException | None] = [None] * len(wave)
+            order = iter(range(len(wave)))
 
-            async def one(event: Event) -> BaseException | None:
-                async with slots:
+            async def worker() -> None:
+                for i in order:
                     if loop.time() > deadline:
-                        return _NotStarted()
-                    result = await self._confirm(publisher.publish(event), event)
-                return result if isinstance(result, BaseException) else None
+                        results[i] = _NotStarted()
+                        continue
+                    result = await self._confirm(publisher.publish(wave[i]), wave[i])
+                    results[i] = result if isinstance(result, BaseException) else None
 
-            return list(await asyncio.gather(*map(one, wave)))
+            workers = min(len(wave), self.settings.max_in_flight)
+            await asyncio.gather(*(worker() for _ in range(workers)))
+            return results
         # Two half-size chunks in flight at once: one is being sent while the other awaits its
         # acks, so the pipe never drains, and never holds more than max_in_flight messages.
         size = max(1, self.settings.max_in_flight // 2)

@@ -34,7 +34,7 @@ def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
 
 
 class InFlight:
-    """A counting proxy over a real broker client: how many publishes overlapped at most."""
+    """A counting proxy over a real AMQP channel: how many publishes overlapped at most."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -44,11 +44,11 @@ class InFlight:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def publish(self, *args: Any, **kwargs: Any) -> Any:
+    async def basic_publish(self, *args: Any, **kwargs: Any) -> Any:
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:
-            return await self.inner.publish(*args, **kwargs)
+            return await self.inner.basic_publish(*args, **kwargs)
         finally:
             self.now -= 1
 
@@ -396,12 +396,18 @@ async def test_rabbitmq_publishes_overlap_and_keep_per_aggregate_order(
 ) -> None:
     queue = await bind_queue(channel, unique)
     confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
-    exchange = InFlight(await confirming.get_exchange(unique))
-    publisher = RabbitMQPublisher(exchange)  # type: ignore[arg-type]
+    # The publisher publishes on the exchange channel's underlying AMQP channel: count there.
+    underlay = InFlight(await confirming.get_underlay_channel())
+
+    async def counted() -> Any:
+        return underlay
+
+    confirming.get_underlay_channel = counted
+    publisher = RabbitMQPublisher(await confirming.get_exchange(unique))
     sent = waves(aggregates=100, per_aggregate=5)
     for wave in sent:  # as the relay does: one event per aggregate at a time
         await asyncio.gather(*(publisher.publish(e) for e in wave))
-    assert exchange.peak > 1  # confirms were awaited together, not one round trip each
+    assert underlay.peak > 1  # confirms were awaited together, not one round trip each
     await confirming.close()
     received = [Event.from_json(m.body) for m in await drain_queue(queue, 500)]
     assert_in_order(received, [e for wave in sent for e in wave], once=True)
