@@ -128,6 +128,7 @@ class AckMux:
         self._counter = itertools.count()
         self._starting = asyncio.Lock()
         self._unflushed = False
+        self._subscription: Any = None
 
     async def start(self) -> str:
         """The reply prefix, subscribing at the first call (the connection resubscribes it
@@ -136,9 +137,17 @@ class AckMux:
             async with self._starting:
                 if not self.prefix:
                     inbox = self.nc.new_inbox()
-                    await self.nc.subscribe(f"{inbox}.*", cb=self._reply)
+                    self._subscription = await self.nc.subscribe(f"{inbox}.*", cb=self._reply)
                     self.prefix = f"{inbox}."
         return self.prefix
+
+    async def close(self, error: BaseException) -> None:
+        """Fail what still awaits its ack with ``error``, and unsubscribe: on a borrowed
+        connection the subscription would outlive the publisher."""
+        self.fail_all(error)
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None and not self.nc.is_closed:
+            await subscription.unsubscribe()
 
     def expect(self, chunk: Chunk, index: int) -> str:
         """Register a message of ``chunk``; returns the reply subject to send it with."""

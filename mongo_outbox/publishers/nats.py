@@ -317,7 +317,8 @@ class NatsPublisher:
         self.closed = True
         if self._mux is not None:
             # Nothing in flight can be confirmed any more: fail it now, not at its timeout.
-            self._mux.fail_all(nats.errors.ConnectionClosedError())
+            with contextlib.suppress(Exception):
+                await self._mux.close(nats.errors.ConnectionClosedError())
         nc = self.connection
         if nc is None or nc.is_closed or nc.is_draining:
             return
