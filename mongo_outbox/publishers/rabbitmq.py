@@ -210,14 +210,14 @@ class RabbitMQPublisher:
                 f"the connection's frame_max of {frame_max}",
                 event_id=event.id,
             )
-        # What aio-pika's exchange.publish does, straight on the channel it would use.
+        # What aio-pika's exchange.publish does, straight on the channel it would use. No
+        # timeout of its own: publish bounds the whole send with one (a timer each is a cost).
         return await channel.basic_publish(
             body,
             exchange=self.exchange.name,
             routing_key=key,
             properties=properties,
             mandatory=True,
-            timeout=self.timeout,
         )
 
     async def _open_channel(self, event: Event) -> Any:
