@@ -10,6 +10,7 @@ from typing import Any
 from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, RelaySettings
 from mongo_outbox.changestream import ChangeBatch, ChangeStream, WatchSource
 from mongo_outbox.publishers import MemoryPublisher
+from tests.support.changestream_sources import ScriptedSource, inserts
 from tests.support.waiting import until
 
 FAST = Backoff(initial=0.01, maximum=0.05)
@@ -137,3 +138,47 @@ async def test_a_burst_of_commits_is_published_in_batches_of_many(db: Any) -> No
     assert sorted(e.id for e in publisher.events) == sorted(ids)
     assert source.sizes[0] == 1
     assert max(source.sizes) > 1 and len(source.sizes) < count
+
+
+async def test_checkpoints_follow_quick_batches_at_most_once_per_max_wait(db: Any) -> None:
+    """Batches of one change each do not cost a checkpoint write each: the token is saved at
+    most once per max_wait while changes flow, and the last one when the relay stops."""
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    await db.outbox_relays.insert_one({"_id": "quick-relay", "token": {"_data": "t0"}})
+    ids = []
+    for n in range(3):
+        saved = await outbox.save_with_events(None, db.orders, {"_id": n}, [Event(type="placed")])
+        ids += [e.id for e in saved.events]
+    entries = await db.outbox.find({"_id": {"$in": ids}}).sort("_id", 1).to_list(None)
+    source = ScriptedSource()
+    publisher = MemoryPublisher()
+    relay = ChangeStreamRelay(
+        outbox,
+        publisher,
+        name="quick-relay",
+        source=source,
+        settings=RelaySettings(backoff=FAST),
+        max_wait=60.0,  # far longer than the test: no save may come from its passing
+        sweep_interval=60.0,
+    )
+    task = asyncio.create_task(relay.run())
+
+    async def token() -> Any:
+        return ((await db.outbox_relays.find_one({"_id": "quick-relay"})) or {}).get("token")
+
+    source.play(inserts(entries[:1], "t1"))
+    await publisher.wait_for(1)
+    await until(lambda: _is(token, {"_data": "t1"}))  # the first batch's token: saved at once
+    source.play(inserts(entries[1:2], "t2"), inserts(entries[2:], "t3"))
+    await publisher.wait_for(3)
+    assert await token() == {"_data": "t1"}  # within max_wait of the last save: not yet
+    relay.stop()
+    source.play(ChangeBatch([], None))  # wakes the relay from its wait for the next batch
+    await asyncio.wait_for(task, LONG * 2)
+    assert await token() == {"_data": "t3"}  # saved on the way out
+    assert [e.id for e in publisher.events] == ids
+
+
+async def _is(read: Any, expected: Any) -> bool:
+    return bool(await read() == expected)
