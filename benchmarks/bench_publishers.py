@@ -5,9 +5,10 @@ wave of one event per aggregate, at most ``max_in_flight`` awaiting a confirmati
 ``publish_many`` chunks of half that; RabbitMQ: that many workers calling ``publish``). The
 baselines are the broker clients used directly with the same window and the same messages
 (subject or routing key, properties, headers), serialised inside the timed run as the library
-does, so the ratio is the library's own overhead. Runs alternate baseline and library; each takes a fresh stream or exchange and queue,
-deleted afterwards. The end-to-end figure (saved events, drained to the broker) is mostly the
-database's cost, and here that is whatever MongoDB the benchmark runs on.
+does, so the ratio is the library's own overhead. Runs alternate baseline and library; each
+takes a fresh stream or exchange and queue, deleted afterwards. The end-to-end figure (saved
+events, drained to the broker) is mostly the database's cost, and here that is whatever
+MongoDB the benchmark runs on.
 """
 
 from __future__ import annotations
