@@ -1,6 +1,8 @@
-"""Commit-to-broker-ack latency: ChangeStreamRelay against PollingRelay at its default interval,
-on the same MongoDB and the same NATS server; and sustained events/s to each broker, as a ratio
-of raw pipelined publishing to the same exchange or stream, measured in the same run.
+"""Commit-to-broker-ack latency: ChangeStreamRelay at its defaults against the same relay with
+the batching it had before (every batch waited out ``max_wait``) and against PollingRelay at its
+default interval, on the same MongoDB and the same NATS server; a burst of commits through both
+change-stream batchings (events/s and batch sizes); and sustained events/s to each broker, as a
+ratio of raw pipelined publishing to the same exchange or stream, measured in the same run.
 
 Both relays talk to the server of the run through PyMongo: a replica set (MONGODB_URI), or the
 tests' mongoeco emulator, whose change-stream shim serves PyMongo's own watch().
@@ -18,11 +20,16 @@ from benchmarks.bench_publishers import bounded, make_events
 from benchmarks.common import NATS_URL, RABBITMQ_URL, client, header, say, standalone, unique
 from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay, Saved
 from mongo_outbox._steps import run_async
+from mongo_outbox.changestream import ChangeBatch, ChangeStream, WatchSource
+from mongo_outbox.changestream.source import ENDS_STREAM
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
 
 EVENTS = 100
 SPACING = 0.02  # seconds between commits
 SUSTAINED = 500
+BURST = 400
+ADAPTIVE = "change stream"
+FIXED = "change stream, fixed wait (before)"
 
 Send = Callable[[Event], Awaitable[Any]]
 
@@ -50,6 +57,61 @@ class AckClock:
         await self.inner.aclose()
 
 
+class Batches:
+    """A change source that notes each batch's size; ``fixed`` makes every batch wait out
+    ``max_wait`` as the relay's batching did before it became adaptive (the baseline)."""
+
+    def __init__(self, inner: WatchSource, *, fixed: bool) -> None:
+        self.inner = inner
+        self.fixed = fixed
+        self.sizes: list[int] = []
+
+    async def open(self, *, resume_after: Any = None, start_at: Any = None) -> ChangeStream:
+        stream: Any = await self.inner.open(resume_after=resume_after, start_at=start_at)
+        return _Noted(stream, self)
+
+    async def cluster_time(self) -> Any:
+        return await self.inner.cluster_time()
+
+
+class _Noted:
+    def __init__(self, stream: Any, source: Batches) -> None:
+        self.stream = stream
+        self.source = source
+
+    async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
+        if self.source.fixed:
+            batch = await _fixed_wait(self.stream.stream, max_size, max_wait)
+        else:
+            batch = await self.stream.next_batch(max_size, max_wait)
+        if batch.changes:
+            self.source.sizes.append(len(batch.changes))
+        return batch
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def _fixed_wait(stream: Any, max_size: int, max_wait: float) -> ChangeBatch:
+    """The batching before: getMore after getMore until max_wait, even with changes in hand."""
+    changes: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max_wait
+    while len(changes) < max_size and not (changes and loop.time() >= deadline):
+        change = await stream.try_next()
+        if change is None:
+            if not stream.alive:
+                changes.append({"operationType": "invalidate"})
+                break
+            if changes or loop.time() >= deadline:
+                break
+            continue
+        changes.append(change)
+        if change["operationType"] in ENDS_STREAM:
+            break
+    return ChangeBatch(changes, stream.resume_token)
+
+
 async def commit(outbox: Outbox, orders: Any, n: int, emulated: bool) -> Any:
     """Save one order with one event. On a real server: save_with_events. On the emulator, the
     same two writes without the transaction: there a transaction committing while the relay
@@ -62,7 +124,12 @@ async def commit(outbox: Outbox, orders: Any, n: int, emulated: bool) -> Any:
     return Saved(*await run_async(outbox._write(plan, None)))
 
 
-async def latency(mongo: Any, kind: str, emulated: bool) -> list[float]:
+async def latency(
+    mongo: Any, kind: str, emulated: bool, count: int = EVENTS, spacing: float = SPACING
+) -> tuple[list[float], float, list[int]]:
+    """Commit ``count`` events ``spacing`` seconds apart with a relay of ``kind`` at its
+    defaults running; returns each one's commit-to-ack milliseconds, events/s from the first
+    commit to the last ack, and the change-stream batch sizes."""
     import nats
 
     name = unique("benchcs")
@@ -73,29 +140,33 @@ async def latency(mongo: Any, kind: str, emulated: bool) -> list[float]:
     outbox = Outbox(db)
     await outbox.ensure_indexes()
     clock = AckClock(NatsPublisher(js, subject=f"{name}.{{type}}"))
+    source = Batches(WatchSource.for_outbox(outbox), fixed=kind == FIXED)
     relay: Any
-    if kind == "change stream":
-        relay = ChangeStreamRelay(outbox, clock, name=name, max_wait=0.005)
-    else:
+    if kind == "polling":
         relay = PollingRelay(outbox, clock)  # default interval: 1 s
+    else:
+        relay = ChangeStreamRelay(outbox, clock, name=name, source=source)  # max_wait 50 ms
     task = asyncio.create_task(relay.run())
     await asyncio.sleep(0.3)  # let it settle into its steady state
     committed: dict[str, float] = {}
     try:
-        for n in range(EVENTS):
+        for n in range(count):
             saved = await commit(outbox, db.orders, n, emulated)
             committed[saved.events[0].id] = time.perf_counter()
-            await asyncio.sleep(SPACING)
-        deadline = time.perf_counter() + 10
-        while len(clock.acked) < EVENTS and time.perf_counter() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+            if spacing:
+                await asyncio.sleep(spacing)
+        deadline = time.perf_counter() + 30
+        while len(clock.acked) < count and time.perf_counter() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
     finally:
         relay.stop()
         await asyncio.wait_for(task, 10)
         await js.delete_stream(name)
         await nc.close()
         await mongo.drop_database(name)
-    return [(clock.acked[i] - t) * 1000 for i, t in committed.items() if i in clock.acked]
+    acked = [(clock.acked[i] - t) * 1000 for i, t in committed.items() if i in clock.acked]
+    span = max(clock.acked.values(), default=0.0) - min(committed.values())
+    return acked, len(acked) / span if span > 0 else 0.0, source.sizes
 
 
 def pct(values: list[float], q: float) -> float:
@@ -176,20 +247,33 @@ async def sustained(mongo: Any, broker: str, emulated: bool) -> tuple[float, flo
 
 
 async def run(uri: str) -> list[str]:
-    header(f"Commit-to-ack latency, {EVENTS} events {SPACING * 1000:.0f} ms apart, to NATS")
+    header(
+        f"Commit-to-ack latency at the defaults (max_wait 50 ms), {EVENTS} events "
+        f"{SPACING * 1000:.0f} ms apart, to NATS; then a burst of {BURST} back-to-back commits"
+    )
     mongo = client(uri)
     build = await mongo.admin.command("buildInfo")
     emulated = build.get("gitVersion") == "mongoeco"
     lines = [f"backend: {'mongoeco emulator' if emulated else 'MongoDB'} {build['version']}"]
     try:
-        results = {k: await latency(mongo, k, emulated) for k in ("change stream", "polling")}
-        for kind, values in results.items():
+        results = {k: await latency(mongo, k, emulated) for k in (ADAPTIVE, FIXED, "polling")}
+        for kind, (values, _, _) in results.items():
             lines.append(
-                f"{kind:<14} p50 {pct(values, 50):8.1f} ms  p99 {pct(values, 99):8.1f} ms  "
+                f"{kind:<34} p50 {pct(values, 50):8.1f} ms  p99 {pct(values, 99):8.1f} ms  "
                 f"({len(values)}/{EVENTS} acked)"
             )
-        ratio = pct(results["polling"], 50) / pct(results["change stream"], 50)
-        lines.append(f"polling p50 / change stream p50 = {ratio:.1f}x (goal >= 10x)")
+        adaptive = pct(results[ADAPTIVE][0], 50)
+        lines.append(
+            f"p50 ratio: before / now = {pct(results[FIXED][0], 50) / adaptive:.1f}x, "
+            f"polling / now = {pct(results['polling'][0], 50) / adaptive:.1f}x"
+        )
+        for kind in (ADAPTIVE, FIXED):
+            values, rate, sizes = await latency(mongo, kind, emulated, BURST, 0.0)
+            lines.append(
+                f"burst of {BURST} commits, {kind:<34} {rate:7,.0f} events/s, "
+                f"{len(sizes)} batches, mean {statistics.mean(sizes or [0]):.1f}, max "
+                f"{max(sizes, default=0)}, p50 latency {pct(values, 50):.0f} ms"
+            )
         for broker in ("nats", "rabbitmq"):
             rate, raw = await sustained(mongo, broker, emulated)
             lines.append(

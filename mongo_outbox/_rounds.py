@@ -273,21 +273,27 @@ class Rounds:
         publisher = self.publisher
         traced = tracer()  # once per wave: asking the API for its provider is not free
         if not isinstance(publisher, BatchPublisher):
-            slots = asyncio.Semaphore(self.settings.max_in_flight)
+            # max_in_flight workers take the events in turn: a task per worker, not per event.
+            results: list[BaseException | None] = [None] * len(wave)
+            order = iter(range(len(wave)))
 
-            async def one(event: Event) -> BaseException | None:
-                async with slots:
+            async def worker() -> None:
+                for i in order:
                     if loop.time() > deadline:
-                        return _NotStarted()
+                        results[i] = _NotStarted()
+                        continue
+                    event = wave[i]
                     spans = publishing(traced, publisher, (event,))
                     sent = spans.sent[0] if spans else event
                     result = await self._confirm(publisher.publish(sent), event)
-                error = result if isinstance(result, BaseException) else None
-                if spans:
-                    spans.end((error,))
-                return error
+                    error = result if isinstance(result, BaseException) else None
+                    if spans:
+                        spans.end((error,))
+                    results[i] = error
 
-            return list(await asyncio.gather(*map(one, wave)))
+            workers = min(len(wave), self.settings.max_in_flight)
+            await asyncio.gather(*(worker() for _ in range(workers)))
+            return results
         # Two half-size chunks in flight at once: one is being sent while the other awaits its
         # acks, so the pipe never drains, and never holds more than max_in_flight messages.
         size = max(1, self.settings.max_in_flight // 2)

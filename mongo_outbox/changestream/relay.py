@@ -54,7 +54,10 @@ class ChangeStreamRelay:
         name: the relay's name: its checkpoint, and the leader lease that one process holds.
         source: where changes come from; default ``WatchSource.for_outbox(outbox)``.
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
-        max_wait: a batch closes at ``settings.batch_size`` changes or after this long.
+        max_wait: the longest a batch waits for more changes. A batch takes what the stream
+            has already delivered and closes as soon as that runs out (a lone change is
+            published at once; a burst makes large batches), or at ``settings.batch_size``
+            changes, or after this long under a steady trickle.
         leader_lease: how long the active relay holds its lease without renewing it (it renews
             every third of it); a standby takes over within about 1.25 times this after the
             leader died, a quarter of it after its ``stop()``.
@@ -197,6 +200,13 @@ class ChangeStreamRelay:
         self._sweep_due = loop.time() + self.sweep_interval
         self._saved_at = float("-inf")
         stream = await self._open((await self.checkpoint.load()).get("token"))
+        # The token after the last batch handled, and whether it passed changes since the last
+        # save: batches close as soon as the stream runs dry, so under a trickle they hold one
+        # change each, and one checkpoint write per batch would triple the database's work.
+        # Changes are saved at most once per max_wait; a restart replays what was published
+        # since, which the claim finds published already.
+        token: Any = None
+        changed = False
         try:
             while not self._stopping.is_set():
                 self._check_lease()
@@ -206,6 +216,7 @@ class ChangeStreamRelay:
                     self._fail_unless_recoverable(error)
                     await _close(stream)
                     stream = await self._recover(f"the change stream cannot resume ({error})")
+                    token, changed = None, False
                     continue
                 ended = [c for c in batch.changes if c["operationType"] in ENDS_STREAM]
                 await self._handle(
@@ -215,18 +226,24 @@ class ChangeStreamRelay:
                 if ended:
                     await _close(stream)
                     stream = await self._recover(f"{ended[0]['operationType']} event")
+                    token, changed = None, False
                     continue
+                if batch.token is not None:
+                    token, changed = batch.token, changed or bool(batch.changes)
                 now = loop.time()
                 # A quiet stream's token moves on too, so the position stays inside the oplog
                 # window; the heartbeat renews the lease meanwhile.
-                quiet_due = now - self._saved_at >= self.leader_lease.total_seconds() / 3
-                if batch.token is not None and (batch.changes or quiet_due):
-                    await self.checkpoint.save(batch.token)
-                    self._saved_at = now
+                since = now - self._saved_at
+                quiet_due = since >= self.leader_lease.total_seconds() / 3
+                if token is not None and ((changed and since >= self.max_wait) or quiet_due):
+                    await self.checkpoint.save(token)
+                    self._saved_at, token, changed = now, None, False
                 if await self._rounds.probe():
                     self._sweep_due = 0.0  # a waiting entry was made due: see if the broker is back
                 if now >= self._sweep_due:
                     await self._sweep()
+            if changed and not self._lost.is_set():
+                await self.checkpoint.save(token)  # stopping: hand over without a replay
         finally:
             await _close(stream)
 

@@ -76,8 +76,9 @@ class ChangeBatch(NamedTuple):
 
 class ChangeStream(Protocol):
     async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
-        """Up to ``max_size`` changes, returning early once some arrived and after about
-        ``max_wait`` seconds at most when none do."""
+        """Up to ``max_size`` changes: once some arrived, only those already delivered
+        (returning as soon as they run out, and after about ``max_wait`` at most); after about
+        ``max_wait`` seconds when none do."""
 
     async def aclose(self) -> None: ...
 
@@ -166,9 +167,14 @@ class _WatchStream:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait
         # Each try_next is one getMore that the server holds open up to max_await_ms when idle.
-        # The deadline is checked between changes too: a steady trickle never leaves try_next
-        # empty-handed, and must not hold a batch until max_size.
+        # Once a change is in hand the batch takes only what the driver already holds (one
+        # getMore's worth: all the server had): another getMore would wait for the next commit,
+        # so a lone change would wait out max_wait. Under load a getMore brings many changes,
+        # and batches grow by themselves. Where the driver's buffer cannot be seen, max_wait
+        # closes the batch; it also bounds a steady trickle that never leaves try_next empty.
         while len(changes) < max_size and not (changes and loop.time() >= deadline):
+            if changes and buffered(self.stream) is False:
+                break
             change = await self.stream.try_next()
             if change is None:
                 if not self.stream.alive:
@@ -188,3 +194,16 @@ class _WatchStream:
 
     async def aclose(self) -> None:
         await self.stream.close()
+
+
+def buffered(stream: Any) -> bool | None:
+    """Whether the driver holds changes it has received and not yet handed out, ``None`` when
+    it cannot tell. PyMongo keeps them in the cursor's batch; Motor wraps a PyMongo stream
+    (created at its first ``try_next``). Neither says so publicly: a driver that moves them
+    only makes batches close at ``max_wait`` again."""
+    inner = getattr(stream, "delegate", stream)
+    has_next = getattr(getattr(inner, "_cursor", None), "_has_next", None)
+    if not callable(has_next):
+        return None
+    answer = has_next()
+    return answer if isinstance(answer, bool) else None

@@ -11,7 +11,6 @@ from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, descr
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import (
     Naming,
-    client_call,
     closed_error,
     full_error,
     message_headers,
@@ -31,6 +30,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError(
         "NatsPublisher needs the nats extra: pip install 'mongo-outbox[nats]'"
     ) from error
+
+from mongo_outbox.publishers._jetstream import AckMux, Chunk, header_block, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ _DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default, when the connection
 # JetStream stores a header block's length in 16 bits and refuses a longer one (err_code
 # 10097), whatever the server's max_payload.
 MAX_HEADER_BYTES = 65535
-_HEADER_LINE = b"NATS/1.0\r\n"
 
 
 def _full(error: nats.js.errors.APIError) -> bool:
@@ -77,16 +77,13 @@ def _full(error: nats.js.errors.APIError) -> bool:
     return error.err_code == _STREAM_STORE_FAILED and error.description in _STREAM_FULL
 
 
-def _header_size(headers: dict[str, str]) -> int:
-    """The header block's size as nats-py sends it; with the body, what ``max_payload`` limits."""
-    lines = sum(len(f"{name}: {value}\r\n".encode()) for name, value in headers.items())
-    return len(_HEADER_LINE) + lines + len(b"\r\n")
-
-
 def subject_of(naming: Naming, event: Event) -> str:
     """The subject ``naming`` gives ``event``; ``InvalidEventError`` if it cannot be rendered or
     is no subject a message can be published to."""
-    subject = render(naming, event)
+    return checked_subject(render(naming, event), event)
+
+
+def checked_subject(subject: str, event: Event) -> str:
     # Wildcards and empty tokens are not publishable; whitespace would split the protocol line.
     if any(
         not token or "*" in token or ">" in token or any(c.isspace() for c in token)
@@ -97,6 +94,11 @@ def subject_of(naming: Naming, event: Event) -> str:
 
 
 _NO_DESTINATION = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
+_CHECKED_SUBJECTS = 4096
+
+
+class _NoAck(Exception):
+    """A message whose ack did not come within the publisher's timeout."""
 
 
 class NatsPublisher:
@@ -132,6 +134,8 @@ class NatsPublisher:
         self.closed = False
         self.connection: Client | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
+        self._mux: AckMux | None = None
+        self._checked: set[str] = set()
 
     @classmethod
     async def connect(
@@ -180,51 +184,119 @@ class NatsPublisher:
         return {"messaging.system": "nats", "messaging.destination.name": self.subject_for(event)}
 
     def _max_payload(self) -> int:
-        # A borrowed JetStreamContext does not expose its connection but as ``_nc``.
-        nc = self.connection or getattr(self.js, "_nc", None)
-        limit = getattr(nc, "max_payload", 0)
+        limit = getattr(self._client(), "max_payload", 0)
         return limit if isinstance(limit, int) and limit > 0 else _DEFAULT_MAX_PAYLOAD
 
-    async def publish(self, event: Event) -> None:
-        if self.closed:
-            raise closed_error(self, event)
+    def _client(self) -> Client | None:
+        # A borrowed JetStreamContext does not expose its connection but as ``_nc``.
+        return self.connection or getattr(self.js, "_nc", None)
+
+    def _subject(self, event: Event) -> str:
+        subject = render(self.subject, event)
+        # Subjects repeat: each distinct one is checked once (a bounded memo).
+        if subject not in self._checked:
+            checked_subject(subject, event)
+            if len(self._checked) >= _CHECKED_SUBJECTS:
+                self._checked.clear()
+            self._checked.add(subject)
+        return subject
+
+    def _message(self, event: Event, limit: int) -> tuple[str, bytes, dict[str, str], bytes]:
+        """The subject, body, headers and header block of ``event``'s message;
+        ``InvalidEventError`` if NATS cannot carry it."""
         headers = message_headers(event)
         headers["Nats-Msg-Id"] = event.id
         headers["Content-Type"] = "application/json"
-        subject = self.subject_for(event)
+        subject = self._subject(event)
         body = event.model_dump_json().encode()
+        block = header_block(headers)
         # Refused here, as the event's own fault: the server would close the whole connection
         # for a message over max_payload, and JetStream refuses a header block over 64 kB.
-        header, limit = _header_size(headers), self._max_payload()
-        if header > MAX_HEADER_BYTES:
+        if len(block) > MAX_HEADER_BYTES:
             raise InvalidEventError(
-                f"event {event.id} has {header} bytes of NATS headers, over JetStream's "
+                f"event {event.id} has {len(block)} bytes of NATS headers, over JetStream's "
                 f"{MAX_HEADER_BYTES}",
                 event_id=event.id,
             )
-        if header + len(body) > limit:
+        if len(block) + len(body) > limit:
             raise InvalidEventError(
-                f"event {event.id} is {header + len(body)} bytes with its headers, over the "
+                f"event {event.id} is {len(block) + len(body)} bytes with its headers, over the "
                 f"NATS server's max_payload of {limit}",
                 event_id=event.id,
             )
-        # js.publish rather than publish_async: nats-py 2.16 leaves a publish_async ack future
-        # pending for ever when the stream answers with an error (nats.py#985), so a refused
-        # message would cost a whole timeout and hide the broker's reason.
+        return subject, body, headers, block
+
+    async def publish(self, event: Event) -> None:
+        [error] = await self.publish_many([event])
+        if error is not None:
+            raise error
+
+    async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
+        # Every message goes out before any ack is awaited, each with its reply subject under
+        # the ack mux's inbox: one round trip for the lot, and the stream's refusals at once.
+        if self.closed:
+            return [closed_error(self, event) for event in events]
+        nc = self._client()
+        if nc is None:
+            raise TypeError("NatsPublisher needs the JetStreamContext of a nats-py connection")
+        if self._mux is None or self._mux.nc is not nc:
+            self._mux = AckMux(nc)
+        mux = self._mux
+        chunk = Chunk(len(events), asyncio.get_running_loop().create_future())
+        outcomes = chunk.outcomes
+        subjects: list[str | None] = [None] * len(events)
         try:
-            await client_call(
-                self.js.publish(subject, body, timeout=self.timeout, headers=headers),
-                self.timeout,
-                lambda reason: self._failed(event, reason),
-            )
-        except nats.js.errors.APIError as error:
-            if _full(error):
-                raise full_error("NATS", error, event) from error
-            if isinstance(error, _UNAVAILABLE):
-                raise self._unavailable(event, error, subject) from error
-            raise
+            await mux.start()
+            limit = self._max_payload()
+            for index, event in enumerate(events):
+                try:
+                    subject, body, headers, block = self._message(event, limit)
+                except InvalidEventError as error:
+                    outcomes[index] = error
+                    continue
+                subjects[index] = subject
+                reply = mux.expect(chunk, index)
+                try:
+                    await mux.send(subject, reply, body, headers, block)
+                except (nats.errors.Error, OSError) as error:
+                    # Closed, draining, or its buffer full while it reconnects: not sent.
+                    mux.unsend(chunk)
+                    outcomes[index] = error
+            await mux.flush()
+            if not await wait_all(chunk, self.timeout):
+                for index in mux.abandon(chunk):
+                    outcomes[index] = _NoAck()
         except _UNAVAILABLE as error:
-            raise self._unavailable(event, error, subject) from error
+            # The ack subscription could not be made: nothing was sent.
+            mux.abandon(chunk)
+            return [self._result(event, error, None) for event in events]
+        except BaseException:
+            mux.abandon(chunk)
+            raise
+        return [
+            self._result(event, outcome, subject)
+            for event, outcome, subject in zip(events, outcomes, subjects, strict=True)
+        ]
+
+    def _result(
+        self, event: Event, error: BaseException | None, subject: str | None
+    ) -> BaseException | None:
+        """``error`` as the relay acts on it: for want of room, for want of a broker or a
+        stream, or the stream's refusal of this message as it is."""
+        if error is None or isinstance(error, InvalidEventError):
+            return error
+        converted: BaseException
+        if isinstance(error, _NoAck):
+            converted = self._failed(event, f"no ack within {self.timeout:g}s")
+        elif isinstance(error, nats.js.errors.APIError) and _full(error):
+            converted = full_error("NATS", error, event)
+        elif isinstance(error, _UNAVAILABLE):
+            converted = self._unavailable(event, error, subject or "")
+        else:
+            return error  # the stream refused this message (too large, bad header...)
+        if not isinstance(error, _NoAck):
+            converted.__cause__ = error
+        return converted
 
     def _unavailable(
         self, event: Event, error: BaseException, subject: str
@@ -243,15 +315,14 @@ class NatsPublisher:
             return closed_error(self, event)
         return BrokerUnavailableError(f"NATS: {reason}", event_id=event.id)
 
-    async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
-        # Every request goes out before any ack is awaited: one round trip for the lot.
-        results = await asyncio.gather(*map(self.publish, events), return_exceptions=True)
-        return [result if isinstance(result, BaseException) else None for result in results]
-
     async def aclose(self) -> None:
         """Stop publishing; drain and close the connection ``connect`` opened. Never raises:
         a connection that cannot be drained (the server is gone) is closed as it is."""
         self.closed = True
+        if self._mux is not None:
+            # Nothing in flight can be confirmed any more: fail it now, not at its timeout.
+            with contextlib.suppress(Exception):
+                await self._mux.close(nats.errors.ConnectionClosedError())
         nc = self.connection
         if nc is None or nc.is_closed or nc.is_draining:
             return

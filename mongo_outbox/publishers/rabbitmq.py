@@ -47,6 +47,7 @@ _UNAVAILABLE = (
 )
 
 _FIELD_NAME_BYTES = 128  # AMQP 0-9-1's limit on a field table's names (the headers)
+_PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)
 
 
 def routing_key_of(naming: Naming, event: Event) -> str:
@@ -156,19 +157,23 @@ class RabbitMQPublisher:
                     f"header name {name[:40]!r}... is longer than AMQP's {_FIELD_NAME_BYTES}",
                     event_id=event.id,
                 )
-        message = aio_pika.Message(
-            event.model_dump_json().encode(),
-            message_id=event.id,
-            type=event.type,
+        headers = message_headers(event)
+        # The properties as aio-pika's Message would build them, without building the Message:
+        # that took a third of the time a publish spends in this process.
+        properties = aiormq.spec.Basic.Properties(
             content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            timestamp=event.occurred_at,
             correlation_id=event.correlation_id,
-            headers=dict(message_headers(event)),
+            delivery_mode=_PERSISTENT,
+            headers=headers,  # type: ignore[arg-type]
+            message_id=event.id,
+            message_type=event.type,
+            priority=0,
+            timestamp=event.occurred_at,
         )
+        body = event.model_dump_json().encode()
         try:
             confirm = await client_call(
-                self._send(event, message, key),
+                self._send(event, body, properties, key, headers),
                 self.timeout,
                 lambda reason: self._failed(event, reason),
             )
@@ -189,14 +194,21 @@ class RabbitMQPublisher:
                 f"RabbitMQ did not confirm event {event.id}: {confirm!r}", event_id=event.id
             )
 
-    async def _send(self, event: Event, message: aio_pika.Message, key: str) -> Any:
+    async def _send(
+        self,
+        event: Event,
+        body: bytes,
+        properties: aiormq.spec.Basic.Properties,
+        key: str,
+        headers: dict[str, str],
+    ) -> Any:
         channel = await self._open_channel(event)
         # RabbitMQ closes the whole connection (FRAME_ERROR), failing every other publish on
         # it, for a content header frame over frame_max: the properties cannot be split.
         frame_max = channel.connection.connection_tune.frame_max
-        if frame_max and _header_bound(event) > frame_max:
+        if frame_max and _header_bound(headers) > frame_max:
             # Only a message that may be too big pays for marshalling its header exactly.
-            header = pamqp.header.ContentHeader(0, len(message.body), message.properties)
+            header = pamqp.header.ContentHeader(0, len(body), properties)
             size = len(pamqp.frame.marshal(header, channel.number))
         else:
             size = 0
@@ -206,8 +218,14 @@ class RabbitMQPublisher:
                 f"the connection's frame_max of {frame_max}",
                 event_id=event.id,
             )
-        return await self.exchange.publish(
-            message, routing_key=key, mandatory=True, timeout=self.timeout
+        # What aio-pika's exchange.publish does, straight on the channel it would use. No
+        # timeout of its own: publish bounds the whole send with one (a timer each is a cost).
+        return await channel.basic_publish(
+            body,
+            exchange=self.exchange.name,
+            routing_key=key,
+            properties=properties,
+            mandatory=True,
         )
 
     async def _open_channel(self, event: Event) -> Any:
@@ -260,8 +278,8 @@ class RabbitMQPublisher:
                 log.debug("closing the RabbitMQ connection: %s", describe(error))
 
 
-def _header_bound(event: Event) -> int:
+def _header_bound(headers: dict[str, str]) -> int:
     """An upper bound of the content header frame's size: the fixed properties (each short
-    string at most 256 bytes) and every header as a long string with its name."""
-    headers = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in message_headers(event).items())
-    return 4_096 + headers
+    string at most 256 bytes) and every header as a long string with its name (4 bytes a
+    character at most)."""
+    return 4_096 + sum(4 * (len(k) + len(v)) + 6 for k, v in headers.items())

@@ -34,7 +34,7 @@ def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
 
 
 class InFlight:
-    """A counting proxy over a real broker client: how many publishes overlapped at most."""
+    """A counting proxy over a real AMQP channel: how many publishes overlapped at most."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -44,13 +44,47 @@ class InFlight:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def publish(self, *args: Any, **kwargs: Any) -> Any:
+    async def basic_publish(self, *args: Any, **kwargs: Any) -> Any:
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:
-            return await self.inner.publish(*args, **kwargs)
+            return await self.inner.basic_publish(*args, **kwargs)
         finally:
             self.now -= 1
+
+
+class Unacked:
+    """A counting proxy over a real NATS connection: how many messages it had sent whose reply
+    had not come back yet, at most."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sent = self.replied = self.peak = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _one_more(self) -> None:
+        self.sent += 1
+        self.peak = max(self.peak, self.sent - self.replied)
+
+    async def publish(self, *args: Any, **kwargs: Any) -> None:
+        self._one_more()
+        await self.inner.publish(*args, **kwargs)
+
+    async def _send_command(self, command: bytes, *args: Any) -> None:
+        if command.startswith(b"HPUB"):
+            self._one_more()
+        await self.inner._send_command(command, *args)
+
+    async def subscribe(self, subject: str, **kwargs: Any) -> Any:
+        callback = kwargs.pop("cb")
+
+        async def counted(msg: Any) -> None:
+            self.replied += 1
+            await callback(msg)
+
+        return await self.inner.subscribe(subject, cb=counted, **kwargs)
 
 
 # --- the contract ------------------------------------------------------------------------
@@ -227,16 +261,18 @@ async def test_nats_aclose_closes_only_what_connect_opened(
 async def test_nats_publishes_overlap_and_keep_per_aggregate_order(
     nats_client: Any, nats_stream: str
 ) -> None:
-    js = InFlight(nats_client.jetstream())
-    publisher = NatsPublisher(js, subject=f"{nats_stream}.{{aggregate_type}}")  # type: ignore[arg-type]
+    nc = Unacked(nats_client)
+    js = nats_client.jetstream()
+    js._nc = nc  # the publisher reaches the connection through its JetStreamContext
+    publisher = NatsPublisher(js, subject=f"{nats_stream}.{{aggregate_type}}")
     sent = waves(aggregates=100, per_aggregate=5)
     for wave in sent:  # as the relay drives a BatchPublisher
         assert await publisher.publish_many(wave) == [None] * len(wave)
-    assert js.peak > 1  # the acks were awaited together, not one round trip each
-    js.peak = 0
+    assert nc.peak == 100  # a wave's acks were awaited together, not one round trip each
+    nc.peak = 0
     for wave in sent:  # the same events again, through publish: the stream drops them
         await asyncio.gather(*(publisher.publish(e) for e in wave))
-    assert js.peak > 1
+    assert nc.peak > 1
     messages = await read_stream(nats_client, nats_stream, 500)
     received = [Event.from_json(m.data) for m in messages]
     assert_in_order(received, [e for wave in sent for e in wave], once=True)
@@ -360,12 +396,18 @@ async def test_rabbitmq_publishes_overlap_and_keep_per_aggregate_order(
 ) -> None:
     queue = await bind_queue(channel, unique)
     confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
-    exchange = InFlight(await confirming.get_exchange(unique))
-    publisher = RabbitMQPublisher(exchange)  # type: ignore[arg-type]
+    # The publisher publishes on the exchange channel's underlying AMQP channel: count there.
+    underlay = InFlight(await confirming.get_underlay_channel())
+
+    async def counted() -> Any:
+        return underlay
+
+    confirming.get_underlay_channel = counted
+    publisher = RabbitMQPublisher(await confirming.get_exchange(unique))
     sent = waves(aggregates=100, per_aggregate=5)
     for wave in sent:  # as the relay does: one event per aggregate at a time
         await asyncio.gather(*(publisher.publish(e) for e in wave))
-    assert exchange.peak > 1  # confirms were awaited together, not one round trip each
+    assert underlay.peak > 1  # confirms were awaited together, not one round trip each
     await confirming.close()
     received = [Event.from_json(m.body) for m in await drain_queue(queue, 500)]
     assert_in_order(received, [e for wave in sent for e in wave], once=True)

@@ -1,0 +1,213 @@
+"""Pipelined JetStream publishing with an ack mux of its own.
+
+nats-py offers two ways to publish to JetStream, neither fit for a relay's waves. ``js.publish``
+is a request per message: a future, a timer and a task each, one round trip awaited per call.
+``js.publish_async`` pipelines, but leaves a message's ack future pending for ever when the
+stream answers with an error (nats.py#985: its reply callback raises instead of failing the
+future), so a refused message costs a whole timeout and hides the broker's reason.
+
+Here a publisher subscribes once to a wildcard under an inbox of its own, sends each message of
+a chunk with a reply subject under it (the inbox and a counter), and the reply callback parses
+the PubAck JSON and records the message's outcome in its chunk: ``None`` once stored (a
+``duplicate`` included: the stream already has it), else the stream's error, at once. The
+chunk waits for all its acks under one deadline; no task, future or timer per message.
+
+The header block is encoded once per message (nats-py's ``publish`` would encode it again,
+checking every name with a regular expression, which was a third of the cost per message), and
+while the connection is up the HPUB command goes straight to the client's write buffer, flushed
+once per chunk. Those two client internals are looked up when this module is imported; without
+them (or while reconnecting, when the client's own buffering rules apply) ``publish`` is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client
+
+try:
+    from nats.protocol.command import hpub_cmd
+except ImportError:  # pragma: no cover - every nats-py 2 has it
+    hpub_cmd = None  # type: ignore[assignment]
+
+_STATUS = "Status"
+_DESCRIPTION = "Description"
+_NO_RESPONDERS = "503"  # the server's answer when no stream listens on the subject
+_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+_HEADER_LINE = b"NATS/1.0\r\n"
+# A stored message's ack starts so; one naming no "error" needs no JSON parse.
+_ACKED = b'{"stream":'
+_RAW = hpub_cmd is not None and all(
+    callable(getattr(Client, name, None)) for name in ("_send_command", "_flush_pending")
+)
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    """The header block as the NATS protocol frames it (what ``max_payload`` counts)."""
+    text = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if text.count("\n") != len(headers) or text.count("\r") != len(headers):
+        # A line break inside a value would split the block: sent as a space, as nats-py does.
+        text = "".join([f"{k}: {v.translate(_NEWLINES)}\r\n" for k, v in headers.items()])
+    return _HEADER_LINE + text.encode() + b"\r\n"
+
+
+def outcome(msg: Any) -> BaseException | None:
+    """What a JetStream reply says of its message: ``None`` when stored, else the error."""
+    data = msg.data
+    if data.startswith(_ACKED) and b'"error"' not in data:
+        return None
+    headers = msg.headers
+    if headers and not msg.data:
+        status = headers.get(_STATUS)
+        if status == _NO_RESPONDERS:
+            return nats.js.errors.NoStreamResponseError()
+        if status is not None:
+            return nats.js.errors.APIError(
+                code=int(status) if status.isdigit() else None,
+                description=headers.get(_DESCRIPTION),
+            )
+    try:
+        reply = json.loads(msg.data)
+    except ValueError:
+        return nats.js.errors.APIError(description=f"unreadable JetStream ack {msg.data[:80]!r}")
+    if not isinstance(reply, dict):
+        return nats.js.errors.APIError(description=f"unreadable JetStream ack {msg.data[:80]!r}")
+    error = reply.get("error")
+    if error is not None:
+        try:
+            # nats-py raises the error's class (503 ServiceUnavailableError, 400 BadRequestError
+            # ...) rather than returning it.
+            nats.js.errors.APIError.from_error(error)
+        except nats.js.errors.APIError as refused:
+            return refused
+        except (KeyError, TypeError):
+            return nats.js.errors.APIError(description=f"unreadable JetStream error {error!r}")
+    if "stream" not in reply:
+        return nats.js.errors.APIError(description=f"not a JetStream ack: {msg.data[:80]!r}")
+    return None
+
+
+class Chunk:
+    """The outcomes of one chunk's messages, filled in by the reply callback."""
+
+    __slots__ = ("done", "outcomes", "tokens", "waiting")
+
+    def __init__(self, size: int, done: asyncio.Future[None]) -> None:
+        self.outcomes: list[BaseException | None] = [None] * size
+        self.tokens: list[tuple[str, int]] = []
+        # The sender counts as one until it has sent the lot (``sent``): acks that come back
+        # while it still sends must not complete the chunk.
+        self.waiting = 1
+        self.done = done
+
+    def settle(self, index: int, result: BaseException | None) -> None:
+        self.outcomes[index] = result
+        self._less()
+
+    def sent(self) -> None:
+        self._less()
+
+    def _less(self) -> None:
+        self.waiting -= 1
+        if not self.waiting and not self.done.done():
+            self.done.set_result(None)
+
+
+class AckMux:
+    """One wildcard subscription on a connection, matching JetStream acks to their messages by
+    reply subject."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.prefix = ""
+        self.pending: dict[str, tuple[Chunk, int]] = {}
+        self._counter = itertools.count()
+        self._starting = asyncio.Lock()
+        self._unflushed = False
+        self._subscription: Any = None
+
+    async def start(self) -> str:
+        """The reply prefix, subscribing at the first call (the connection resubscribes it
+        after a reconnect)."""
+        if not self.prefix:
+            async with self._starting:
+                if not self.prefix:
+                    inbox = self.nc.new_inbox()
+                    self._subscription = await self.nc.subscribe(f"{inbox}.*", cb=self._reply)
+                    self.prefix = f"{inbox}."
+        return self.prefix
+
+    async def close(self, error: BaseException) -> None:
+        """Fail what still awaits its ack with ``error``, and unsubscribe: on a borrowed
+        connection the subscription would outlive the publisher."""
+        self.fail_all(error)
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None and not self.nc.is_closed:
+            await subscription.unsubscribe()
+
+    def expect(self, chunk: Chunk, index: int) -> str:
+        """Register a message of ``chunk``; returns the reply subject to send it with."""
+        token = str(next(self._counter))
+        self.pending[token] = (chunk, index)
+        chunk.tokens.append((token, index))
+        chunk.waiting += 1
+        return self.prefix + token
+
+    async def send(
+        self, subject: str, reply: str, body: bytes, headers: dict[str, str], block: bytes
+    ) -> None:
+        """Queue one message for the connection to write (``flush`` hands the lot over)."""
+        nc = self.nc
+        if _RAW and nc.is_connected and not nc.is_draining_pubs:
+            stats: Any = nc.stats
+            stats["out_msgs"] += 1
+            stats["out_bytes"] += len(body)
+            await nc._send_command(hpub_cmd(subject, reply, block, body))
+            self._unflushed = True
+        else:
+            await nc.publish(subject, body, reply=reply, headers=headers)
+
+    async def flush(self) -> None:
+        if self._unflushed:
+            self._unflushed = False
+            await self.nc._flush_pending()
+
+    def unsend(self, chunk: Chunk) -> None:
+        """The message ``expect`` registered last could not be sent: no ack will come."""
+        token, _ = chunk.tokens.pop()
+        self.pending.pop(token, None)
+        chunk.waiting -= 1
+
+    def fail_all(self, error: BaseException) -> None:
+        """Give every message still awaiting its ack ``error`` (the publisher is closing)."""
+        pending, self.pending = self.pending, {}
+        for chunk, index in pending.values():
+            chunk.settle(index, error)
+
+    def abandon(self, chunk: Chunk) -> list[int]:
+        """Stop waiting for what ``chunk`` still awaits; returns those messages' indexes."""
+        left = []
+        for token, index in chunk.tokens:
+            if self.pending.pop(token, None) is not None:
+                left.append(index)
+        return left
+
+    async def _reply(self, msg: Any) -> None:
+        # A late ack (its chunk timed out or was cancelled) finds nothing and is dropped.
+        waiter = self.pending.pop(msg.subject[len(self.prefix) :], None)
+        if waiter is not None:
+            chunk, index = waiter
+            chunk.settle(index, outcome(msg))
+
+
+async def wait_all(chunk: Chunk, timeout: float) -> bool:
+    """Once every message of ``chunk`` is sent: wait for their acks, at most ``timeout``
+    seconds; whether all came."""
+    chunk.sent()
+    if chunk.waiting:
+        await asyncio.wait((chunk.done,), timeout=timeout)
+    return not chunk.waiting

@@ -1,0 +1,127 @@
+"""NatsPublisher's own ack mux against the real NATS server: a stream's error reply surfaces at
+once (nats-py's publish_async would leave it pending for ever, nats.py#985), duplicates count as
+stored, a missing or unreadable ack fails only its own message, and closing fails what is in
+flight at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.js.errors
+import pytest
+from nats.js.api import DiscardPolicy
+
+from mongo_outbox import BrokerFullError, BrokerUnavailableError, PublishError
+from mongo_outbox.publishers import NatsPublisher
+from tests.support.messages import event, read_stream
+from tests.support.servers import NATS_URL
+
+# Each publisher here waits this long for an ack: an error that took it would fail the test.
+PATIENT = 60.0
+PROMPT = 10.0  # generous for a loaded machine, still far below PATIENT
+
+
+async def test_a_full_streams_refusal_surfaces_at_once_beside_stored_messages(
+    nats_client: Any, unique: str
+) -> None:
+    js = nats_client.jetstream()
+    await js.add_stream(
+        name=unique, subjects=[f"{unique}.>"], max_msgs=2, discard=DiscardPolicy.NEW
+    )
+    try:
+        publisher = NatsPublisher(js, subject=f"{unique}.{{type}}", timeout=PATIENT)
+        sent = [event(sequence=n) for n in range(1, 5)]
+        results = await asyncio.wait_for(publisher.publish_many(sent), PROMPT)
+        assert results[:2] == [None, None]
+        for result, refused in zip(results[2:], sent[2:], strict=True):
+            assert isinstance(result, BrokerFullError) and result.event_id == refused.id
+            assert isinstance(result.__cause__, nats.js.errors.APIError)
+            assert "maximum messages exceeded" in str(result)
+        messages = await read_stream(nats_client, unique, 2)
+        assert [m.headers["Nats-Msg-Id"] for m in messages] == [e.id for e in sent[:2]]
+    finally:
+        await js.delete_stream(unique)
+
+
+async def test_no_stream_for_a_subject_surfaces_at_once_as_a_missing_destination(
+    nats_client: Any, nats_stream: str, unique: str
+) -> None:
+    publisher = NatsPublisher(
+        nats_client.jetstream(), subject=lambda e: e.headers["to"], timeout=PATIENT
+    )
+    stored = event(headers={"to": f"{nats_stream}.ok"})
+    lost = event(headers={"to": f"{unique}x.nowhere"})
+    results = await asyncio.wait_for(publisher.publish_many([lost, stored, lost]), PROMPT)
+    assert results[1] is None
+    for result in (results[0], results[2]):
+        assert isinstance(result, BrokerUnavailableError)
+        assert result.destination == f"{unique}x.nowhere"  # the 503 no-responders status
+        assert isinstance(result.__cause__, nats.js.errors.NoStreamResponseError)
+    with pytest.raises(BrokerUnavailableError):
+        await asyncio.wait_for(publisher.publish(lost), PROMPT)
+
+
+async def test_a_duplicate_in_one_chunk_and_across_chunks_counts_as_stored(
+    nats_client: Any, nats_stream: str
+) -> None:
+    publisher = NatsPublisher(nats_client.jetstream(), subject=f"{nats_stream}.{{type}}")
+    first, second = event(sequence=1), event(sequence=2)
+    assert await publisher.publish_many([first, second, first, first]) == [None] * 4
+    assert await publisher.publish_many([second, first]) == [None, None]
+    messages = await read_stream(nats_client, nats_stream, 2)
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [first.id, second.id]
+    # JetStream said duplicate: a plain publish of the same id shows it.
+    ack = await nats_client.jetstream().publish(
+        f"{nats_stream}.x", b"{}", headers={"Nats-Msg-Id": first.id}
+    )
+    assert ack.duplicate
+
+
+async def test_a_missing_or_unreadable_ack_fails_only_its_own_message(
+    nats_client: Any, nats_stream: str, unique: str
+) -> None:
+    # Core subscribers where no stream is: one never answers, one answers nonsense.
+    async def nonsense(msg: Any) -> None:
+        await msg.respond(b"not json")
+
+    silent = await nats_client.subscribe(f"{unique}x.silent")
+    garbled = await nats_client.subscribe(f"{unique}x.garbled", cb=nonsense)
+    await nats_client.flush()
+    try:
+        publisher = NatsPublisher(
+            nats_client.jetstream(), subject=lambda e: e.headers["to"], timeout=1.0
+        )
+        good = event(headers={"to": f"{nats_stream}.ok"})
+        unanswered = event(headers={"to": f"{unique}x.silent"})
+        unreadable = event(headers={"to": f"{unique}x.garbled"})
+        results = await asyncio.wait_for(
+            publisher.publish_many([unanswered, good, unreadable]), PROMPT
+        )
+        assert results[1] is None
+        assert isinstance(results[0], BrokerUnavailableError)
+        assert "no ack within 1s" in str(results[0]) and results[0].event_id == unanswered.id
+        assert isinstance(results[2], nats.js.errors.APIError)
+        assert "unreadable JetStream ack" in str(results[2])
+        # The ack that never came is no longer awaited: the next chunk is not held up by it.
+        assert await asyncio.wait_for(publisher.publish_many([good]), PROMPT) == [None]
+    finally:
+        await silent.unsubscribe()
+        await garbled.unsubscribe()
+
+
+async def test_aclose_fails_publishes_in_flight_at_once(nats_client: Any, unique: str) -> None:
+    silent = await nats_client.subscribe(f"{unique}.silent")
+    await nats_client.flush()
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{unique}.silent", timeout=PATIENT)
+    try:
+        in_flight = asyncio.create_task(publisher.publish_many([event(), event()]))
+        # Both messages reached the server: their acks are what the publisher waits for.
+        await asyncio.wait_for(silent.next_msg(timeout=PROMPT), PROMPT)
+        await asyncio.wait_for(silent.next_msg(timeout=PROMPT), PROMPT)
+        await publisher.aclose()
+        results = await asyncio.wait_for(in_flight, PROMPT)
+        assert all(isinstance(r, PublishError) and "closed" in str(r) for r in results)
+    finally:
+        await publisher.aclose()
+        await silent.unsubscribe()
