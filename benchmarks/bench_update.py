@@ -11,10 +11,12 @@ Baselines, as the issue states them:
   ``insert_one`` of the outbox entry. It numbers nothing: the library's ``findAndModify`` also
   moves ``_version``/``_sequence`` and returns them, so the entry carries its sequence.
 - embedded mode: one ``update_one`` with the same update, ``$push`` of the entry and ``$set`` of
-  the due time. The library also reserves the event id in the registry (one insert) and, for an
-  operator update, reads the counters first (an operator update cannot number the entries from
-  the stored ``_sequence``); a second by-hand side adds the registry insert, and a library side
-  with the same change as a pipeline update (one write, no read) shows what the read costs.
+  the due time. The library's update is one ``findAndModify`` too (the entry pushed unnumbered,
+  the counters moved by ``$inc``, the due time by ``$max``), after it reserved the event id in
+  the registry (one insert: what refuses an id pending in another collection or published
+  within retention before anything is written, which one single-document write cannot see). A
+  second by-hand side adds that registry insert: the like-for-like cost; a library side with the
+  same change as a pipeline update shows the other way to write it.
 - the sync API: the same two baselines written with PyMongo's sync client.
 """
 
