@@ -77,12 +77,13 @@ _COUNTERS = {"_version": 1, "_sequence": 1}
 class DocumentWriter:
     """Writes aggregate documents for an outbox of ``mode`` whose entries live in ``field``."""
 
-    def __init__(self, mode: str, field: str, due_field: str, claim_field: str, wait_field: str):
+    def __init__(self, mode: str, field: str):
         self.mode = mode
         self.field = field
-        self.due_field = due_field
-        self.claim_field = claim_field
-        self.wait_field = wait_field
+        self.due_field = f"{field}_due"
+        self.claim_field = f"{field}_claim"
+        self.wait_field = f"{field}_wait"
+        self.sent_field = f"{field}_sent"
         self._entries = field if mode == "embedded" else None
 
     def write(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
@@ -140,8 +141,12 @@ class DocumentWriter:
         conditions = _version_guard(plan.expected_version)
         embedded = self.mode == "embedded" and bool(plan.events)
         if embedded:
-            # A retried write whose events are already pending here must not add them twice.
-            conditions[f"{self.field}.id"] = {"$nin": [e.id for e in plan.events]}
+            # A retried write whose events are already pending here must not add them twice,
+            # nor those the relay's last settle just removed (a retry that read their
+            # reservations an instant before the relay marked them published).
+            ids = [e.id for e in plan.events]
+            conditions[f"{self.field}.id"] = {"$nin": ids}
+            conditions[self.sent_field] = {"$nin": ids}
         sets = self._counted(plan, now)
         if plan.kind == "save":
             # Replace the fields, keep the counters (and the embedded fields): one stage.
@@ -197,6 +202,7 @@ class DocumentWriter:
                 # The relay's own fields survive a save: $replaceWith would drop them otherwise.
                 sets[self.claim_field] = f"${self.claim_field}"
                 sets[self.wait_field] = f"${self.wait_field}"
+                sets[self.sent_field] = f"${self.sent_field}"
         return sets
 
     def _find_and_modify(

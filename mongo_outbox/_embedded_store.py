@@ -38,6 +38,7 @@ class EmbeddedStore(ParkedEntries):
         self.due = outbox.due_field
         self.claim_field = outbox.claim_field
         self.wait_field = outbox.wait_field
+        self.sent_field = outbox.sent_field
         self.colls = {name: ours(outbox.db[name]) for name in outbox.collections}
         self.ids = PublishedIds(outbox.event_ids, outbox.retention)
         self._turn = 0
@@ -184,7 +185,17 @@ class EmbeddedStore(ParkedEntries):
             if ids:
                 # Under our claim only: once another relay holds the document, its round
                 # decides what is left (it publishes these again: at least once, never lost).
-                ops[name].append(UpdateOne(mine, {"$pull": {self.field: {"id": {"$in": ids}}}}))
+                # Their ids stay in the document until its next settle: a save repeated at this
+                # instant, which found their reservations not yet published, is refused here.
+                ops[name].append(
+                    UpdateOne(
+                        mine,
+                        {
+                            "$pull": {self.field: {"id": {"$in": ids}}},
+                            "$set": {self.sent_field: ids},
+                        },
+                    )
+                )
             failure = failures.get((name, doc_id))
             if failure is None:
                 ops[name].append(self._release([doc_id], claim.token, now))

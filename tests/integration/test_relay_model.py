@@ -1,15 +1,15 @@
 """Model-based test of the relays (a hypothesis state machine), in both outbox modes.
 
-The machine interleaves at random: saves and operator updates (committed, aborted on purpose
-inside a transaction, refused by ``expected_version``); a broker that is up, down (``BrokerUnavailableError``: no
-attempt counted) or without a route for events of type ``b`` (``BrokerUnavailableError`` with a
-``destination``); events that turn bad (``RuntimeError``: an attempt; ``InvalidEventError``: parked
-at once) and heal; relay processes, up to three, restarted by replacing their object: a
-``PollingRelay`` publishing a batch or draining, a ``ChangeStreamRelay`` draining, and one
-``ChangeStreamRelay`` running, fed change batches one at a time (fresh inserts and stale replays
-alike); relays that die, one that claimed through the store and published a few waves by hand,
-one cancelled right after its k-th broker confirm; their leases running out; a stalled relay
-settling late; operators requeuing parked events; time passing.
+The machine interleaves at random: saves and operator updates (committed, aborted on purpose inside
+a transaction, refused by ``expected_version``); a broker that is up, down
+(``BrokerUnavailableError``: no attempt counted) or without a route for events of type ``b``
+(``BrokerUnavailableError`` with a ``destination``); events that turn bad (``RuntimeError``: an
+attempt; ``InvalidEventError``: parked at once) and heal; relay processes, up to three, restarted
+by replacing their object: a ``PollingRelay`` publishing a batch or draining, a
+``ChangeStreamRelay`` draining, and one ``ChangeStreamRelay`` running, fed change batches one at a
+time (fresh inserts and stale replays alike); relays that die, one that claimed through the store
+and published a few waves by hand, one cancelled right after its k-th broker confirm; their leases
+running out; a stalled relay settling late; operators requeuing parked events; time passing.
 
 Time passes only when the model says so: the backoff and dead relays' leases are an hour, and
 ``time_passes`` and ``lease_runs_out`` move due times to now, as ``_make_due`` does in

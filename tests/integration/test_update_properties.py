@@ -49,6 +49,7 @@ OWNED = {
         "_outbox_due",
         "_outbox_claim",
         "_outbox_wait",
+        "_outbox_sent",
     },
 }
 

@@ -27,7 +27,15 @@ from tests.support.contents import contents
 from tests.support.outboxes import stored_entries
 
 MODES = ["collection", "embedded"]
-OWNED = {"_version", "_sequence", "_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait"}
+OWNED = {
+    "_version",
+    "_sequence",
+    "_outbox",
+    "_outbox_due",
+    "_outbox_claim",
+    "_outbox_wait",
+    "_outbox_sent",
+}
 
 
 @pytest.fixture(params=[(m, a) for m in MODES for a in APIS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -215,7 +223,7 @@ def refused_updates(mode: str) -> list[tuple[Any, Any]]:
     """(filter, update) pairs refused before anything is written."""
     owned = ["_version", "_sequence"]
     if mode == "embedded":
-        owned += ["_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait"]
+        owned += ["_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait", "_outbox_sent"]
     cases: list[tuple[Any, Any]] = []
     for name in owned:
         cases += [
@@ -431,3 +439,29 @@ async def test_an_embedded_update_while_a_relay_holds_the_document_is_published_
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 1
     assert [(e.type, e.sequence) for e in publisher.events] == [("b", 2)]
+
+
+@pytest.mark.parametrize("write", ["save", "update"])
+async def test_a_repeated_write_racing_the_publication_of_its_event_is_refused(
+    db: Any, write: str
+) -> None:
+    # The repeat finds the event's reservation not yet published; the relay publishes the event
+    # and removes it from the document before the repeat writes: the repeat must still be refused.
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    event = Event(type="a")
+    await outbox.save_with_events(None, db.orders, {"_id": 1, "n": 0}, [event])
+
+    async def relay_publishes_meanwhile() -> None:
+        assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
+
+    CollectionWithAHookBeforeItsWrite.hooks.append(relay_publishes_meanwhile)
+    orders = CollectionWithAHookBeforeItsWrite(db, "orders")
+    with pytest.raises(DuplicateEventError):
+        if write == "save":
+            await outbox.save_with_events(None, orders, {"_id": 1, "n": 1}, [event])
+        else:
+            await outbox.update_with_events(None, orders, {"_id": 1}, {"$inc": {"n": 1}}, [event])
+    assert not CollectionWithAHookBeforeItsWrite.hooks
+    stored = await db.orders.find_one({"_id": 1})
+    assert (stored["n"], stored["_version"], stored["_outbox"]) == (0, 1, [])
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0
