@@ -17,7 +17,7 @@ Baselines, as the issue states them:
   within retention before anything is written, which one single-document write cannot see). A
   second by-hand side adds that registry insert: the like-for-like cost; a library side with the
   same change as a pipeline update shows the other way to write it.
-- the sync API: the same two baselines written with PyMongo's sync client.
+- the sync API: the same baselines written with PyMongo's sync client.
 """
 
 from __future__ import annotations
@@ -122,9 +122,12 @@ def sync_library(mongo: MongoClient[Any], mode: str) -> Side:
     return update
 
 
-def sync_by_hand(mongo: MongoClient[Any], mode: str) -> Side:
+def sync_by_hand(mongo: MongoClient[Any], mode: str, registry: bool = False) -> Side:
     async def update(db: Any, key: str, change: dict[str, Any], event: Event) -> None:
         sync_db = mongo[db.name]
+        if registry:
+            reservation = {"_id": event.id, "collection": "orders", "aggregate": key}
+            sync_db.outbox_event_ids.insert_one(reservation)
         if mode == "embedded":
             sync_db.orders.update_one(
                 {"_id": key},
@@ -214,14 +217,13 @@ async def run(uri: str) -> list[str]:
         )
         for mode in ("collection", "embedded"):
             what = "update_one with $push" if mode == "embedded" else "update_one + insert_one txn"
-            lines += await compare(
-                mongo,
-                f"sync {mode}",
-                {
-                    "sync update_with_events": sync_library(sync_mongo, mode),
-                    f"sync {what}": sync_by_hand(sync_mongo, mode),
-                },
-            )
+            sides = {
+                "sync update_with_events": sync_library(sync_mongo, mode),
+                f"sync {what}": sync_by_hand(sync_mongo, mode),
+            }
+            if mode == "embedded":
+                sides[f"sync registry insert + {what}"] = sync_by_hand(sync_mongo, mode, True)
+            lines += await compare(mongo, f"sync {mode}", sides)
         return lines
     finally:
         sync_mongo.close()
