@@ -171,6 +171,12 @@ class PublishedIds:
         if not published:
             return
         expire_at = now + self.retention
+        marked = {"$set": {"published": True, "expire_at": expire_at}}
+        ids = [event_id for event_id, _, _ in published]
+        # One statement for the common case: every id has its reservation.
+        found = await self.registry.update_many({"_id": {"$in": ids}}, marked)
+        if found.matched_count >= len(set(ids)):
+            return
         await self.registry.bulk_write(
             [
                 UpdateOne(

@@ -27,7 +27,7 @@ async def main(
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     outbox = Outbox(client[db_name], mode=mode, collections=["orders"])
     if kill_at == "settle":
-        outbox.event_ids = KillAfterWrite(outbox.event_ids, "bulk_write")
+        outbox.event_ids = KillAfterWrite(outbox.event_ids, "update_many")
     inner: Publisher
     if broker == "nats":
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")

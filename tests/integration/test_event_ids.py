@@ -214,3 +214,24 @@ async def test_a_reservation_expires_retention_after_its_event_was_published(db:
     # Once retention has passed, the id is free again, as in collection mode.
     await prune_as_the_ttl_monitor_would(outbox, after=timedelta(hours=2))
     await outbox.save_with_events(None, db.orders, {"_id": 2}, [event])
+
+
+async def test_the_relay_takes_an_id_whose_reservation_is_missing_when_it_publishes(
+    db: Any,
+) -> None:
+    # A reservation pruned under the older rule (expiry from the save) or removed by hand.
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    event = Event(type="placed")
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [event])
+    await outbox.event_ids.delete_many({})
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
+    reservation = await outbox.event_ids.find_one({"_id": event.id})
+    assert reservation is not None
+    assert (reservation["collection"], reservation["aggregate"], reservation["published"]) == (
+        "orders",
+        1,
+        True,
+    )
+    with pytest.raises(DuplicateEventError):
+        await outbox.save_with_events(None, db.orders, {"_id": 1}, [event])
