@@ -127,14 +127,17 @@ def encoded_size(value: Mapping[str, Any], collection: Any, what: str) -> int:
     """The BSON size of ``value`` as ``collection``'s codec encodes it, or InvalidAggregateError
     for what MongoDB would refuse: keys starting with ``$`` or holding NUL, values BSON cannot
     encode (a type without a codec, an int beyond 64 bits, text that is not valid Unicode)."""
-    _check_keys(value, collection.name, what)
     try:
-        return len(bson.encode(value, codec_options=collection.codec_options))
+        encoded = bson.encode(value, codec_options=collection.codec_options)
     except (InvalidDocument, OverflowError, UnicodeEncodeError, TypeError, ValueError) as error:
+        _check_keys(value, collection.name, what)  # the clearer reason, if it is one
         raise InvalidAggregateError(
             f"{what} cannot be stored in {collection.name}: {type(error).__name__}: {error}",
             collection=collection.name,
         ) from error
+    if b"$" in encoded:  # a key can start with "$" only if the encoding holds one: rarely
+        _check_keys(value, collection.name, what)
+    return len(encoded)
 
 
 def check_size(size: int, collection: str, what: str) -> None:

@@ -3,7 +3,10 @@ write side and the relay cannot drift apart.
 
 An entry is the Event's fields with its id under ``_id`` (a document of the outbox collection)
 or ``id`` (an element of an aggregate's outbox array), plus the relay's bookkeeping fields, which
-decoding ignores. Reading goes through collections with codec options of our own, so a client
+decoding ignores. An embedded entry appended by an update of operators carries no ``sequence``:
+an operator update cannot read the stored ``_sequence`` it moves, so ``numbered`` gives the
+entry its number when the entries are read (see ``numbered`` for why the position tells it).
+Reading goes through collections with codec options of our own, so a client
 configured for naive datetimes or ``DATETIME_MS`` reads the same entries.
 """
 
@@ -52,3 +55,24 @@ def ours(collection: Any) -> Any:
         tz_aware=True, tzinfo=timezone.utc, datetime_conversion=DatetimeConversion.DATETIME_AUTO
     )
     return collection.with_options(codec_options=options)
+
+
+def numbered(entries: list[Any], last: Any) -> list[Any]:
+    """An aggregate document's outbox array with every entry's ``sequence``; ``last`` is the
+    document's ``_sequence``, read with the array.
+
+    An entry without one takes ``last`` minus the number of entries after it. That holds because
+    each write appends its entries at the end and moves ``_sequence`` by as many, in one
+    single-document write, and no entry after an unnumbered one is ever removed: the relay
+    removes only entries it published, which follow in order every earlier entry it did not
+    park, and parking writes the entry's number (``EmbeddedStore.settle``).
+    """
+    if not isinstance(last, int) or isinstance(last, bool):
+        return list(entries)
+    after = len(entries) - 1
+    out: list[Any] = []
+    for index, entry in enumerate(entries):
+        if isinstance(entry, dict) and "id" in entry and entry.get("sequence") is None:
+            entry = entry | {"sequence": last - (after - index)}
+        out.append(entry)
+    return out

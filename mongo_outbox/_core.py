@@ -66,15 +66,14 @@ class OutboxCore:
         self.due_field = f"{field}_due"
         self.claim_field = f"{field}_claim"
         self.wait_field = f"{field}_wait"
+        self.sent_field = f"{field}_sent"
         owned = {"_version", "_sequence"}
         if mode == "embedded":
-            owned |= {field, self.due_field, self.claim_field, self.wait_field}
+            owned |= {field, self.due_field, self.claim_field, self.wait_field, self.sent_field}
         self._reserved = frozenset(owned)
         self._rules = Rules(db, mode, self.collections, self.aggregate_types, self._reserved)
         self._registry = EventIds(self.event_ids, retention)
-        self._documents = DocumentWriter(
-            mode, field, self.due_field, self.claim_field, self.wait_field
-        )
+        self._documents = DocumentWriter(mode, field)
 
     def _index_steps(self) -> Steps[None]:
         """The indexes the relay and the TTL pruning need. Idempotent."""

@@ -8,10 +8,10 @@ event. It returns both as they are after the write, and the events are numbered 
 - save otherwise: one ``findAndModify`` whose update pipeline replaces the document's fields and
   keeps its counters (and in embedded mode appends the entries and sets the due time).
 - update: one ``findAndModify`` with the caller's update and the outbox's part merged in: ``$inc``
-  of the counters for operators, a last ``$set`` stage for a pipeline. In embedded mode the
-  entries' sequences come from the stored ``_sequence``, which an operator update cannot read:
-  there the write is preceded by a read of the counters, and guarded by them (a concurrent write
-  makes it match nothing, and it is tried again).
+  of the counters for operators, a last ``$set`` stage for a pipeline. In embedded mode an
+  operator update also ``$push``es the entries, unnumbered (it cannot read the ``_sequence`` it
+  moves; ``_codec.numbered`` says why their position tells their number), and ``$max``es the
+  due time, so no read precedes the write.
 - delete: one ``findAndModify`` that removes the document and returns its counters.
 - add (events beside the caller's own writes): one ``findAndModify`` of ``$inc`` alone.
 
@@ -21,7 +21,6 @@ in first, and then the write is tried again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -30,12 +29,10 @@ from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._plans import Plan
 from mongo_outbox._refusals import (
-    at_version,
     conflict,
     explain,
     not_found,
     on_id,
-    read,
     too_large,
 )
 from mongo_outbox._steps import Steps, call
@@ -80,12 +77,13 @@ _COUNTERS = {"_version": 1, "_sequence": 1}
 class DocumentWriter:
     """Writes aggregate documents for an outbox of ``mode`` whose entries live in ``field``."""
 
-    def __init__(self, mode: str, field: str, due_field: str, claim_field: str, wait_field: str):
+    def __init__(self, mode: str, field: str):
         self.mode = mode
         self.field = field
-        self.due_field = due_field
-        self.claim_field = claim_field
-        self.wait_field = wait_field
+        self.due_field = f"{field}_due"
+        self.claim_field = f"{field}_claim"
+        self.wait_field = f"{field}_wait"
+        self.sent_field = f"{field}_sent"
         self._entries = field if mode == "embedded" else None
 
     def write(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
@@ -129,13 +127,8 @@ class DocumentWriter:
         return 1, n
 
     def _update(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
-        embedded = self.mode == "embedded" and bool(plan.events)
         for _ in range(_ATTEMPTS):
-            if embedded and isinstance(plan.update, dict):
-                found = yield from read(plan, {"_id": plan.doc_id}, session, self.due_field)
-                written = yield from self._write_known(plan, session, now, found)
-            else:
-                written = yield from self._write_blind(plan, session, now)
+            written = yield from self._write_blind(plan, session, now)
             if written is not None:
                 return written
             yield from explain(plan, session, self._entries, self.due_field)
@@ -146,18 +139,31 @@ class DocumentWriter:
     ) -> Steps[tuple[int, int] | None]:
         """One write that moves the counters where they are: no need to read them first."""
         conditions = _version_guard(plan.expected_version)
-        if self.mode == "embedded" and plan.events:
-            # A retried write whose events are already pending here must not add them twice.
-            conditions[f"{self.field}.id"] = {"$nin": [e.id for e in plan.events]}
+        embedded = self.mode == "embedded" and bool(plan.events)
+        if embedded:
+            # A retried write whose events are already pending here must not add them twice,
+            # nor those the relay's last settle just removed (a retry that read their
+            # reservations an instant before the relay marked them published).
+            ids = [e.id for e in plan.events]
+            conditions[f"{self.field}.id"] = {"$nin": ids}
+            conditions[self.sent_field] = {"$nin": ids}
         sets = self._counted(plan, now)
         if plan.kind == "save":
             # Replace the fields, keep the counters (and the embedded fields): one stage.
             update: Any = [{"$replaceWith": {"$mergeObjects": [{"$literal": plan.body}, sets]}}]
             query, upsert = {"_id": plan.doc_id}, plan.expected_version is None
         elif isinstance(plan.update, dict):
-            update = with_operators(
-                plan.update, {"$inc": {"_version": 1, "_sequence": len(plan.events)}}
-            )
+            ours: dict[str, dict[str, Any]] = {
+                "$inc": {"_version": 1, "_sequence": len(plan.events)}
+            }
+            if embedded:
+                # The entries go in unnumbered: an operator update cannot read the _sequence it
+                # moves, and their position tells their number (_codec.numbered). $max keeps a
+                # due time in the future (a relay's lease, a backoff) and makes a document
+                # with none due now.
+                ours["$push"] = {self.field: {"$each": plan.entries}}
+                ours["$max"] = {self.due_field: now}
+            update = with_operators(plan.update, ours)
             query, upsert = plan.query, plan.upsert
         else:
             update = [*(plan.update or []), {"$set": sets}]
@@ -167,46 +173,6 @@ class DocumentWriter:
                 plan, guarded(query, conditions), update, upsert, session
             )
         )
-
-    def _write_known(
-        self, plan: Plan, session: Any, now: datetime, found: Mapping[str, Any] | None
-    ) -> Steps[tuple[int, int] | None]:
-        """Embedded mode, an operator update with events: the entries are numbered from the
-        counters just read, and the write holds only if they are still those."""
-        if found is None and not plan.upsert:
-            return None
-        expected = plan.expected_version
-        if not at_version(found, expected):
-            raise conflict(plan)
-        base = (found or {}).get("_sequence")
-        entries = [
-            entry | {"sequence": (base or 0) + i} for i, entry in enumerate(plan.entries, start=1)
-        ]
-        conditions: dict[str, Any] = {
-            "_sequence": base if base is not None else {"$exists": False},
-            f"{self.field}.id": {"$nin": [e.id for e in plan.events]},
-            **_version_guard(expected),
-        }
-        sets: dict[str, Any] = {}
-        if (found or {}).get(self.due_field) is None:
-            conditions[self.due_field] = None  # still not due (null or missing): make it due now
-            sets[self.due_field] = now
-        else:
-            # A due time is kept (a relay's lease or backoff), but only if it is still there: a
-            # relay's settle may have removed it since the read, which would strand the entries.
-            conditions[self.due_field] = {"$ne": None}
-        assert isinstance(plan.update, dict)
-        update = with_operators(
-            plan.update,
-            {
-                "$inc": {"_version": 1, "_sequence": len(entries)},
-                "$push": {self.field: {"$each": entries}},
-                "$set": sets,
-            },
-        )
-        query = guarded(plan.query, conditions)
-        upsert = plan.upsert and found is None
-        return (yield from self._find_and_modify(plan, query, update, upsert, session))
 
     def _counted(self, plan: Plan, now: datetime) -> dict[str, Any]:
         """The ``$set`` stage that moves the counters (and appends embedded entries)."""
@@ -236,6 +202,7 @@ class DocumentWriter:
                 # The relay's own fields survive a save: $replaceWith would drop them otherwise.
                 sets[self.claim_field] = f"${self.claim_field}"
                 sets[self.wait_field] = f"${self.wait_field}"
+                sets[self.sent_field] = f"${self.sent_field}"
         return sets
 
     def _find_and_modify(

@@ -2,11 +2,12 @@
 document, so every write here is a single-document write, atomic without a transaction.
 
 A document with something to send carries a due time (``<field>_due``, indexed sparse); a
-relay claims the document by setting ``<field>_claim``, publishes its entries, then pulls the
-published ones from the array. Parked entries stay in their document, flagged ``parked``:
-parking is one single-document write like every other, so no crash can lose an entry or leave
-it in two places. Round trips per batch: find + updateMany + find per collection to claim, one
-bulkWrite per collection to settle.
+relay claims the document by setting ``<field>_claim``, publishes its entries, marks their ids
+published in the event-id registry (``_event_ids.py``: they stay taken for ``retention``), then
+pulls the published entries from the array. Parked entries stay in their document, flagged
+``parked``: parking is one single-document write like every other, so no crash can lose an
+entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
+to claim, one updateMany of the registry and one bulkWrite per collection to settle.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import decode, ours
-from mongo_outbox._driver import aggregate
+from mongo_outbox._codec import decode, numbered, ours
+from mongo_outbox._embedded_parked import ParkedEntries
+from mongo_outbox._event_ids import PublishedIds
 from mongo_outbox._store import Backlog, Claim, Failure
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -30,13 +32,15 @@ from mongo_outbox.outbox import Outbox
 _WRITES = frozenset({"insert", "update", "replace"})
 
 
-class EmbeddedStore:
+class EmbeddedStore(ParkedEntries):
     def __init__(self, outbox: Outbox) -> None:
         self.field = outbox.field
         self.due = outbox.due_field
         self.claim_field = outbox.claim_field
         self.wait_field = outbox.wait_field
+        self.sent_field = outbox.sent_field
         self.colls = {name: ours(outbox.db[name]) for name in outbox.collections}
+        self.ids = PublishedIds(outbox.event_ids, outbox.retention)
         self._turn = 0
 
     # -- claiming ---------------------------------------------------------------------------
@@ -107,14 +111,17 @@ class EmbeddedStore:
             missed = missed or claimed.modified_count < len(set(ids))
             if not claimed.modified_count:
                 continue
-            docs = await coll.find({self.claim_field: token}, projection={self.field: 1}).to_list(
-                None
-            )
+            docs = await coll.find(
+                {self.claim_field: token}, projection={self.field: 1, "_sequence": 1}
+            ).to_list(None)
             unreadable: list[UpdateOne] = []
             for doc in docs:
                 held.append((name, doc["_id"]))
                 group: list[Event] = []
-                for index, entry in enumerate(doc.get(self.field) or []):
+                stored = doc.get(self.field) or []
+                for index, (raw, entry) in enumerate(
+                    zip(stored, numbered(stored, doc.get("_sequence")), strict=True)
+                ):
                     if isinstance(entry, dict) and entry.get("parked"):
                         continue
                     try:
@@ -122,7 +129,7 @@ class EmbeddedStore:
                             raise InvalidEventError(f"outbox entry {entry!r} is not a document")
                         event = decode(entry, "id")
                     except InvalidEventError as error:
-                        unreadable.append(self._park_at(doc["_id"], index, entry, token, error))
+                        unreadable.append(self._park_at(doc["_id"], index, raw, token, error))
                         continue
                     group.append(event)
                     for counter, values in counters.items():
@@ -165,6 +172,11 @@ class EmbeddedStore:
         done: dict[tuple[str, Any], list[str]] = defaultdict(list)
         for event in published:
             done[claim.holders[event.id]].append(event.id)
+        # The ids stay taken for retention from now, in the registry, before their entries go:
+        # a crash in between leaves them pending here, and they are published again.
+        await self.ids.mark_published(
+            [(event.id, *claim.holders[event.id]) for event in published], now
+        )
         failures = {claim.holders[f.event.id]: f for f in failed}
         ops: dict[str, list[Any]] = defaultdict(list)
         for name, doc_id in claim.held:
@@ -173,13 +185,28 @@ class EmbeddedStore:
             if ids:
                 # Under our claim only: once another relay holds the document, its round
                 # decides what is left (it publishes these again: at least once, never lost).
-                ops[name].append(UpdateOne(mine, {"$pull": {self.field: {"id": {"$in": ids}}}}))
+                # Their ids stay in the document until its next settle: a save repeated at this
+                # instant, which found their reservations not yet published, is refused here.
+                ops[name].append(
+                    UpdateOne(
+                        mine,
+                        {
+                            "$pull": {self.field: {"id": {"$in": ids}}},
+                            "$set": {self.sent_field: ids},
+                        },
+                    )
+                )
             failure = failures.get((name, doc_id))
             if failure is None:
                 ops[name].append(self._release([doc_id], claim.token, now))
             else:
                 entry = f"{self.field}.$"
-                sets: dict[str, Any] = {f"{entry}.last_error": failure.error}
+                # Its number is written too: an entry appended unnumbered keeps it however the
+                # entries after it come and go (_codec.numbered).
+                sets: dict[str, Any] = {
+                    f"{entry}.last_error": failure.error,
+                    f"{entry}.sequence": failure.event.sequence,
+                }
                 if failure.kind == "park":
                     # Out of the way at once: its aggregate's later entries go on without it.
                     sets |= {self.due: now, f"{entry}.parked": True}
@@ -264,94 +291,3 @@ class EmbeddedStore:
             if doc and isinstance(doc.get(self.due), datetime):
                 times.append(as_utc(doc[self.due]))
         return min(times, default=None)
-
-    async def parked(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = []
-        for name, coll in self.colls.items():
-            docs = coll.find({f"{self.field}.parked": True}, projection={self.field: 1})
-            async for doc in docs:
-                for entry in doc[self.field]:
-                    if isinstance(entry, dict) and entry.get("parked"):
-                        found.append(self._listed(entry, name))
-        return sorted(found, key=lambda entry: str(entry["_id"]))
-
-    @staticmethod
-    def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
-        # An unreadable entry was parked wrapped, its original under "entry": show its fields.
-        original = entry.get("entry", entry)
-        fields = original if isinstance(original, dict) else {"entry": original}
-        rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
-        return {
-            "_id": fields.get("id"),
-            **rest,
-            "status": "parked",
-            "last_error": entry.get("last_error"),
-            "collection": collection,
-        }
-
-    async def parked_count(self) -> int:
-        parked = {"$filter": {"input": f"${self.field}", "cond": {"$eq": ["$$this.parked", True]}}}
-        total = 0
-        for coll in self.colls.values():
-            counts = await aggregate(
-                coll,
-                [
-                    {"$match": {f"{self.field}.parked": True}},
-                    {"$group": {"_id": None, "n": {"$sum": {"$size": parked}}}},
-                ],
-            )
-            total += sum(int(d["n"]) for d in counts)
-        return total
-
-    async def requeue(self, event_ids: Sequence[str]) -> int:
-        requeued = 0
-        wanted = list(event_ids)
-        for coll in self.colls.values():
-            docs = coll.find(
-                {self.field: {"$elemMatch": {"id": {"$in": wanted}, "parked": True}}},
-                projection={self.field: 1},
-            )
-            async for doc in docs:
-                entries = [e for e in doc[self.field] if isinstance(e, dict)]
-                upto = max(
-                    e.get("sequence") or 0
-                    for e in entries
-                    if e.get("id") in wanted and e.get("parked")
-                )
-                ids = [
-                    e["id"]
-                    for e in entries
-                    if e.get("parked")
-                    and (e.get("id") in wanted or (e.get("sequence") or 0) <= upto)
-                ]
-                result = await coll.update_one({"_id": doc["_id"]}, self._requeue(ids))
-                requeued += len(ids) if result.modified_count else 0
-        return requeued
-
-    def _requeue(self, event_ids: list[Any]) -> list[dict[str, Any]]:
-        # One write: the entries are unparked and their document due at once, unless a relay
-        # holds the document (then that relay's settle makes it due). Two writes could leave an
-        # unparked entry in a document no relay looks at. Ids go in as literals: an id such as
-        # "$x" would otherwise be read as a field path.
-        chosen = {
-            "$and": [
-                {"$in": ["$$e.id", {"$literal": event_ids}]},
-                {"$eq": ["$$e.parked", True]},
-            ]
-        }
-        fresh = {"$mergeObjects": ["$$e", {"parked": False, "attempts": 0, "waits": 0}]}
-        unclaimed = {"$eq": [{"$ifNull": [f"${self.claim_field}", None]}, None]}
-        return [
-            {
-                "$set": {
-                    self.field: {
-                        "$map": {
-                            "input": f"${self.field}",
-                            "as": "e",
-                            "in": {"$cond": [chosen, fresh, "$$e"]},
-                        }
-                    },
-                    self.due: {"$cond": [unclaimed, {"$literal": utc_now()}, f"${self.due}"]},
-                }
-            }
-        ]

@@ -7,15 +7,23 @@ relay mark both published, losing the second without a word. So each embedded sa
 reserves its event ids here, ``{_id: event id, collection, aggregate: the document's _id,
 expire_at}``, with one insert, and writes the document only once every id is its own.
 
+A reservation is ``{_id: event id, collection, aggregate: the document's _id}``. It has no
+``expire_at`` while its event is pending, however long that lasts (a relay down for longer than
+``retention``, an entry parked for weeks): a pending id stays taken. The relay's settle marks it
+``published`` with ``expire_at`` = now + ``retention`` before it removes the entry from its
+document, so an id published a moment ago stays taken too, like a published entry of collection
+mode, and the TTL index prunes it after ``retention``.
+
 Why two writes lose nothing:
 
 - A crash after the reservation and before the document write leaves a reservation and no event.
-  A retry of that save (same collection, same document) finds its own reservation and goes on;
-  otherwise the reservation simply expires.
-- A reservation outlives its entry: the relay prunes a published entry from its document at once,
-  but the reservation is kept ``retention`` from the save, like a published entry of collection
-  mode, so an id published a moment ago cannot be reused by another document either. (Only an
-  entry still pending ``retention`` after its save outlives its reservation.)
+  A retry of that save (same collection, same document) finds its own reservation, not marked
+  published, and goes on. (Without a retry the reservation stays: the id remains this
+  document's, which costs one small registry document.)
+- A crash of the relay after marking ids published and before removing their entries leaves the
+  entries pending: they are published again (at least once) and marked again.
+- A reservation of this document marked ``published`` is not a crash retry: the event went out
+  and left the document, so saving the id again is refused like any reused id.
 - A save that fails after reserving (a version conflict, a document too large) removes the
   reservations it made, so a refused save writes nothing.
 
@@ -27,16 +35,16 @@ the document write one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
-from mongo_outbox.events import utc_now
 
 _ATTEMPTS = 3  # a reservation that expires between our insert and our read is tried again
 
@@ -107,14 +115,11 @@ class EventIds:
     ) -> Steps[None]:
         if not ids:
             return
-        expire_at = utc_now() + self.retention
+        # No expire_at: a pending id stays taken until the relay marks it published.
         yield call(
             self.registry,
             "insert_many",
-            [
-                {"_id": i, "collection": collection, "aggregate": doc_id, "expire_at": expire_at}
-                for i in ids
-            ],
+            [{"_id": i, "collection": collection, "aggregate": doc_id} for i in ids],
             ordered=False,
             session=session,
         )
@@ -127,13 +132,17 @@ class EventIds:
         found = yield listing(self.registry, "find", {"_id": {"$in": ids}}, session=session)
         mine: set[str] = set()
         for entry in found:
-            if (entry.get("collection"), entry.get("aggregate")) == (collection, doc_id):
-                mine.add(entry["_id"])
+            here = (entry.get("collection"), entry.get("aggregate")) == (collection, doc_id)
+            if here and not entry.get("published"):
+                mine.add(entry["_id"])  # a retry of a save that crashed before its write
                 continue
             yield from self.release(reserved, collection, doc_id, session)
+            where = (
+                "this document" if here else f"{entry.get('collection')} {entry.get('aggregate')!r}"
+            )
+            state = "published less than retention ago" if entry.get("published") else "pending"
             raise DuplicateEventError(
-                f"event id {entry['_id']} is already in {entry.get('collection')} "
-                f"{entry.get('aggregate')!r} (pending, or published less than retention ago): "
+                f"event id {entry['_id']} is already taken by {where} ({state}): "
                 "the broker would drop one of the two as a duplicate",
                 collection=collection,
             )
@@ -144,3 +153,41 @@ def _duplicate(error: BulkWriteError, collection: str) -> DuplicateEventError:
     return DuplicateEventError(
         f"an event id was reserved by another save meanwhile: {error}", collection=collection
     )
+
+
+class PublishedIds:
+    """The relay's side of the registry: ids whose events the broker confirmed."""
+
+    def __init__(self, registry: Any, retention: timedelta) -> None:
+        self.registry = registry
+        self.retention = retention
+
+    async def mark_published(
+        self, published: Sequence[tuple[str, str, Any]], now: datetime
+    ) -> None:
+        """Mark each ``(event id, collection, document _id)`` published, to expire ``retention``
+        from ``now``. An id with no reservation (one pruned under an older version's rule, or
+        removed by hand) gets one, so it stays taken all the same."""
+        if not published:
+            return
+        expire_at = now + self.retention
+        marked = {"$set": {"published": True, "expire_at": expire_at}}
+        ids = [event_id for event_id, _, _ in published]
+        # One statement for the common case: every id has its reservation.
+        found = await self.registry.update_many({"_id": {"$in": ids}}, marked)
+        if found.matched_count >= len(set(ids)):
+            return
+        await self.registry.bulk_write(
+            [
+                UpdateOne(
+                    {"_id": event_id},
+                    {
+                        "$set": {"published": True, "expire_at": expire_at},
+                        "$setOnInsert": {"collection": collection, "aggregate": doc_id},
+                    },
+                    upsert=True,
+                )
+                for event_id, collection, doc_id in published
+            ],
+            ordered=False,
+        )

@@ -29,12 +29,13 @@ def explain(plan: Plan, session: Any, field: str | None, due_field: str) -> Step
     is the embedded entries' array (None in collection mode)."""
     ids = [e.id for e in plan.events]
     if field is not None and ids:
-        query = {"_id": plan.doc_id, f"{field}.id": {"$in": ids}}
+        held = {"$in": ids}
+        query = {"_id": plan.doc_id, "$or": [{f"{field}.id": held}, {f"{field}_sent": held}]}
         holder = yield from read(plan, query, session, due_field)
         if holder is not None:
             raise DuplicateEventError(
-                f"{plan.collection.name} {plan.doc_id!r} already holds a pending event of "
-                f"these ids: {ids}",
+                f"{plan.collection.name} {plan.doc_id!r} already holds an event of these ids, "
+                f"pending or just published: {ids}",
                 collection=plan.collection.name,
             )
     found = yield from read(plan, {"_id": plan.doc_id}, session, due_field)

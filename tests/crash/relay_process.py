@@ -1,7 +1,9 @@
 """A relay process that kills itself (SIGKILL) once KILL_AFTER events are confirmed, before it
-can mark anything published: the crash a relay must survive.
+can mark anything published: the crash a relay must survive. With KILL_AT "settle" (embedded
+mode) it dies instead right after its settle marked the published ids in the event-id registry,
+before it removed their entries from their documents.
 
-Usage: python -m tests.crash.relay_process URI DB MODE BROKER TARGET KILL_AFTER
+Usage: python -m tests.crash.relay_process URI DB MODE BROKER TARGET KILL_AFTER [KILL_AT]
 BROKER is "nats" (TARGET: the stream, also the subject prefix) or "rabbitmq" (TARGET: exchange).
 """
 
@@ -15,15 +17,17 @@ from pymongo import AsyncMongoClient
 
 from mongo_outbox import Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher
-from tests.support.crash import KillAfter
+from tests.support.crash import KillAfter, KillAfterWrite
 from tests.support.servers import NATS_URL, RABBITMQ_URL
 
 
 async def main(
-    uri: str, db_name: str, mode: Any, broker: str, target: str, kill_after: int
+    uri: str, db_name: str, mode: Any, broker: str, target: str, kill_after: int, kill_at: str
 ) -> None:
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     outbox = Outbox(client[db_name], mode=mode, collections=["orders"])
+    if kill_at == "settle":
+        outbox.event_ids = KillAfterWrite(outbox.event_ids, "update_many")
     inner: Publisher
     if broker == "nats":
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")
@@ -41,5 +45,6 @@ async def main(
 
 
 if __name__ == "__main__":
-    uri, db_name, mode, broker, target, kill_after = sys.argv[1:]
-    asyncio.run(main(uri, db_name, mode, broker, target, int(kill_after)))
+    uri, db_name, mode, broker, target, kill_after = sys.argv[1:7]
+    kill_at = sys.argv[7] if len(sys.argv) > 7 else "confirm"
+    asyncio.run(main(uri, db_name, mode, broker, target, int(kill_after), kill_at))

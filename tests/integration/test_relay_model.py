@@ -1,15 +1,15 @@
 """Model-based test of the relays (a hypothesis state machine), in both outbox modes.
 
-The machine interleaves at random: saves (committed, aborted on purpose inside a transaction,
-refused by ``expected_version``); a broker that is up, down (``BrokerUnavailableError``: no
-attempt counted) or without a route for events of type ``b`` (``BrokerUnavailableError`` with a
-``destination``); events that turn bad (``RuntimeError``: an attempt; ``InvalidEventError``: parked
-at once) and heal; relay processes, up to three, restarted by replacing their object: a
-``PollingRelay`` publishing a batch or draining, a ``ChangeStreamRelay`` draining, and one
-``ChangeStreamRelay`` running, fed change batches one at a time (fresh inserts and stale replays
-alike); relays that die, one that claimed through the store and published a few waves by hand,
-one cancelled right after its k-th broker confirm; their leases running out; a stalled relay
-settling late; operators requeuing parked events; time passing.
+The machine interleaves at random: saves and operator updates (committed, aborted on purpose inside
+a transaction, refused by ``expected_version``); a broker that is up, down
+(``BrokerUnavailableError``: no attempt counted) or without a route for events of type ``b``
+(``BrokerUnavailableError`` with a ``destination``); events that turn bad (``RuntimeError``: an
+attempt; ``InvalidEventError``: parked at once) and heal; relay processes, up to three, restarted
+by replacing their object: a ``PollingRelay`` publishing a batch or draining, a
+``ChangeStreamRelay`` draining, and one ``ChangeStreamRelay`` running, fed change batches one at a
+time (fresh inserts and stale replays alike); relays that die, one that claimed through the store
+and published a few waves by hand, one cancelled right after its k-th broker confirm; their leases
+running out; a stalled relay settling late; operators requeuing parked events; time passing.
 
 Time passes only when the model says so: the backoff and dead relays' leases are an hour, and
 ``time_passes`` and ``lease_runs_out`` move due times to now, as ``_make_due`` does in
@@ -100,7 +100,9 @@ EVENTS = st.lists(
     min_size=1,
     max_size=4,
 )
-SAVES = ["commit", "commit", "commit", "abort", "refuse"]
+# "update": an update_with_events of operators, whose embedded entries go in unnumbered and are
+# numbered by their position when a relay reads them: published unchanged means numbered right.
+SAVES = ["commit", "commit", "update", "update", "abort", "refuse"]
 # What a collection-mode entry gains after its insert, and what it was inserted with.
 ENTRY_STATE = {"claim", "last_error", "waiting", "waits", "published_at", "expire_at"}
 FRESH_ENTRY = {"status": "pending", "attempts": 0}
@@ -244,8 +246,15 @@ class RelayModel(RuleBasedStateMachine):
             Event(type=t, payload={"n": len(self.committed) + i}) for i, (t, _) in enumerate(kinds)
         ]
         orders = self.db.orders
-        if how == "commit":
-            saved = self.run(self.outbox.save_with_events(None, orders, {"_id": aggregate}, events))
+        if how in ("commit", "update"):
+            write = (
+                self.outbox.save_with_events(None, orders, {"_id": aggregate}, events)
+                if how == "commit"
+                else self.outbox.update_with_events(
+                    None, orders, {"_id": aggregate}, {"$inc": {"n": 1}}, events, upsert=True
+                )
+            )
+            saved = self.run(write)
             first = len(self.by_sequence[aggregate]) + 1  # nothing uncommitted took a number
             assert [e.sequence for e in saved.events] == list(range(first, first + len(events)))
             self.versions[aggregate] += 1

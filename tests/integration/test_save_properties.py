@@ -31,7 +31,15 @@ from tests.support.contents import contents
 MODES = ["collection", "embedded"]
 # Examples per mode: few enough for CI on the emulator; raise it for a deeper search.
 EXAMPLES = int(os.environ.get("SAVE_PROPERTY_EXAMPLES", "50"))
-OWNED = {"_version", "_sequence", "_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait"}
+OWNED = {
+    "_version",
+    "_sequence",
+    "_outbox",
+    "_outbox_due",
+    "_outbox_claim",
+    "_outbox_wait",
+    "_outbox_sent",
+}
 
 few_ids = st.sampled_from([1, 2, "a", "b"])  # a few, so that saves update each other's documents
 EVENT_IDS = ["e-1", "e-2", "e-3", "e-4", "e-5", "e-6"]  # reused within and across saves on purpose

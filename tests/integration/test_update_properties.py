@@ -36,6 +36,7 @@ from mongo_outbox import (
 )
 from tests.support.apis import APIS, Writer
 from tests.support.contents import contents
+from tests.support.outboxes import stored_entries
 
 MODES = ["collection", "embedded"]
 EXAMPLES = int(os.environ.get("UPDATE_PROPERTY_EXAMPLES", "40"))
@@ -48,6 +49,7 @@ OWNED = {
         "_outbox_due",
         "_outbox_claim",
         "_outbox_wait",
+        "_outbox_sent",
     },
 }
 
@@ -247,7 +249,7 @@ async def run_example(db: Any, writer: Writer, example: dict[str, Any]) -> None:
     assert stored["_sequence"] == created + len(events)
     assert [e.sequence for e in saved.events] == [created + 1 + i for i in range(len(events))]
     if mode == "embedded":
-        entries = stored.get("_outbox") or []
+        entries = stored_entries(stored)
     else:
         entries = (
             await db.outbox.find({"type": {"$ne": "created"}}).sort("sequence", 1).to_list(None)

@@ -3,6 +3,7 @@ they name, counters move as for a save, and bad input writes nothing."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import pytest
@@ -19,12 +20,22 @@ from mongo_outbox import (
     Outbox,
     PollingRelay,
 )
+from mongo_outbox._store import store_for
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
 from tests.support.contents import contents
+from tests.support.outboxes import stored_entries
 
 MODES = ["collection", "embedded"]
-OWNED = {"_version", "_sequence", "_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait"}
+OWNED = {
+    "_version",
+    "_sequence",
+    "_outbox",
+    "_outbox_due",
+    "_outbox_claim",
+    "_outbox_wait",
+    "_outbox_sent",
+}
 
 
 @pytest.fixture(params=[(m, a) for m in MODES for a in APIS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -44,7 +55,7 @@ async def pending(writer: Writer) -> list[tuple[str, Any, int]]:
     if writer.relay_outbox.mode == "collection":
         entries = await db.outbox.find().sort("sequence", 1).to_list(None)
     else:
-        entries = [e for d in await db.orders.find().to_list(None) for e in d.get("_outbox", [])]
+        entries = [e for d in await db.orders.find().to_list(None) for e in stored_entries(d)]
     return [(e["type"], e["aggregate_id"], e["sequence"]) for e in entries]
 
 
@@ -212,7 +223,7 @@ def refused_updates(mode: str) -> list[tuple[Any, Any]]:
     """(filter, update) pairs refused before anything is written."""
     owned = ["_version", "_sequence"]
     if mode == "embedded":
-        owned += ["_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait"]
+        owned += ["_outbox", "_outbox_due", "_outbox_claim", "_outbox_wait", "_outbox_sent"]
     cases: list[tuple[Any, Any]] = []
     for name in owned:
         cases += [
@@ -322,7 +333,7 @@ async def test_an_embedded_update_leaves_the_relays_claim_and_due_time_alone(
         await writer.update_with_events(None, db.orders, {"_id": 1}, update, [Event(type="b")])
     stored = await db.orders.find_one({"_id": 1})
     assert {k: stored[k] for k in relay_fields} == relay_fields
-    assert [e["sequence"] for e in stored["_outbox"]] == [1, 2, 3]
+    assert [e["sequence"] for e in stored_entries(stored)] == [1, 2, 3]
     assert (stored["x"], stored["y"]) == (1, 2)
 
 
@@ -380,17 +391,16 @@ def test_a_sync_update_joins_the_callers_transaction(
         sync_client.drop_database(db.name)
 
 
-class CollectionWithAHookAfterItsFirstRead(AsyncCollection[Any]):
-    """A fake around the real collection: its first ``find_one`` runs ``hook`` before it
-    returns, to put a concurrent writer between the outbox's read and its write."""
+class CollectionWithAHookBeforeItsWrite(AsyncCollection[Any]):
+    """A fake around the real collection: its first ``find_one_and_update`` runs the hooks
+    before it writes, to put a relay's round right before the outbox's write."""
 
     hooks: ClassVar[list[Any]] = []
 
-    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
-        found = await super().find_one(*args, **kwargs)
+    async def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
         while self.hooks:
             await self.hooks.pop()()
-        return found
+        return await super().find_one_and_update(*args, **kwargs)
 
 
 async def test_an_embedded_update_racing_a_relays_settle_still_makes_its_events_due(
@@ -403,9 +413,55 @@ async def test_an_embedded_update_racing_a_relays_settle_still_makes_its_events_
         # The relay publishes "a" and, with nothing left, takes the document out of its index.
         assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
 
-    CollectionWithAHookAfterItsFirstRead.hooks.append(relay_publishes_meanwhile)
-    orders = CollectionWithAHookAfterItsFirstRead(db, "orders")
+    CollectionWithAHookBeforeItsWrite.hooks.append(relay_publishes_meanwhile)
+    orders = CollectionWithAHookBeforeItsWrite(db, "orders")
     await outbox.update_with_events(None, orders, {"_id": 1}, {"$set": {"x": 1}}, [Event(type="b")])
+    assert not CollectionWithAHookBeforeItsWrite.hooks
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 1
-    assert [e.type for e in publisher.events] == ["b"]
+    assert [(e.type, e.sequence) for e in publisher.events] == [("b", 2)]
+
+
+async def test_an_embedded_update_while_a_relay_holds_the_document_is_published_after_it(
+    db: Any,
+) -> None:
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+    store = store_for(outbox)
+    claim = await store.claim(10, timedelta(minutes=5))
+    (group,) = claim.groups
+    await outbox.update_with_events(
+        None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [Event(type="b")]
+    )
+    # The lease is kept: no other relay takes the document while its claimer publishes.
+    assert (await store.claim(10, timedelta(minutes=5))).groups == ()
+    await store.settle(claim, list(group), [])
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 1
+    assert [(e.type, e.sequence) for e in publisher.events] == [("b", 2)]
+
+
+@pytest.mark.parametrize("write", ["save", "update"])
+async def test_a_repeated_write_racing_the_publication_of_its_event_is_refused(
+    db: Any, write: str
+) -> None:
+    # The repeat finds the event's reservation not yet published; the relay publishes the event
+    # and removes it from the document before the repeat writes: the repeat must still be refused.
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    event = Event(type="a")
+    await outbox.save_with_events(None, db.orders, {"_id": 1, "n": 0}, [event])
+
+    async def relay_publishes_meanwhile() -> None:
+        assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
+
+    CollectionWithAHookBeforeItsWrite.hooks.append(relay_publishes_meanwhile)
+    orders = CollectionWithAHookBeforeItsWrite(db, "orders")
+    with pytest.raises(DuplicateEventError):
+        if write == "save":
+            await outbox.save_with_events(None, orders, {"_id": 1, "n": 1}, [event])
+        else:
+            await outbox.update_with_events(None, orders, {"_id": 1}, {"$inc": {"n": 1}}, [event])
+    assert not CollectionWithAHookBeforeItsWrite.hooks
+    stored = await db.orders.find_one({"_id": 1})
+    assert (stored["n"], stored["_version"], stored["_outbox"]) == (0, 1, [])
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0

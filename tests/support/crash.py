@@ -35,6 +35,26 @@ class KillAfter:
         await self.inner.aclose()
 
 
+class KillAfterWrite:
+    """A collection that dies on the spot right after ``method`` wrote (the write is durable,
+    the caller never hears back): a crash between that write and the caller's next step."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self.inner = inner
+        self.method = method
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name != self.method:
+            return attribute
+
+        async def write_then_die(*args: Any, **kwargs: Any) -> Any:
+            await attribute(*args, **kwargs)
+            die()
+
+        return write_then_die
+
+
 def billing(db: Any, transactional: bool, point: str) -> Any:
     seen = 0
     inbox = Inbox(db, consumer="billing", transactional=transactional, processing_lease=1.0)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mongo_outbox import Event, Outbox
+from mongo_outbox._codec import numbered
 from mongo_outbox.events import utc_now
 
 MODES = ["collection", "embedded"]
@@ -48,6 +49,12 @@ async def unsettled(outbox: Outbox, db: Any) -> list[dict[str, Any]]:
         ).to_list(None)
         return entries
     return [entry async for doc in db.orders.find() for entry in doc.get("_outbox") or []]
+
+
+def stored_entries(document: dict[str, Any], field: str = "_outbox") -> list[dict[str, Any]]:
+    """An embedded document's entries with their sequences, as the relay reads them (an entry
+    an operator update appended is stored unnumbered)."""
+    return numbered(document.get(field) or [], document.get("_sequence"))
 
 
 async def make_due(db: Any, outbox: Outbox) -> None:

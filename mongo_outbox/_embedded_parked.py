@@ -1,0 +1,113 @@
+"""Parked entries of embedded mode: listed, counted and requeued where they are, in their
+aggregate's document (``EmbeddedStore`` parks them there, flagged ``parked``). Each requeue is
+one single-document write, so no crash can leave an entry unparked in a document no relay looks
+at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mongo_outbox._driver import aggregate
+from mongo_outbox.events import utc_now
+
+
+class ParkedEntries:
+    """The parked-entry operations of ``EmbeddedStore``, over its ``colls`` and fields."""
+
+    field: str
+    due: str
+    claim_field: str
+    colls: dict[str, Any]
+
+    async def parked(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        for name, coll in self.colls.items():
+            docs = coll.find({f"{self.field}.parked": True}, projection={self.field: 1})
+            async for doc in docs:
+                for entry in doc[self.field]:
+                    if isinstance(entry, dict) and entry.get("parked"):
+                        found.append(self._listed(entry, name))
+        return sorted(found, key=lambda entry: str(entry["_id"]))
+
+    @staticmethod
+    def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
+        # An unreadable entry was parked wrapped, its original under "entry": show its fields.
+        original = entry.get("entry", entry)
+        fields = original if isinstance(original, dict) else {"entry": original}
+        rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
+        return {
+            "_id": fields.get("id"),
+            **rest,
+            "status": "parked",
+            "last_error": entry.get("last_error"),
+            "collection": collection,
+        }
+
+    async def parked_count(self) -> int:
+        parked = {"$filter": {"input": f"${self.field}", "cond": {"$eq": ["$$this.parked", True]}}}
+        total = 0
+        for coll in self.colls.values():
+            counts = await aggregate(
+                coll,
+                [
+                    {"$match": {f"{self.field}.parked": True}},
+                    {"$group": {"_id": None, "n": {"$sum": {"$size": parked}}}},
+                ],
+            )
+            total += sum(int(d["n"]) for d in counts)
+        return total
+
+    async def requeue(self, event_ids: Sequence[str]) -> int:
+        requeued = 0
+        wanted = list(event_ids)
+        for coll in self.colls.values():
+            docs = coll.find(
+                {self.field: {"$elemMatch": {"id": {"$in": wanted}, "parked": True}}},
+                projection={self.field: 1},
+            )
+            async for doc in docs:
+                entries = [e for e in doc[self.field] if isinstance(e, dict)]
+                upto = max(
+                    e.get("sequence") or 0
+                    for e in entries
+                    if e.get("id") in wanted and e.get("parked")
+                )
+                ids = [
+                    e["id"]
+                    for e in entries
+                    if e.get("parked")
+                    and (e.get("id") in wanted or (e.get("sequence") or 0) <= upto)
+                ]
+                result = await coll.update_one({"_id": doc["_id"]}, self._requeue(ids))
+                requeued += len(ids) if result.modified_count else 0
+        return requeued
+
+    def _requeue(self, event_ids: list[Any]) -> list[dict[str, Any]]:
+        # One write: the entries are unparked and their document due at once, unless a relay
+        # holds the document (then that relay's settle makes it due). Two writes could leave an
+        # unparked entry in a document no relay looks at. Ids go in as literals: an id such as
+        # "$x" would otherwise be read as a field path.
+        chosen = {
+            "$and": [
+                {"$in": ["$$e.id", {"$literal": event_ids}]},
+                {"$eq": ["$$e.parked", True]},
+            ]
+        }
+        fresh = {"$mergeObjects": ["$$e", {"parked": False, "attempts": 0, "waits": 0}]}
+        unclaimed = {"$eq": [{"$ifNull": [f"${self.claim_field}", None]}, None]}
+        return [
+            {
+                "$set": {
+                    self.field: {
+                        "$map": {
+                            "input": f"${self.field}",
+                            "as": "e",
+                            "in": {"$cond": [chosen, fresh, "$$e"]},
+                        }
+                    },
+                    self.due: {"$cond": [unclaimed, {"$literal": utc_now()}, f"${self.due}"]},
+                }
+            }
+        ]
