@@ -80,8 +80,17 @@ _COUNTERS = {"_version": 1, "_sequence": 1}
 class DocumentWriter:
     """Writes aggregate documents for an outbox of ``mode`` whose entries live in ``field``."""
 
-    def __init__(self, mode: str, field: str, due_field: str, claim_field: str, wait_field: str):
+    def __init__(
+        self,
+        mode: str,
+        field: str,
+        due_field: str,
+        claim_field: str,
+        wait_field: str,
+        partition_field: str,
+    ):
         self.mode = mode
+        self.partition_field = partition_field
         self.field = field
         self.due_field = due_field
         self.claim_field = claim_field
@@ -120,6 +129,8 @@ class DocumentWriter:
             ]
             if n:
                 document[self.due_field] = now
+            if plan.partition is not None:
+                document[self.partition_field] = plan.partition
         try:
             yield call(plan.collection, "insert_one", document, session=session)
         except DuplicateKeyError as error:
@@ -188,6 +199,8 @@ class DocumentWriter:
             **_version_guard(expected),
         }
         sets: dict[str, Any] = {}
+        if plan.partition is not None:
+            sets[self.partition_field] = plan.partition
         if (found or {}).get(self.due_field) is None:
             conditions[self.due_field] = None  # still not due (null or missing): make it due now
             sets[self.due_field] = now
@@ -231,6 +244,12 @@ class DocumentWriter:
                 # Keep a live claim's due time, so a relay's lease survives a concurrent save.
                 sets[self.due_field] = (
                     {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
+                )
+                # Stored by the writer, so that a relay group's members only filter on it.
+                sets[self.partition_field] = (
+                    {"$literal": plan.partition}
+                    if plan.partition is not None
+                    else f"${self.partition_field}"
                 )
             if plan.kind == "save":
                 # The relay's own fields survive a save: $replaceWith would drop them otherwise.

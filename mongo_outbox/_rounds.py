@@ -54,11 +54,17 @@ PROBE_EVERY = 1.0
 
 
 class Rounds:
-    def __init__(self, outbox: Outbox, publisher: Publisher, settings: RelaySettings) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        publisher: Publisher,
+        settings: RelaySettings,
+        partition: int | None = None,
+    ) -> None:
         check_publisher(publisher)
         if not isinstance(settings, RelaySettings):
             raise TypeError(f"settings must be a RelaySettings, not {type(settings).__name__}")
-        self.store = store_for(outbox)
+        self.store = store_for(outbox, partition)
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayStats()

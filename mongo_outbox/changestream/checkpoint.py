@@ -149,9 +149,13 @@ class Checkpoint:
 
     async def release(self) -> None:
         """Give the lease up at once, so a standby need not wait for it to run out."""
-        if self.fence is not None:
-            await self.coll.update_one(self._mine, {"$set": {"lease_until": utc_now()}})
-            self.fence = None
+        # By owner, not fence: a renewal that timed out here may still have gone through, and
+        # the lease it extended is this process's to give up (owners are unique per object).
+        self.fence = None
+        await self.coll.update_one(
+            {"_id": self.name, "owner": self.owner, "lease_until": {"$gt": utc_now()}},
+            {"$set": {"lease_until": utc_now()}},
+        )
 
     async def load(self) -> dict[str, Any]:
         return dict(await self.coll.find_one({"_id": self.name}) or {})

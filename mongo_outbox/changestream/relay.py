@@ -39,7 +39,7 @@ from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import RelayStatus, State, transition
+from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class ChangeStreamRelay:
         sweep_interval: longest time between sweeps of the collections (for requeued entries,
             retries that came due, anything the stream missed).
         checkpoints: the checkpoint collection, in the outbox's database.
+        partition: publish only this partition of an outbox with ``partitions`` (its stream
+            ``$match``-es the partition; ``RelayGroup`` runs one per partition it holds).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class ChangeStreamRelay:
         leader_lease: Duration = 15.0,
         sweep_interval: Duration = 30.0,
         checkpoints: str = "outbox_relays",
+        partition: int | None = None,
     ) -> None:
         name = check_name(name, "ChangeStreamRelay.name")
         self.settings = settings or RelaySettings()
@@ -83,9 +86,9 @@ class ChangeStreamRelay:
         self.outbox = outbox
         self.publisher = publisher
         self.name = name
-        self.source: ChangeSource = source or WatchSource.for_outbox(outbox)
+        self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
-        self._rounds = Rounds(outbox, publisher, self.settings)
+        self._rounds = Rounds(outbox, publisher, self.settings, partition)
         self.state: State = "starting"
         self.recoveries = 0
         self.last_error: str | None = None
@@ -125,6 +128,10 @@ class ChangeStreamRelay:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def stats(self) -> RelayStats:
+        return self._rounds.stats
 
     async def status(self) -> RelayStatus:
         doc = await self.checkpoint.load()
