@@ -151,10 +151,12 @@ class Checkpoint:
         """Give the lease up at once, so a standby need not wait for it to run out."""
         # By owner, not fence: a renewal that timed out here may still have gone through, and
         # the lease it extended is this process's to give up (owners are unique per object).
+        # The owner is cleared too, so that a renewal still in flight (its caller cancelled
+        # it, the server had it already) matches nothing once it lands.
         self.fence = None
         await self.coll.update_one(
-            {"_id": self.name, "owner": self.owner, "lease_until": {"$gt": utc_now()}},
-            {"$set": {"lease_until": utc_now()}},
+            {"_id": self.name, "owner": self.owner},
+            {"$set": {"lease_until": utc_now(), "owner": None}},
         )
 
     async def load(self) -> dict[str, Any]:

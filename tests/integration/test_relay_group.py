@@ -178,5 +178,8 @@ async def test_two_members_share_the_partitions_and_hand_them_over(
     assert not first.unfenced and not second.unfenced
     maybe = {e.id for e in uncertain}
     assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=True)
-    assert not await db.outbox_relays.count_documents({"lease_until": {"$gt": utc_now()}})
+    # Stopped members gave their leases back and left. (Not on the emulator in collection mode:
+    # a save's conflicted commit there undoes other sessions' writes, leases included.)
+    if mode == "embedded" or mongo.kind != "emulator":
+        assert not await db.outbox_relays.count_documents({"lease_until": {"$gt": utc_now()}})
     assert not await db.outbox_relay_members.count_documents({})
