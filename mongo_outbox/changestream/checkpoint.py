@@ -52,6 +52,9 @@ class Checkpoint:
         # Unique per relay object; the host and process id tell an operator who holds the lease.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         self.fence: int | None = None
+        # Loop time at which the last write that set or renewed the lease was sent: the lease
+        # in the database runs from then (it is computed before sending), not from the reply.
+        self._sent = float("-inf")
 
     @property
     def held(self) -> bool:
@@ -66,6 +69,7 @@ class Checkpoint:
         this process holds it now."""
         if self.fence is not None and await self.renew():
             return True
+        sent = asyncio.get_running_loop().time()
         now = utc_now()
         fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
         try:
@@ -87,17 +91,21 @@ class Checkpoint:
             # The document exists with a live lease, so the upsert collided: another holds it.
             return False
         self.fence = int(doc["fence"])
+        self._sent = sent
         return True
 
     async def renew(self) -> bool:
         """Extend the lease if it is still ours; else forget it and return False."""
         if self.fence is None:
             return False
+        sent = asyncio.get_running_loop().time()
         renewed = await self.coll.update_one(
             self._mine, {"$set": {"lease_until": utc_now() + self.lease}}
         )
         if not renewed.matched_count:
             self.fence = None
+        elif self.fence is not None:
+            self._sent = max(self._sent, sent)
         return self.fence is not None
 
     @contextlib.asynccontextmanager
@@ -118,7 +126,7 @@ class Checkpoint:
     async def _renew_until_lost(self, lost: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         lease = self.lease.total_seconds()
-        deadline = loop.time() + lease * 0.8
+        deadline = self._sent + lease * 0.8
         while True:
             await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
             left = deadline - loop.time()
@@ -128,7 +136,7 @@ class Checkpoint:
                 # A hung connection must not outlast the lease: give up at the deadline.
                 if not await asyncio.wait_for(self.renew(), left):
                     break
-                deadline = loop.time() + lease * 0.8
+                deadline = self._sent + lease * 0.8
             except (PyMongoError, asyncio.TimeoutError) as error:
                 log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
         self.fence = None
@@ -138,6 +146,7 @@ class Checkpoint:
         """Store the resume token and renew the lease, in one write fenced on our claim."""
         if self.fence is None:
             raise LeaseLost(f"relay {self.name}: this process does not hold the lease")
+        sent = asyncio.get_running_loop().time()
         now = utc_now()
         result = await self.coll.update_one(
             self._mine,
@@ -146,6 +155,7 @@ class Checkpoint:
         if not result.matched_count:
             self.fence = None
             raise LeaseLost(f"relay {self.name}: another process took the lease over")
+        self._sent = max(self._sent, sent)
 
     async def release(self) -> None:
         """Give the lease up at once, so a standby need not wait for it to run out."""
