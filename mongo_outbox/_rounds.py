@@ -243,7 +243,7 @@ class Rounds:
         left = 0
         while queues and loop.time() <= deadline and not (lost and lost.is_set()):
             wave = [queue.pop() for queue in queues]
-            results = await self._publish_wave(wave, deadline)
+            results = await self._publish_wave(wave, deadline, lost)
             confirmed = bool(published) or any(r is None for r in results)
             survivors = []
             for event, queue, error in zip(wave, queues, results, strict=True):
@@ -259,17 +259,24 @@ class Rounds:
         # What is left unpublished is released by settle, due at once, still in order.
         return published, errors, left + sum(map(len, queues))
 
-    async def _publish_wave(self, wave: list[Event], deadline: float) -> list[BaseException | None]:
+    async def _publish_wave(
+        self, wave: list[Event], deadline: float, lost: asyncio.Event | None = None
+    ) -> list[BaseException | None]:
         """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that
-        gets its turn only after ``deadline`` is not started: it could end after the claim."""
+        gets its turn only after ``deadline`` is not started: it could end after the claim;
+        nor one after ``lost`` was set (the lease it needs is gone)."""
         loop = asyncio.get_running_loop()
+
+        def late() -> bool:
+            return loop.time() > deadline or (lost is not None and lost.is_set())
+
         publisher = self.publisher
         if not isinstance(publisher, BatchPublisher):
             slots = asyncio.Semaphore(self.settings.max_in_flight)
 
             async def one(event: Event) -> BaseException | None:
                 async with slots:
-                    if loop.time() > deadline:
+                    if late():
                         return _NotStarted()
                     result = await self._confirm(publisher.publish(event), event)
                 return result if isinstance(result, BaseException) else None
@@ -283,7 +290,7 @@ class Rounds:
 
         async def chunk_of(chunk: list[Event]) -> list[BaseException | None]:
             async with turns:
-                if loop.time() > deadline:
+                if late():
                     return [_NotStarted()] * len(chunk)
                 result = await self._confirm(publisher.publish_many(chunk), chunk[0])
             if isinstance(result, list) and len(result) == len(chunk):

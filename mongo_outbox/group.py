@@ -68,7 +68,9 @@ class RelayGroup:
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
         lease: how long a member's heartbeat and partition leases last without renewal (they
             are renewed every third of it); a dead member's partitions are taken over within
-            about 1.6 times this.
+            about 1.6 times this. At least 2.5 times ``settings.publish_timeout``: a member
+            stops starting publishes ``publish_timeout`` before eight tenths of the lease
+            since its last renewal, so the last ones end before the lease can.
         interval: polling: how long a partition's worker sleeps when nothing is pending.
         checkpoints: the collection of the partition leases (and change-stream checkpoints).
         members: the collection of the members' heartbeats.
@@ -82,7 +84,7 @@ class RelayGroup:
         name: str = "relay-group",
         source: Source = "polling",
         settings: RelaySettings | None = None,
-        lease: Duration = 10.0,
+        lease: Duration = 30.0,
         interval: Duration = 1.0,
         checkpoints: str = "outbox_relays",
         members: str = "outbox_relay_members",
@@ -98,6 +100,16 @@ class RelayGroup:
         self.publisher = publisher
         self.settings = settings or RelaySettings()
         self.lease = timespan(lease, "RelayGroup.lease")
+        timeout = self.settings.timeout
+        if self.lease.total_seconds() < 2.5 * timeout:
+            # A member stops starting publishes publish_timeout before 0.8 of its lease, so the
+            # ones it started end before another member can take the partition: that leaves
+            # time for renewals only with a lease of at least 2.5 times publish_timeout.
+            raise ConfigurationError(
+                f"RelayGroup.lease ({self.lease.total_seconds():g} s) must be at least 2.5 "
+                f"times RelaySettings.publish_timeout ({timeout:g} s)",
+                setting="RelayGroup.lease",
+            )
         self.interval = seconds(interval, "RelayGroup.interval")
         self.member = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self._leases = outbox.db[checkpoints]
@@ -279,7 +291,8 @@ class _PollingWorker:
                         self.partition,
                         self.lease.fence,
                     )
-                    async with self.lease.renewed() as lost:
+                    margin = self.group.settings.timeout
+                    async with self.lease.renewed(margin) as lost:
                         await self._publish(lost)
                     failures = 0
                 except PyMongoError as error:

@@ -109,13 +109,15 @@ class Checkpoint:
         return self.fence is not None
 
     @contextlib.asynccontextmanager
-    async def renewed(self) -> AsyncIterator[asyncio.Event]:
+    async def renewed(self, margin: float = 0.0) -> AsyncIterator[asyncio.Event]:
         """Renew the lease every third of it in the background while the body runs, however
         long its rounds take. The event it yields is set, and the fence forgotten, once a
         renewal fails, or when eight tenths of the lease passed since the last one that
-        succeeded: the holder must then stop publishing, before another may take over."""
+        succeeded: the holder must then stop publishing, before another may take over.
+        ``margin`` (seconds) sets it that much earlier: a relay group's member gives the
+        publishes it started the time to end (its ``publish_timeout``) within the lease."""
         lost = asyncio.Event()
-        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost))
+        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost, margin))
         try:
             yield lost
         finally:
@@ -123,10 +125,10 @@ class Checkpoint:
             # Waited for, not awaited: a second cancellation of ours must not be swallowed.
             await asyncio.wait({heartbeat})
 
-    async def _renew_until_lost(self, lost: asyncio.Event) -> None:
+    async def _renew_until_lost(self, lost: asyncio.Event, margin: float) -> None:
         loop = asyncio.get_running_loop()
         lease = self.lease.total_seconds()
-        deadline = self._sent + lease * 0.8
+        deadline = self._sent + lease * 0.8 - margin
         while True:
             await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
             left = deadline - loop.time()
@@ -136,7 +138,7 @@ class Checkpoint:
                 # A hung connection must not outlast the lease: give up at the deadline.
                 if not await asyncio.wait_for(self.renew(), left):
                     break
-                deadline = self._sent + lease * 0.8
+                deadline = self._sent + lease * 0.8 - margin
             except (PyMongoError, asyncio.TimeoutError) as error:
                 log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
         self.fence = None
