@@ -18,7 +18,7 @@ from typing import Any
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher
-from tests.crash.group_process import LEASE, PARTITIONS
+from tests.crash.group_process import PARTITIONS
 from tests.integration.test_changestream import save_aborted
 from tests.support.waiting import until
 
@@ -55,7 +55,7 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
 
     async def write() -> None:
         nonlocal writing
-        for n in range(400):
+        for n in range(250):
             order = chance.randrange(40)
             if n % 10 == 9:
                 aborted.append(await save_aborted(outbox, db, order))
@@ -67,11 +67,12 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
         writing = False
 
     async def kill_at_random() -> None:
-        # Few, mean kills: one member at a time, sometimes twice in a row before the group
-        # settled, each restarted at once (a new member id: it joins as a stranger).
+        # Few, mean kills: one member at a time, sometimes the same twice, sometimes before
+        # the group settled from the last one; each restarted at once (with a new member id:
+        # it joins as a stranger, and the others give it its share).
         nonlocal kills
         while writing:
-            await asyncio.sleep(chance.uniform(1.0, 2.5))
+            await asyncio.sleep(chance.uniform(1.5, 4.0))
             victim = chance.randrange(len(members))
             members[victim].send_signal(signal.SIGKILL)
             assert await asyncio.wait_for(members[victim].wait(), 10) == -9
@@ -127,4 +128,3 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
         assert len(mine) >= 2, f"partition {k} never changed hands"
         for (_, before), (_, after) in zip(mine, mine[1:]):
             assert before[1] <= after[0], f"partition {k}: two members published at once"
-    assert LEASE > 0
