@@ -57,31 +57,31 @@ class Recording:
         await self.inner.aclose()
 
 
-async def main(uri: str, db_name: str, stream: str, record_path: str, seed: int) -> None:
+async def main(uri: str, db_name: str, stream: str, record: Any, seed: int) -> None:
     chance = random.Random(seed)
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     outbox = Outbox(client[db_name], mode="embedded", collections=["orders"], partitions=PARTITIONS)
     inner = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
-    with open(record_path, "a", encoding="utf-8") as record:
-        publisher = Recording(inner, record)
-        group = RelayGroup(
-            outbox,
-            publisher,
-            name="orders-group",
-            lease=LEASE,
-            interval=0.05,
-            settings=RelaySettings(
-                claim_lease=2.0,
-                publish_timeout=0.5,
-                batch_size=chance.choice([5, 20, 100]),
-                backoff=Backoff(initial=0.05, maximum=0.5),
-            ),
-        )
-        publisher.group = group
-        await group.run()
+    publisher = Recording(inner, record)
+    group = RelayGroup(
+        outbox,
+        publisher,
+        name="orders-group",
+        lease=LEASE,
+        interval=0.05,
+        settings=RelaySettings(
+            claim_lease=2.0,
+            publish_timeout=0.5,
+            batch_size=chance.choice([5, 20, 100]),
+            backoff=Backoff(initial=0.05, maximum=0.5),
+        ),
+    )
+    publisher.group = group
+    await group.run()
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="member %(process)d: %(message)s")
     uri, db_name, stream, record_path, seed = sys.argv[1:]
-    asyncio.run(main(uri, db_name, stream, record_path, int(seed)))
+    with open(record_path, "a", encoding="utf-8") as record:
+        asyncio.run(main(uri, db_name, stream, record, int(seed)))

@@ -9,6 +9,7 @@ with a relay's writes may undo other sessions' writes, partition leases included
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import signal
@@ -126,5 +127,5 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
     for k in range(PARTITIONS):
         mine = sorted((fence, span) for (p, _, fence), span in epochs.items() if p == k)
         assert len(mine) >= 2, f"partition {k} never changed hands"
-        for (_, before), (_, after) in zip(mine, mine[1:]):
+        for (_, before), (_, after) in itertools.pairwise(mine):
             assert before[1] <= after[0], f"partition {k}: two members published at once"
