@@ -190,3 +190,39 @@ async def test_two_members_share_the_partitions_and_hand_them_over(
         assert not live, (live, a.member, b.member)
     members = await db.outbox_relay_members.find().to_list(None)
     assert not members, members
+
+
+async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_each(
+    db: Any, mode: str, mongo: Any
+) -> None:
+    outbox = make_outbox(db, mode, partitions=4)
+    await outbox.ensure_indexes()
+    saved = await save_history(outbox, db, aggregates=12, saves=2)
+    published: list[Event] = []
+    first, second = Witness(published), Witness(published)
+    a = group(outbox, first, source="changestream")
+    b = group(outbox, second, source="changestream")
+    first.member, second.member = a, b
+    tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+
+    async def shared() -> bool:
+        return len(a.owned) == 2 and len(b.owned) == 2
+
+    await until(shared, timeout=30)
+    await until(lambda: {e.id for e in saved} <= {e.id for e in published}, 30)
+    # What is written now comes through the partitions' streams.
+    committed, uncertain = await save_beside(outbox, db, mongo, 12)
+    await until(lambda: {e.id for e in committed} <= {e.id for e in published}, 30)
+
+    async def checkpointed() -> bool:
+        names = [f"relay-group/{k}" for k in range(4)]
+        docs = await db.outbox_relays.find({"_id": {"$in": names}}).to_list(None)
+        return len(docs) == 4 and all(d.get("token") for d in docs)
+
+    await until(checkpointed, timeout=30)
+    for member in (a, b):
+        member.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert not first.unfenced and not second.unfenced
+    maybe = {e.id for e in uncertain}
+    assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
