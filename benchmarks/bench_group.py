@@ -14,6 +14,7 @@ for the same cores: see docs/groups.md for the figures and why.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -25,9 +26,9 @@ from benchmarks.common import client, header, say, standalone, unique
 from mongo_outbox import Event, Outbox, RelayGroup, RelaySettings
 
 PARTITIONS = 4
-EVENTS = 1000
+EVENTS = 600
 AGGREGATES = 200
-COST = 0.002  # CPU seconds per publish
+COST = 0.01  # CPU seconds per publish
 LEASE = 10.0
 
 
@@ -52,7 +53,7 @@ async def member(uri: str, db_name: str) -> None:
     """One member process: relay until killed."""
     mongo = client(uri)
     outbox = Outbox(mongo[db_name], partitions=PARTITIONS)
-    settings = RelaySettings(batch_size=100, publish_timeout=2.0, claim_lease=10.0)
+    settings = RelaySettings(batch_size=50, publish_timeout=2.0, claim_lease=10.0)
     group = RelayGroup(outbox, CpuPublisher(COST), lease=LEASE, interval=0.05, settings=settings)
     await group.run()
 
@@ -185,6 +186,8 @@ async def run(uri: str) -> list[str]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["member"]:
+        # A member's lost leases and takeovers, on stderr, as the command line logs them.
+        logging.basicConfig(level=logging.INFO, format="member %(process)d: %(message)s")
         asyncio.run(member(sys.argv[2], sys.argv[3]))
     else:
         standalone(run)
