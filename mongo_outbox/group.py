@@ -27,11 +27,12 @@ import logging
 import os
 import socket
 import uuid
-from typing import Literal, Protocol
+from typing import Literal
 
 from pymongo.errors import PyMongoError
 
 from mongo_outbox._members import Membership, share
+from mongo_outbox._partition_workers import PollingWorker, StreamWorker, Worker
 from mongo_outbox._partitions import check_config
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox._steps import run_async
@@ -115,7 +116,7 @@ class RelayGroup:
         self._leases = outbox.db[checkpoints]
         self._checkpoints = checkpoints
         self._membership = Membership(outbox.db[members], self.name, self.member, self.lease)
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, Worker] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
         self.state: State = "starting"
@@ -157,19 +158,28 @@ class RelayGroup:
                     self.last_error = describe(error)
                     log.warning("group %s: heartbeat failed: %s", self.name, self.last_error)
                 await pause(self._stopping, beat if not failures else min(beat, 0.5 * failures))
-        finally:
-            cancelled = not self._stopping.is_set()
-            for worker in self._workers.values():
-                worker.stop()
+        except asyncio.CancelledError:
+            # Cancellation stands for a crash: the workers end now, leases and heartbeat run out.
+            for task in self._tasks.values():
+                task.cancel()
             if self._tasks:
                 await asyncio.wait(set(self._tasks.values()))
-            self._workers.clear()
-            self._tasks.clear()
-            if not cancelled:
-                with contextlib.suppress(PyMongoError):
-                    await self._membership.leave()
-            self._stopping.clear()
-            self.state = transition(log, self.name, self.state, "stopped", "run() returned")
+            self._forget()
+            self.state = transition(log, self.name, self.state, "stopped", "cancelled")
+            raise
+        for worker in self._workers.values():
+            worker.stop()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks.values()))  # each gives its lease back
+        self._forget()
+        with contextlib.suppress(PyMongoError):
+            await self._membership.leave()
+        self._stopping.clear()  # a stop is consumed by the run it ended
+        self.state = transition(log, self.name, self.state, "stopped", "stop() was called")
+
+    def _forget(self) -> None:
+        self._workers.clear()
+        self._tasks.clear()
 
     async def _rebalance(self) -> None:
         # Workers that ended (a lease given back) leave the books first.
@@ -191,7 +201,7 @@ class RelayGroup:
             self._workers[k] = worker
             self._tasks[k] = asyncio.ensure_future(worker.run())
 
-    def _worker(self, k: int) -> _Worker:
+    def _worker(self, k: int) -> Worker:
         name = f"{self.name}/{k}"
         if self.source == "changestream":
             relay = ChangeStreamRelay(
@@ -204,10 +214,11 @@ class RelayGroup:
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
-            return _StreamWorker(relay)
+            return StreamWorker(relay)
         lease = Checkpoint(self._leases, name, self.lease)
         lease.owner = self.member
-        return _PollingWorker(self, k, lease)
+        rounds = Rounds(self.outbox, self.publisher, self.settings, k)
+        return PollingWorker(self.name, k, lease, rounds, self.interval)
 
     async def status(self) -> GroupStatus:
         """Who owns which partition (from the leases), the live members and what each holds,
@@ -233,116 +244,3 @@ class RelayGroup:
             published=sum(w.published for w in self._workers.values()),
             last_error=self.last_error,
         )
-
-
-class _Worker(Protocol):
-    @property
-    def fence(self) -> int | None: ...
-
-    @property
-    def stopping(self) -> bool: ...
-
-    @property
-    def published(self) -> int: ...
-
-    async def run(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-class _PollingWorker:
-    """One partition's polling rounds: stands by until it holds the partition lease, then
-    publishes until stopped or the lease is lost (then stands by again)."""
-
-    def __init__(self, group: RelayGroup, partition: int, lease: Checkpoint) -> None:
-        self.group = group
-        self.partition = partition
-        self.lease = lease
-        self.rounds = Rounds(group.outbox, group.publisher, group.settings, partition)
-        self._stopping = asyncio.Event()
-
-    @property
-    def fence(self) -> int | None:
-        return self.lease.fence
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    @property
-    def published(self) -> int:
-        return self.rounds.stats.published
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def run(self) -> None:
-        standby = self.group.lease.total_seconds() / 4
-        failures = 0
-        try:
-            while not self._stopping.is_set():
-                try:
-                    if not await self.lease.acquire():
-                        await pause(self._stopping, standby)
-                        continue
-                    log.info(
-                        "group %s: partition %d taken, fence %s",
-                        self.group.name,
-                        self.partition,
-                        self.lease.fence,
-                    )
-                    margin = self.group.settings.timeout
-                    async with self.lease.renewed(margin) as lost:
-                        await self._publish(lost)
-                    failures = 0
-                except PyMongoError as error:
-                    failures += 1
-                    delay = self.group.settings.backoff.delay(failures)
-                    log.warning(
-                        "group %s: partition %d: %s; retrying in %.1fs",
-                        self.group.name,
-                        self.partition,
-                        describe(error),
-                        delay,
-                    )
-                    await pause(self._stopping, delay)
-        finally:
-            with contextlib.suppress(PyMongoError):
-                await self.lease.release()
-
-    async def _publish(self, lost: asyncio.Event) -> None:
-        while not self._stopping.is_set():
-            # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
-            if lost.is_set() or self.lease.fence is None:
-                log.warning("group %s: partition %d lease lost", self.group.name, self.partition)
-                return
-            _, more = await self.rounds.batch(lost=lost)
-            if not more:
-                await pause(self._stopping, self.group.interval)
-
-
-class _StreamWorker:
-    """One partition's change-stream relay (its own checkpoint and lease)."""
-
-    def __init__(self, relay: ChangeStreamRelay) -> None:
-        self.relay = relay
-        self._stopping = False
-
-    @property
-    def fence(self) -> int | None:
-        return self.relay.checkpoint.fence
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    @property
-    def published(self) -> int:
-        return self.relay.stats.published
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.relay.stop()
-
-    async def run(self) -> None:
-        await self.relay.run()
