@@ -29,7 +29,11 @@ PARTITIONS = 4
 EVENTS = 600
 AGGREGATES = 200
 COST = 0.01  # CPU seconds per publish
-LEASE = 10.0
+LEASE = 30.0
+"""The members' lease while throughput is measured: on a loaded machine with the emulator, a
+renewal can take seconds, and a member that misses one stands by until it takes the lease again."""
+TAKEOVER_LEASE = 6.0
+"""The members' lease while the takeover after a SIGKILL is measured."""
 
 
 class CpuPublisher:
@@ -43,24 +47,26 @@ class CpuPublisher:
         end = time.thread_time() + self.cost
         while time.thread_time() < end:
             pass
+        # A real client then awaits the broker's confirm: other tasks run meanwhile.
+        await asyncio.sleep(0)
         self.published += 1
 
     async def aclose(self) -> None:
         pass
 
 
-async def member(uri: str, db_name: str) -> None:
+async def member(uri: str, db_name: str, lease: float) -> None:
     """One member process: relay until killed."""
     mongo = client(uri)
     outbox = Outbox(mongo[db_name], partitions=PARTITIONS)
     settings = RelaySettings(batch_size=50, publish_timeout=2.0, claim_lease=10.0)
-    group = RelayGroup(outbox, CpuPublisher(COST), lease=LEASE, interval=0.05, settings=settings)
+    group = RelayGroup(outbox, CpuPublisher(COST), lease=lease, interval=0.05, settings=settings)
     await group.run()
 
 
-def spawn(uri: str, db_name: str) -> Any:
+def spawn(uri: str, db_name: str, lease: float = LEASE) -> Any:
     return asyncio.create_subprocess_exec(
-        sys.executable, "-m", "benchmarks.bench_group", "member", uri, db_name
+        sys.executable, "-m", "benchmarks.bench_group", "member", uri, db_name, str(lease)
     )
 
 
@@ -130,7 +136,7 @@ async def rebalance(uri: str) -> float:
     try:
         outbox = Outbox(mongo[name], partitions=PARTITIONS)
         await outbox.ensure_indexes()
-        members = [await spawn(uri, name) for _ in range(2)]
+        members = [await spawn(uri, name, TAKEOVER_LEASE) for _ in range(2)]
         leases = mongo[name].outbox_relays
         try:
 
@@ -177,10 +183,10 @@ async def run(uri: str) -> list[str]:
             f"({rates[processes] / rates[1]:.2f}x of 1 process)"
         )
     takeover = await rebalance(uri)
-    say(f"takeover after SIGKILL of 1 of 2 members: {takeover:.1f} s (lease {LEASE:g} s)")
+    say(f"takeover after SIGKILL of 1 of 2 members: {takeover:.1f} s (lease {TAKEOVER_LEASE:g} s)")
     return [
         f"1 process {rates[1]:.0f}/s; 2: {rates[2] / rates[1]:.2f}x; 4: {rates[4] / rates[1]:.2f}x",
-        f"takeover after SIGKILL {takeover:.1f} s (lease {LEASE:g} s)",
+        f"takeover after SIGKILL {takeover:.1f} s (lease {TAKEOVER_LEASE:g} s)",
     ]
 
 
@@ -188,6 +194,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["member"]:
         # A member's lost leases and takeovers, on stderr, as the command line logs them.
         logging.basicConfig(level=logging.INFO, format="member %(process)d: %(message)s")
-        asyncio.run(member(sys.argv[2], sys.argv[3]))
+        asyncio.run(member(sys.argv[2], sys.argv[3], float(sys.argv[4])))
     else:
         standalone(run)
