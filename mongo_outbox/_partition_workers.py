@@ -63,7 +63,8 @@ class PollingWorker:
         self._stopping.set()
 
     async def run(self) -> None:
-        standby = self.lease.lease.total_seconds() / 4
+        # A partition given back is released at once: look for it often, however long the lease.
+        standby = min(self.lease.lease.total_seconds() / 4, 1.0)
         failures = 0
         try:
             while not self._stopping.is_set():

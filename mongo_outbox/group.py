@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 Source = Literal["polling", "changestream"]
 
+REBALANCE_EVERY = 1.0
+"""Longest time in seconds between two heartbeats (and looks at the membership) of a member."""
+
 
 class RelayGroup:
     """One member of a relay group: publishes its fair share of an outbox's partitions.
@@ -146,7 +149,9 @@ class RelayGroup:
         ``ConfigurationError`` before anything is published."""
         await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
         self.state = transition(log, self.name, self.state, "active", f"member {self.member}")
-        beat = self.lease.total_seconds() / 3
+        # At least once a second, whatever the lease: a newcomer is counted, and given its
+        # share, within a second or so (the heartbeat still lives ``lease``).
+        beat = min(self.lease.total_seconds() / 3, REBALANCE_EVERY)
         failures = 0
         try:
             while not self._stopping.is_set():
