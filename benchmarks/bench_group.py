@@ -59,7 +59,7 @@ async def member(uri: str, db_name: str, lease: float) -> None:
     """One member process: relay until killed."""
     mongo = client(uri)
     outbox = Outbox(mongo[db_name], partitions=PARTITIONS)
-    settings = RelaySettings(batch_size=200, publish_timeout=2.0, claim_lease=20.0)
+    settings = RelaySettings(batch_size=200, max_in_flight=8, publish_timeout=2.0, claim_lease=20.0)
     group = RelayGroup(outbox, CpuPublisher(COST), lease=lease, interval=0.05, settings=settings)
     await group.run()
 
