@@ -28,7 +28,19 @@ FAST = RelaySettings(claim_lease=2.0, publish_timeout=0.5)
 
 
 def group(outbox: Outbox, publisher: MemoryPublisher, **options: Any) -> RelayGroup:
-    return RelayGroup(outbox, publisher, lease=2.0, interval=0.05, settings=FAST, **options)
+    return RelayGroup(outbox, publisher, lease=3.0, interval=0.05, settings=FAST, **options)
+
+
+async def stop_all(members: list[RelayGroup], tasks: list[asyncio.Task[None]]) -> None:
+    """Stop the members (also after a failed assertion: the test loop outlives the test, and
+    a member left running would go on writing beside the next tests)."""
+    for member in members:
+        member.stop()
+    _, pending = await asyncio.wait(tasks, timeout=20)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert not pending, "a member did not stop within 20 s"
 
 
 async def stored_partitions(db: Any, outbox: Outbox) -> dict[Any, set[Any]]:
@@ -121,11 +133,13 @@ class Witness(MemoryPublisher):
 async def save_beside(
     outbox: Outbox, db: Any, mongo: Any, orders: int
 ) -> tuple[list[Event], list[Event]]:
-    """One event per order, saved while relays run: (committed, uncertain). Only on the
-    emulator, whose commits conflict per collection with the relays' writes and may leave the
-    conflicted writes behind (docs/testing.md), a refused save's event may or may not exist."""
+    """One event for each of ``orders`` new orders, saved while relays run: (committed,
+    uncertain). Only on the emulator, whose commits conflict per collection with the relays'
+    writes and may leave the conflicted writes behind (docs/testing.md), a refused save's event
+    may or may not exist; and a conflicted commit may undo other sessions' writes, so the
+    orders are new ones, each saved once (an undone earlier save would renumber it)."""
     committed, uncertain = [], []
-    for order in range(orders):
+    for order in range(1000, 1000 + orders):
         event = Event(type="later")
         try:
             committed += (
@@ -149,47 +163,50 @@ async def test_two_members_share_the_partitions_and_hand_them_over(
     a, b = group(outbox, first), group(outbox, second)
     first.member, second.member = a, b
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+    try:
 
-    async def shared() -> bool:
-        return len(a.owned) == 2 and len(b.owned) == 2
+        async def shared() -> bool:
+            return len(a.owned) == 2 and len(b.owned) == 2
 
-    await until(shared, timeout=20)
-    assert set(a.owned) | set(b.owned) == {0, 1, 2, 3}
-    await until(lambda: len({e.id for e in first.events + second.events}) == len(saved), 20)
+        await until(shared, timeout=30)
+        assert set(a.owned) | set(b.owned) == {0, 1, 2, 3}
+        await until(lambda: len({e.id for e in first.events + second.events}) == len(saved), 20)
 
-    async def status_tells() -> bool:
-        # A renewal late on a loaded machine makes a member stand by and take its partition
-        # again: wait for a moment when the leases say what the members hold.
-        status = await a.status()
-        members = (await b.status()).members
-        return (
-            status.owners
-            == {**dict.fromkeys(a.owned, a.member), **dict.fromkeys(b.owned, b.member)}
-            and status.owned == tuple(a.owned)
-            and status.pending == 0
-            # Each heartbeat says what its member held then: the next ones say it as it is now.
-            and members == {a.member: tuple(a.owned), b.member: tuple(b.owned)}
-        )
+        async def status_tells() -> bool:
+            # A renewal late on a loaded machine makes a member stand by and take its partition
+            # again: wait for a moment when the leases say what the members hold.
+            status = await a.status()
+            members = (await b.status()).members
+            return (
+                status.owners
+                == {**dict.fromkeys(a.owned, a.member), **dict.fromkeys(b.owned, b.member)}
+                and status.owned == tuple(a.owned)
+                and status.pending == 0
+                # Each heartbeat says what its member held then: the next ones say it as it is now.
+                and members == {a.member: tuple(a.owned), b.member: tuple(b.owned)}
+            )
 
-    await until(status_tells, timeout=10)
-    # b stops: it gives its partitions back, a takes them all and publishes what comes next.
-    b.stop()
-    await asyncio.wait_for(tasks[1], 10)
-    await until(lambda: len(a.owned) == 4, timeout=20)
-    committed, uncertain = await save_beside(outbox, db, mongo, 20)
-    await until(lambda: {e.id for e in committed} <= {e.id for e in first.events}, 20)
-    a.stop()
-    await asyncio.wait_for(tasks[0], 10)
-    assert not first.unfenced and not second.unfenced
-    maybe = {e.id for e in uncertain}
-    assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
-    # Stopped members gave their leases back and left. (Not on the emulator in collection mode:
-    # a save's conflicted commit there undoes other sessions' writes, leases included.)
-    if mode == "embedded" or mongo.kind != "emulator":
-        live = await db.outbox_relays.find({"lease_until": {"$gt": utc_now()}}).to_list(None)
-        assert not live, (live, a.member, b.member)
-    members = await db.outbox_relay_members.find().to_list(None)
-    assert not members, members
+        await until(status_tells, timeout=10)
+        # b stops: it gives its partitions back, a takes them all and publishes what comes next.
+        b.stop()
+        await asyncio.wait_for(tasks[1], 10)
+        await until(lambda: len(a.owned) == 4, timeout=20)
+        committed, uncertain = await save_beside(outbox, db, mongo, 20)
+        await until(lambda: {e.id for e in committed} <= {e.id for e in first.events}, 20)
+        a.stop()
+        await asyncio.wait_for(tasks[0], 10)
+        assert not first.unfenced and not second.unfenced
+        maybe = {e.id for e in uncertain}
+        assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
+        # Stopped members gave their leases back and left. (Not on the emulator in collection mode:
+        # a save's conflicted commit there undoes other sessions' writes, leases included.)
+        if mode == "embedded" or mongo.kind != "emulator":
+            live = await db.outbox_relays.find({"lease_until": {"$gt": utc_now()}}).to_list(None)
+            assert not live, (live, a.member, b.member)
+        members = await db.outbox_relay_members.find().to_list(None)
+        assert not members, members
+    finally:
+        await stop_all([a, b], tasks)
 
 
 async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_each(
@@ -204,25 +221,28 @@ async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_e
     b = group(outbox, second, source="changestream")
     first.member, second.member = a, b
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+    try:
 
-    async def shared() -> bool:
-        return len(a.owned) == 2 and len(b.owned) == 2
+        async def shared() -> bool:
+            return len(a.owned) == 2 and len(b.owned) == 2
 
-    await until(shared, timeout=30)
-    await until(lambda: {e.id for e in saved} <= {e.id for e in published}, 30)
-    # What is written now comes through the partitions' streams.
-    committed, uncertain = await save_beside(outbox, db, mongo, 12)
-    await until(lambda: {e.id for e in committed} <= {e.id for e in published}, 30)
+        await until(shared, timeout=30)
+        await until(lambda: {e.id for e in saved} <= {e.id for e in published}, 30)
+        # What is written now comes through the partitions' streams.
+        committed, uncertain = await save_beside(outbox, db, mongo, 12)
+        await until(lambda: {e.id for e in committed} <= {e.id for e in published}, 30)
 
-    async def checkpointed() -> bool:
-        names = [f"relay-group/{k}" for k in range(4)]
-        docs = await db.outbox_relays.find({"_id": {"$in": names}}).to_list(None)
-        return len(docs) == 4 and all(d.get("token") for d in docs)
+        async def checkpointed() -> bool:
+            names = [f"relay-group/{k}" for k in range(4)]
+            docs = await db.outbox_relays.find({"_id": {"$in": names}}).to_list(None)
+            return len(docs) == 4 and all(d.get("token") for d in docs)
 
-    await until(checkpointed, timeout=30)
-    for member in (a, b):
-        member.stop()
-    await asyncio.wait_for(asyncio.gather(*tasks), 20)
-    assert not first.unfenced and not second.unfenced
-    maybe = {e.id for e in uncertain}
-    assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
+        await until(checkpointed, timeout=30)
+        for member in (a, b):
+            member.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        assert not first.unfenced and not second.unfenced
+        maybe = {e.id for e in uncertain}
+        assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
+    finally:
+        await stop_all([a, b], tasks)
