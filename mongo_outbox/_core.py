@@ -160,7 +160,7 @@ class OutboxCore:
     def _steps(self, plan: Plan, session: Any) -> Steps[Written]:
         # Outside the caller's transaction (no session): a config read, at most one upsert.
         yield from self._check_config()
-        if self.partitions > 1 and plan.events:
+        if self.partitions > 1:  # also without events: a save must keep the stored number
             stamp = plan.stamp
             plan = replace(
                 plan, partition=self.partition_of(stamp["aggregate_type"], stamp["aggregate_id"])

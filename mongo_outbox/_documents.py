@@ -245,12 +245,9 @@ class DocumentWriter:
                 sets[self.due_field] = (
                     {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
                 )
-                # Stored by the writer, so that a relay group's members only filter on it.
-                sets[self.partition_field] = (
-                    {"$literal": plan.partition}
-                    if plan.partition is not None
-                    else f"${self.partition_field}"
-                )
+                if plan.partition is not None:
+                    # Stored by the writer, so that a relay group's members only filter on it.
+                    sets[self.partition_field] = {"$literal": plan.partition}
             if plan.kind == "save":
                 # The relay's own fields survive a save: $replaceWith would drop them otherwise.
                 sets[self.claim_field] = f"${self.claim_field}"
