@@ -2,7 +2,7 @@
 partitions that follows from who is alive.
 
 One document per member in the members collection, ``{_id: member, group, alive_until,
-partitions, host, pid, started_at}``, renewed every third of the member lease. A member whose
+partitions, host, pid, started_at}``, renewed every third of the member lease (at least once a second). A member whose
 heartbeat ran out is no longer counted: the others' next beat sees ``N - 1`` members and their
 shares grow to cover its partitions, which they take once its partition leases run out too.
 

@@ -16,7 +16,7 @@ from the partition's checkpoint); entries a dead holder claimed come back after 
 lease, in order, as with any relay.
 
 A member that stops gives its partitions back at once; one that dies lets its heartbeat and
-leases run out, and the others take its partitions over within about 1.6 times ``lease``.
+leases run out, and the others take its partitions over within about ``lease`` and a second.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class RelayGroup:
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
         lease: how long a member's heartbeat and partition leases last without renewal (they
             are renewed every third of it); a dead member's partitions are taken over within
-            about 1.6 times this. At least 2.5 times ``settings.publish_timeout``: a member
+            about this and a second. At least 2.5 times ``settings.publish_timeout``: a member
             stops starting publishes ``publish_timeout`` before eight tenths of the lease
             since its last renewal, so the last ones end before the lease can.
         interval: polling: how long a partition's worker sleeps when nothing is pending.
