@@ -2,9 +2,10 @@
 partitions that follows from who is alive.
 
 One document per member in the members collection, ``{_id: member, group, alive_until,
-partitions, host, pid, started_at}``, renewed every third of the member lease (at least once a second). A member whose
-heartbeat ran out is no longer counted: the others' next beat sees ``N - 1`` members and their
-shares grow to cover its partitions, which they take once its partition leases run out too.
+partitions, host, pid, started_at}``, renewed every third of the member lease (at least once a
+second). A member whose heartbeat ran out is no longer counted: the others' next beat sees
+``N - 1`` members and their shares grow to cover its partitions, which they take once its
+partition leases run out too.
 
 The share is a pure function of the live members' ids and ``P``: member ``r`` (by id order)
 wants the partitions ``k`` with ``k % N == r``, so each wants ``P // N`` or ``P // N + 1`` of
