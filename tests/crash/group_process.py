@@ -1,6 +1,6 @@
 """A RelayGroup member process, SIGKILLed by its test at a random moment.
 
-Usage: python -m tests.crash.group_process URI DB STREAM RECORD SEED
+Usage: python -m tests.crash.group_process URI DB STREAM RECORD SEED SOURCE
 Publishes the embedded-mode outbox of ``orders`` (``partitions=4``) to the JetStream stream
 STREAM (subjects ``STREAM.<type>``), and appends one line per confirmed publish to RECORD:
 event id, partition, member, the fence its member held when the publish started (None if it
@@ -57,7 +57,7 @@ class Recording:
         await self.inner.aclose()
 
 
-async def main(uri: str, db_name: str, stream: str, record: Any, seed: int) -> None:
+async def main(uri: str, db_name: str, stream: str, record: Any, seed: int, source: str) -> None:
     chance = random.Random(seed)
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     outbox = Outbox(client[db_name], mode="embedded", collections=["orders"], partitions=PARTITIONS)
@@ -67,6 +67,7 @@ async def main(uri: str, db_name: str, stream: str, record: Any, seed: int) -> N
         outbox,
         publisher,
         name="orders-group",
+        source=source,  # type: ignore[arg-type]
         lease=LEASE,
         interval=0.05,
         settings=RelaySettings(
@@ -82,6 +83,6 @@ async def main(uri: str, db_name: str, stream: str, record: Any, seed: int) -> N
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="member %(process)d: %(message)s")
-    uri, db_name, stream, record_path, seed = sys.argv[1:]
+    uri, db_name, stream, record_path, seed, source = sys.argv[1:]
     with open(record_path, "a", encoding="utf-8") as record:
-        asyncio.run(main(uri, db_name, stream, record, int(seed)))
+        asyncio.run(main(uri, db_name, stream, record, int(seed), source))
