@@ -86,9 +86,10 @@ def timer() -> None:
 
 
 DOWN = BrokerUnavailableError("down", event_id="e")
+RELAY = metrics.relay_labels("orders-relay", "shop")
 HOOKS: dict[str, Callable[[], None]] = {
-    "published (per round)": lambda: metrics.published("orders-relay", 100),
-    "publish_failed (per failure)": lambda: metrics.publish_failed("orders-relay", DOWN),
+    "published (per round)": lambda: metrics.published(RELAY, 100),
+    "publish_failed (per failure)": lambda: metrics.publish_failed(RELAY, DOWN),
     "inbox_outcome (per delivery)": lambda: metrics.inbox_outcome("billing", "handled"),
     "handler_timer (per handler run)": timer,
 }

@@ -18,7 +18,14 @@ import traceback
 from benchmarks.common import NATS_URL, RABBITMQ_URL, header, say, start_backend
 
 BENCHMARKS = ("bench_relay", "bench_publishers", "bench_save", "bench_update", "bench_create")
-OPTIONAL = ("bench_inbox", "bench_changestream", "bench_tracing", "bench_redis", "bench_metrics")
+OPTIONAL = (
+    "bench_inbox",
+    "bench_changestream",
+    "bench_tracing",
+    "bench_redis",
+    "bench_metrics",
+    "bench_group",
+)
 
 
 def load(name: str, optional: bool) -> object | None:

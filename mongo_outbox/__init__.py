@@ -28,6 +28,7 @@ from mongo_outbox.errors import (
     UsageError,
 )
 from mongo_outbox.events import Event, new_event_id
+from mongo_outbox.group import GroupStatus, RelayGroup
 from mongo_outbox.inbox import (
     Guarded,
     Inbox,
@@ -51,6 +52,7 @@ __all__ = [
     "DeadLettered",
     "DuplicateEventError",
     "Event",
+    "GroupStatus",
     "Guarded",
     "Inbox",
     "InboxError",
@@ -63,6 +65,7 @@ __all__ = [
     "PoisonMessage",
     "PollingRelay",
     "PublishError",
+    "RelayGroup",
     "RelaySettings",
     "RelayStats",
     "RelayStatus",

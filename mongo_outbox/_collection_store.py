@@ -18,7 +18,7 @@ from typing import Any
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, ours
-from mongo_outbox._store import RECHECK, Backlog, Claim, Failure
+from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -29,13 +29,18 @@ _AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1, "sequence": 1}
 
 
 class CollectionStore:
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
         self.retention = outbox.retention
         self.coll = ours(outbox.collection)
+        self.scope = scope(outbox, partition)
 
     async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         now = utc_now()
-        due = {"status": "pending", "available_at": {"$lte": min(now, until or now)}}
+        due = {
+            **self.scope,
+            "status": "pending",
+            "available_at": {"$lte": min(now, until or now)},
+        }
         candidates = (
             await self.coll.find(due, projection=_AGGREGATE)
             .sort("available_at", 1)
@@ -51,7 +56,9 @@ class CollectionStore:
         entries = [
             c["fullDocument"]
             for c in changes
-            if c.get("operationType") == "insert" and c.get("fullDocument")
+            if c.get("operationType") == "insert"
+            and c.get("fullDocument")
+            and all(c["fullDocument"].get(k) == v for k, v in self.scope.items())
         ]
         if not entries:
             return Claim(uuid.uuid4().hex)
@@ -66,6 +73,7 @@ class CollectionStore:
         token = uuid.uuid4().hex
         claimed = await self.coll.update_many(
             {
+                **self.scope,
                 "_id": {"$in": [c["_id"] for c in candidates]},
                 "status": "pending",
                 # A fresh entry is claimable whatever the writer's clock said; others when due.
@@ -250,7 +258,7 @@ class CollectionStore:
         await self.coll.bulk_write(ops, ordered=True)
 
     async def wake(self, limit: int | None = None) -> int:
-        waiting = {"status": "pending", "waiting": True, "claim": None}
+        waiting = {**self.scope, "status": "pending", "waiting": True, "claim": None}
         if limit is not None:
             ids = [
                 d["_id"]
@@ -267,7 +275,7 @@ class CollectionStore:
         return int(result.modified_count)
 
     async def backlog(self) -> Backlog:
-        pending = {"status": "pending"}
+        pending = {**self.scope, "status": "pending"}
         oldest = await self.coll.find_one(
             pending, sort=[("occurred_at", 1)], projection={"occurred_at": 1}
         )
@@ -277,7 +285,9 @@ class CollectionStore:
 
     async def next_due(self) -> datetime | None:
         doc = await self.coll.find_one(
-            {"status": "pending"}, sort=[("available_at", 1)], projection={"available_at": 1}
+            {**self.scope, "status": "pending"},
+            sort=[("available_at", 1)],
+            projection={"available_at": 1},
         )
         return as_utc(doc["available_at"]) if doc else None
 

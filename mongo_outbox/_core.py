@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -22,11 +23,13 @@ from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._event_ids import EventIds
+from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call
 from mongo_outbox.errors import DuplicateEventError, OutboxError
 from mongo_outbox.events import Event, utc_now
+from mongo_outbox.settings import count
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class OutboxCore:
         retention: timedelta = timedelta(days=7),
         field: str = "_outbox",
         aggregate_types: Mapping[str, str] | None = None,
+        partitions: int = 1,
     ) -> None:
         if mode not in ("collection", "embedded"):
             raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
@@ -55,6 +59,7 @@ class OutboxCore:
             raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
         if retention <= timedelta(0):
             raise ValueError("retention must be positive")
+        self.partitions = count(partitions, "Outbox.partitions")
         self.db = db
         self.mode: Mode = mode
         self.retention = retention
@@ -67,18 +72,41 @@ class OutboxCore:
         self.claim_field = f"{field}_claim"
         self.wait_field = f"{field}_wait"
         self.sent_field = f"{field}_sent"
+        self.partition_field = f"{field}_partition" if mode == "embedded" else "partition"
+        self.config = config_collection(db, collection)
+        self._config_checked = False
         owned = {"_version", "_sequence"}
         if mode == "embedded":
             owned |= {field, self.due_field, self.claim_field, self.wait_field, self.sent_field}
+            owned |= {self.partition_field}
         self._reserved = frozenset(owned)
         self._rules = Rules(db, mode, self.collections, self.aggregate_types, self._reserved)
         self._registry = EventIds(self.event_ids, retention)
-        self._documents = DocumentWriter(mode, field)
+        self._documents = DocumentWriter(mode, field, self.partition_field)
+
+    def partition_of(self, aggregate_type: Any, aggregate_id: Any) -> int:
+        """The partition of an aggregate's entries (0 when the outbox has one partition)."""
+        return partition_of(aggregate_type, aggregate_id, self.partitions)
+
+    def _check_config(self) -> Steps[None]:
+        """Once per outbox object: refuse a partition count other than the recorded one."""
+        if not self._config_checked:
+            yield from check_config(self.config, self.partitions, "this Outbox")
+            self._config_checked = True
 
     def _index_steps(self) -> Steps[None]:
         """The indexes the relay and the TTL pruning need. Idempotent."""
+        yield from self._check_config()
         if self.mode == "collection":
             outbox = self.collection
+            if self.partitions > 1:
+                # A group member's claims: its partition's due entries.
+                yield call(
+                    outbox,
+                    "create_index",
+                    [("partition", 1), ("status", 1), ("available_at", 1)],
+                    name="relay_partition_due",
+                )
             yield call(
                 outbox, "create_index", [("status", 1), ("available_at", 1)], name="relay_due"
             )
@@ -95,6 +123,14 @@ class OutboxCore:
             return
         for name in self.collections:
             aggregates = self.db[name]
+            if self.partitions > 1:
+                yield call(
+                    aggregates,
+                    "create_index",
+                    [(self.partition_field, 1), (self.due_field, 1)],
+                    sparse=True,
+                    name=f"{self.field}_partition_due",
+                )
             yield call(
                 aggregates,
                 "create_index",
@@ -121,6 +157,13 @@ class OutboxCore:
         return self.mode == "collection" and not (session is not None and session.in_transaction)
 
     def _steps(self, plan: Plan, session: Any) -> Steps[Written]:
+        # Outside the caller's transaction (no session): a config read, at most one upsert.
+        yield from self._check_config()
+        if self.partitions > 1:  # also without events: a save must keep the stored number
+            stamp = plan.stamp
+            plan = replace(
+                plan, partition=self.partition_of(stamp["aggregate_type"], stamp["aggregate_id"])
+            )
         if self.mode == "collection":
             return (yield from self._write(plan, session))
         ids = [e.id for e in plan.events]
@@ -151,6 +194,8 @@ class OutboxCore:
         ]
         if self.mode == "collection" and events:
             pending = {"status": "pending", "available_at": now, "attempts": 0}
+            if plan.partition is not None:
+                pending["partition"] = plan.partition
             entries = [
                 entry | {"sequence": first + i} | pending for i, entry in enumerate(plan.entries)
             ]

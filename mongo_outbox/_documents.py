@@ -77,9 +77,10 @@ _COUNTERS = {"_version": 1, "_sequence": 1}
 class DocumentWriter:
     """Writes aggregate documents for an outbox of ``mode`` whose entries live in ``field``."""
 
-    def __init__(self, mode: str, field: str):
+    def __init__(self, mode: str, field: str, partition_field: str):
         self.mode = mode
         self.field = field
+        self.partition_field = partition_field
         self.due_field = f"{field}_due"
         self.claim_field = f"{field}_claim"
         self.wait_field = f"{field}_wait"
@@ -118,6 +119,8 @@ class DocumentWriter:
             ]
             if n:
                 document[self.due_field] = now
+            if plan.partition is not None:
+                document[self.partition_field] = plan.partition
         try:
             yield call(plan.collection, "insert_one", document, session=session)
         except DuplicateKeyError as error:
@@ -163,6 +166,9 @@ class DocumentWriter:
                 # with none due now.
                 ours["$push"] = {self.field: {"$each": plan.entries}}
                 ours["$max"] = {self.due_field: now}
+                if plan.partition is not None:
+                    # Stored by the writer, so that a relay group's members only filter on it.
+                    ours["$set"] = {self.partition_field: plan.partition}
             update = with_operators(plan.update, ours)
             query, upsert = plan.query, plan.upsert
         else:
@@ -198,6 +204,9 @@ class DocumentWriter:
                 sets[self.due_field] = (
                     {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
                 )
+                if plan.partition is not None:
+                    # Stored by the writer, so that a relay group's members only filter on it.
+                    sets[self.partition_field] = {"$literal": plan.partition}
             if plan.kind == "save":
                 # The relay's own fields survive a save: $replaceWith would drop them otherwise.
                 sets[self.claim_field] = f"${self.claim_field}"

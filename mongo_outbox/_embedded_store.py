@@ -24,7 +24,7 @@ from pymongo import UpdateMany, UpdateOne
 from mongo_outbox._codec import decode, numbered, ours
 from mongo_outbox._embedded_parked import ParkedEntries
 from mongo_outbox._event_ids import PublishedIds
-from mongo_outbox._store import Backlog, Claim, Failure
+from mongo_outbox._store import Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -33,7 +33,8 @@ _WRITES = frozenset({"insert", "update", "replace"})
 
 
 class EmbeddedStore(ParkedEntries):
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
+        self.scope = scope(outbox, partition)
         self.field = outbox.field
         self.due = outbox.due_field
         self.claim_field = outbox.claim_field
@@ -49,7 +50,7 @@ class EmbeddedStore(ParkedEntries):
         """Up to ``limit`` documents in all, the collections taking turns to go first so that
         none starves the others."""
         now = utc_now()
-        due = {self.due: {"$lte": min(now, until or now)}}
+        due = {**self.scope, self.due: {"$lte": min(now, until or now)}}
         found: dict[str, list[Any]] = {}
         names = list(self.colls)
         self._turn = (self._turn + 1) % len(names)
@@ -70,7 +71,7 @@ class EmbeddedStore(ParkedEntries):
         if not found:
             return Claim(uuid.uuid4().hex)
         now = utc_now()
-        return await self._claim(found, {self.due: {"$lte": now}}, now, lease)
+        return await self._claim(found, {**self.scope, self.due: {"$lte": now}}, now, lease)
 
     def may_have_work(self, change: Mapping[str, Any]) -> bool:
         """Whether a write to one of our aggregates may have left entries for the relay. A claimed
@@ -244,7 +245,7 @@ class EmbeddedStore(ParkedEntries):
         return {self.field: {"$not": {"$elemMatch": {"parked": {"$ne": True}}}}}
 
     async def wake(self, limit: int | None = None) -> int:
-        waiting: dict[str, Any] = {self.wait_field: True, self.claim_field: None}
+        waiting: dict[str, Any] = {**self.scope, self.wait_field: True, self.claim_field: None}
         woken = 0
         for coll in self.colls.values():
             selector: dict[str, Any] = dict(waiting)
@@ -271,7 +272,9 @@ class EmbeddedStore(ParkedEntries):
     async def backlog(self) -> Backlog:
         total, oldest = 0, None
         for coll in self.colls.values():
-            docs = coll.find({self.due: {"$exists": True}}, projection={self.field: 1})
+            docs = coll.find(
+                {**self.scope, self.due: {"$exists": True}}, projection={self.field: 1}
+            )
             async for doc in docs:
                 for entry in doc.get(self.field) or []:
                     if not isinstance(entry, dict) or entry.get("parked"):
@@ -286,7 +289,9 @@ class EmbeddedStore(ParkedEntries):
         times = []
         for coll in self.colls.values():
             doc = await coll.find_one(
-                {self.due: {"$exists": True}}, sort=[(self.due, 1)], projection={self.due: 1}
+                {**self.scope, self.due: {"$exists": True}},
+                sort=[(self.due, 1)],
+                projection={self.due: 1},
             )
             if doc and isinstance(doc.get(self.due), datetime):
                 times.append(as_utc(doc[self.due]))

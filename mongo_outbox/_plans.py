@@ -50,6 +50,8 @@ class Plan:
     """update, delete, add: the caller's filter (it names ``_id``)."""
     update: Update | None = None
     upsert: bool = False
+    partition: int | None = None
+    """The aggregate's partition, stored with its entries when the outbox has more than one."""
 
 
 class Rules:

@@ -64,16 +64,19 @@ class Rounds:
         outbox: Outbox,
         publisher: Publisher,
         settings: RelaySettings,
+        partition: int | None = None,
         relay: str | None = None,  # the relay's name in metrics; None: not a relay's rounds
     ) -> None:
         check_publisher(publisher)
         if not isinstance(settings, RelaySettings):
             raise TypeError(f"settings must be a RelaySettings, not {type(settings).__name__}")
-        self.store = store_for(outbox)
+        self.store = store_for(outbox, partition)
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayStats()
-        self.relay = metrics.relay_labels(relay, outbox.db.name) if relay is not None else None
+        self.relay = (
+            None if relay is None else metrics.relay_labels(relay, outbox.db.name, partition)
+        )
         # The last round found the broker unavailable and confirmed nothing. A relay starts as
         # if it did: one probe finds out, in case it was restarted during an outage.
         self.outage = True
@@ -250,7 +253,7 @@ class Rounds:
         left = 0
         while queues and loop.time() <= deadline and not (lost and lost.is_set()):
             wave = [queue.pop() for queue in queues]
-            results = await self._publish_wave(wave, deadline)
+            results = await self._publish_wave(wave, deadline, lost)
             confirmed = bool(published) or any(r is None for r in results)
             survivors = []
             for event, queue, error in zip(wave, queues, results, strict=True):
@@ -266,10 +269,17 @@ class Rounds:
         # What is left unpublished is released by settle, due at once, still in order.
         return published, errors, left + sum(map(len, queues))
 
-    async def _publish_wave(self, wave: list[Event], deadline: float) -> list[BaseException | None]:
+    async def _publish_wave(
+        self, wave: list[Event], deadline: float, lost: asyncio.Event | None = None
+    ) -> list[BaseException | None]:
         """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that
-        gets its turn only after ``deadline`` is not started: it could end after the claim."""
+        gets its turn only after ``deadline`` is not started: it could end after the claim;
+        nor one after ``lost`` was set (the lease it needs is gone)."""
         loop = asyncio.get_running_loop()
+
+        def late() -> bool:
+            return loop.time() > deadline or (lost is not None and lost.is_set())
+
         publisher = self.publisher
         traced = tracer()  # once per wave: asking the API for its provider is not free
         if not isinstance(publisher, BatchPublisher):
@@ -279,7 +289,7 @@ class Rounds:
 
             async def worker() -> None:
                 for i in order:
-                    if loop.time() > deadline:
+                    if late():
                         results[i] = _NotStarted()
                         continue
                     event = wave[i]
@@ -302,7 +312,7 @@ class Rounds:
 
         async def chunk_of(chunk: list[Event]) -> list[BaseException | None]:
             async with turns:
-                if loop.time() > deadline:
+                if late():
                     return [_NotStarted()] * len(chunk)
                 spans = publishing(traced, publisher, chunk)
                 sent = spans.sent if spans else chunk

@@ -123,10 +123,19 @@ class Store(Protocol):
         sequence. Embedded mode keeps no published entries: ``UsageError``."""
 
 
-def store_for(outbox: Outbox) -> Store:
+def store_for(outbox: Outbox, partition: int | None = None) -> Store:
+    """The store of ``outbox``; with ``partition``, one that claims, wakes and counts that
+    partition's entries only (a relay group member's view)."""
     from mongo_outbox._collection_store import CollectionStore
     from mongo_outbox._embedded_store import EmbeddedStore
 
     if outbox.mode == "embedded":
-        return EmbeddedStore(outbox)
-    return CollectionStore(outbox)
+        return EmbeddedStore(outbox, partition)
+    return CollectionStore(outbox, partition)
+
+
+def scope(outbox: Outbox, partition: int | None) -> dict[str, Any]:
+    """The filter that narrows a store's queries to ``partition`` (none with one partition)."""
+    if partition is None or outbox.partitions == 1:
+        return {}
+    return {outbox.partition_field: partition}

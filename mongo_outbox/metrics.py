@@ -173,10 +173,14 @@ def _instruments() -> _Instruments | None:
 # -- hooks: where things happen ---------------------------------------------------------------
 
 
-def relay_labels(name: str, database: str) -> dict[str, str]:
-    """A relay's attributes: its name, and its outbox's database (one process may relay several
-    databases under one relay name: ``tenants``)."""
-    return {"relay": name, "database": database}
+def relay_labels(name: str, database: str, partition: int | None = None) -> dict[str, str]:
+    """A relay's attributes: its name, its outbox's database (one process may relay several
+    databases under one relay name: ``tenants``) and, for a relay group's member, the
+    partition it publishes."""
+    labels = {"relay": name, "database": database}
+    if partition is not None:
+        labels["partition"] = str(partition)
+    return labels
 
 
 def published(relay: dict[str, str] | None, count: int) -> None:
@@ -251,9 +255,9 @@ class RelayGauges:
     ``status()`` read it. A relay is reported from its first ``run()`` on (a relay object
     that only monitors is not), its backlog only while ``run()`` runs."""
 
-    def __init__(self, name: str, database: str) -> None:
+    def __init__(self, name: str, database: str, partition: int | None = None) -> None:
         self.name = name
-        self.labels = relay_labels(name, database)
+        self.labels = relay_labels(name, database, partition)
         self.state: State = "starting"
         self.backlog: _Backlog | None = None
 

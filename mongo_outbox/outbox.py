@@ -58,6 +58,10 @@ class Outbox(OutboxCore):
         aggregate_types: the ``aggregate_type`` of each collection's events, where it is not the
             collection's name, e.g. ``{"orders": "Order"}``. One type per collection, and never
             another collection's name.
+        partitions: how many partitions a ``RelayGroup`` shares (default 1: none). Each write
+            stores its aggregate's partition with its entries; the count is recorded in
+            ``<collection>_config`` and a writer with another count raises
+            ``ConfigurationError`` (docs/groups.md says how to change it).
 
     Every write takes a ``session``, which may be ``None``; in collection mode a session and
     transaction are then started here. A session inside an open transaction is joined and not

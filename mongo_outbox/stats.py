@@ -47,3 +47,21 @@ def transition(
         level = logging.WARNING if state == "failed" else logging.INFO
         logger.log(level, "relay %s: %s -> %s (%s)", name, current, state, reason)
     return state
+
+
+@dataclass
+class GroupStatus:
+    """A relay group member's view: ``owners`` maps each partition to the member holding its
+    lease now (None: nobody, e.g. during a takeover), ``members`` each live member to the
+    partitions its last heartbeat said it holds, ``owned`` this member's own partitions."""
+
+    name: str
+    member: str
+    state: State
+    partitions: int
+    owned: tuple[int, ...]
+    owners: dict[int, str | None]
+    members: dict[str, tuple[int, ...]]
+    pending: int
+    published: int
+    last_error: str | None

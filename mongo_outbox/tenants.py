@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
+from mongo_outbox.group import GroupStatus, RelayGroup
 from mongo_outbox.relay import PollingRelay
 from mongo_outbox.stats import RelayStatus, State
 
@@ -23,15 +24,15 @@ __all__ = ["TenantRelays"]
 
 log = logging.getLogger(__name__)
 
-Relay = PollingRelay | ChangeStreamRelay
+Relay = PollingRelay | ChangeStreamRelay | RelayGroup
 
 
 class TenantRelays:
     """Runs one relay per database in one process, side by side.
 
     Parameters:
-        relays: a ``PollingRelay`` or ``ChangeStreamRelay`` per outbox, each over the ``Outbox``
-            of its own database. They may share a publisher.
+        relays: a ``PollingRelay``, ``ChangeStreamRelay`` or ``RelayGroup`` member per outbox,
+            each over the ``Outbox`` of its own database. They may share a publisher.
 
     ``run()`` runs them all until ``stop()``. If one fails, the others are stopped (giving their
     leases up) and ``run()`` raises that failure: a process is healthy or it exits, so a
@@ -41,9 +42,9 @@ class TenantRelays:
     def __init__(self, relays: Sequence[Relay]) -> None:
         self.relays: dict[str, Relay] = {}
         for relay in relays:
-            if not isinstance(relay, PollingRelay | ChangeStreamRelay):
+            if not isinstance(relay, PollingRelay | ChangeStreamRelay | RelayGroup):
                 raise UsageError(
-                    f"TenantRelays takes PollingRelay or ChangeStreamRelay objects, "
+                    f"TenantRelays takes PollingRelay, ChangeStreamRelay or RelayGroup objects, "
                     f"not {type(relay).__name__}"
                 )
             database = relay.outbox.db.name
@@ -105,7 +106,9 @@ class TenantRelays:
         for relay in self.relays.values():
             relay.stop()
 
-    async def status(self) -> Mapping[str, RelayStatus]:
+    async def status(self) -> Mapping[str, RelayStatus | GroupStatus]:
         """Each relay's ``status()``, by database name."""
-        statuses = await asyncio.gather(*(relay.status() for relay in self.relays.values()))
+        statuses: list[RelayStatus | GroupStatus] = list(
+            await asyncio.gather(*(relay.status() for relay in self.relays.values()))
+        )
         return dict(zip(self.relays, statuses, strict=True))

@@ -52,6 +52,9 @@ class Checkpoint:
         # Unique per relay object; the host and process id tell an operator who holds the lease.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         self.fence: int | None = None
+        # Loop time at which the last write that set or renewed the lease was sent: the lease
+        # in the database runs from then (it is computed before sending), not from the reply.
+        self._sent = float("-inf")
 
     @property
     def held(self) -> bool:
@@ -66,6 +69,7 @@ class Checkpoint:
         this process holds it now."""
         if self.fence is not None and await self.renew():
             return True
+        sent = asyncio.get_running_loop().time()
         now = utc_now()
         fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
         try:
@@ -87,27 +91,33 @@ class Checkpoint:
             # The document exists with a live lease, so the upsert collided: another holds it.
             return False
         self.fence = int(doc["fence"])
+        self._sent = sent
         return True
 
     async def renew(self) -> bool:
         """Extend the lease if it is still ours; else forget it and return False."""
         if self.fence is None:
             return False
+        sent = asyncio.get_running_loop().time()
         renewed = await self.coll.update_one(
             self._mine, {"$set": {"lease_until": utc_now() + self.lease}}
         )
         if not renewed.matched_count:
             self.fence = None
+        elif self.fence is not None:
+            self._sent = max(self._sent, sent)
         return self.fence is not None
 
     @contextlib.asynccontextmanager
-    async def renewed(self) -> AsyncIterator[asyncio.Event]:
+    async def renewed(self, margin: float = 0.0) -> AsyncIterator[asyncio.Event]:
         """Renew the lease every third of it in the background while the body runs, however
         long its rounds take. The event it yields is set, and the fence forgotten, once a
         renewal fails, or when eight tenths of the lease passed since the last one that
-        succeeded: the holder must then stop publishing, before another may take over."""
+        succeeded: the holder must then stop publishing, before another may take over.
+        ``margin`` (seconds) sets it that much earlier: a relay group's member gives the
+        publishes it started the time to end (its ``publish_timeout``) within the lease."""
         lost = asyncio.Event()
-        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost))
+        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost, margin))
         try:
             yield lost
         finally:
@@ -115,10 +125,10 @@ class Checkpoint:
             # Waited for, not awaited: a second cancellation of ours must not be swallowed.
             await asyncio.wait({heartbeat})
 
-    async def _renew_until_lost(self, lost: asyncio.Event) -> None:
+    async def _renew_until_lost(self, lost: asyncio.Event, margin: float) -> None:
         loop = asyncio.get_running_loop()
         lease = self.lease.total_seconds()
-        deadline = loop.time() + lease * 0.8
+        deadline = self._sent + lease * 0.8 - margin
         while True:
             await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
             left = deadline - loop.time()
@@ -128,7 +138,7 @@ class Checkpoint:
                 # A hung connection must not outlast the lease: give up at the deadline.
                 if not await asyncio.wait_for(self.renew(), left):
                     break
-                deadline = loop.time() + lease * 0.8
+                deadline = self._sent + lease * 0.8 - margin
             except (PyMongoError, asyncio.TimeoutError) as error:
                 log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
         self.fence = None
@@ -138,6 +148,7 @@ class Checkpoint:
         """Store the resume token and renew the lease, in one write fenced on our claim."""
         if self.fence is None:
             raise LeaseLost(f"relay {self.name}: this process does not hold the lease")
+        sent = asyncio.get_running_loop().time()
         now = utc_now()
         result = await self.coll.update_one(
             self._mine,
@@ -146,12 +157,19 @@ class Checkpoint:
         if not result.matched_count:
             self.fence = None
             raise LeaseLost(f"relay {self.name}: another process took the lease over")
+        self._sent = max(self._sent, sent)
 
     async def release(self) -> None:
         """Give the lease up at once, so a standby need not wait for it to run out."""
-        if self.fence is not None:
-            await self.coll.update_one(self._mine, {"$set": {"lease_until": utc_now()}})
-            self.fence = None
+        # By owner, not fence: a renewal that timed out here may still have gone through, and
+        # the lease it extended is this process's to give up (owners are unique per object).
+        # The owner is cleared too, so that a renewal still in flight (its caller cancelled
+        # it, the server had it already) matches nothing once it lands.
+        self.fence = None
+        await self.coll.update_one(
+            {"_id": self.name, "owner": self.owner},
+            {"$set": {"lease_until": utc_now(), "owner": None}},
+        )
 
     async def load(self) -> dict[str, Any]:
         return dict(await self.coll.find_one({"_id": self.name}) or {})

@@ -40,7 +40,7 @@ from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import RelayStatus, State, transition
+from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class ChangeStreamRelay:
         sweep_interval: longest time between sweeps of the collections (for requeued entries,
             retries that came due, anything the stream missed).
         checkpoints: the checkpoint collection, in the outbox's database.
+        partition: publish only this partition of an outbox with ``partitions`` (its stream
+            ``$match``-es the partition; ``RelayGroup`` runs one per partition it holds).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ChangeStreamRelay:
         leader_lease: Duration = 15.0,
         sweep_interval: Duration = 30.0,
         checkpoints: str = "outbox_relays",
+        partition: int | None = None,
     ) -> None:
         name = check_name(name, "ChangeStreamRelay.name")
         self.settings = settings or RelaySettings()
@@ -87,11 +90,11 @@ class ChangeStreamRelay:
         self.outbox = outbox
         self.publisher = publisher
         self.name = name
-        self.source: ChangeSource = source or WatchSource.for_outbox(outbox)
+        self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
-        self._rounds = Rounds(outbox, publisher, self.settings, relay=name)
+        self._rounds = Rounds(outbox, publisher, self.settings, partition, relay=name)
         self.state: State = "starting"
-        self._gauges = metrics.RelayGauges(name, outbox.db.name)
+        self._gauges = metrics.RelayGauges(name, outbox.db.name, partition)
         self.recoveries = 0
         self.last_error: str | None = None
         self._sweep_due = 0.0
@@ -131,6 +134,10 @@ class ChangeStreamRelay:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def stats(self) -> RelayStats:
+        return self._rounds.stats
 
     async def status(self) -> RelayStatus:
         doc = await self.checkpoint.load()

@@ -119,17 +119,36 @@ class WatchSource:
         self.max_await_ms = max_await_ms
 
     @classmethod
-    def for_outbox(cls, outbox: Outbox, *, full_document: str = "updateLookup") -> WatchSource:
+    def for_outbox(
+        cls, outbox: Outbox, *, full_document: str = "updateLookup", partition: int | None = None
+    ) -> WatchSource:
         """The stream a relay of ``outbox`` needs: inserts into the outbox collection, or (in
-        embedded mode) writes to the aggregate collections, with their post-images."""
-        if outbox.mode == "collection":
+        embedded mode) writes to the aggregate collections, with their post-images; with
+        ``partition``, only that partition's (by the number the writer stored)."""
+        mine: dict[str, Any] = {}
+        if partition is not None and outbox.partitions > 1:
+            mine = {f"fullDocument.{outbox.partition_field}": partition}
+        if outbox.mode == "collection" and not mine:
             types = ["insert", *ENDS_STREAM]
             return cls(outbox.collection, [{"$match": {"operationType": {"$in": types}}}])
+        if outbox.mode == "collection":
+            match: dict[str, Any] = {
+                "$or": [
+                    {"operationType": "insert", **mine},
+                    {"operationType": {"$in": list(ENDS_STREAM)}},
+                ]
+            }
+            return cls(outbox.collection, [{"$match": match}])
         match = {
             "$or": [
                 {
                     "ns.coll": {"$in": list(outbox.collections)},
-                    "operationType": {"$in": ["insert", "update", "replace", "drop", "rename"]},
+                    "operationType": {"$in": ["insert", "update", "replace"]},
+                    **mine,
+                },
+                {
+                    "ns.coll": {"$in": list(outbox.collections)},
+                    "operationType": {"$in": ["drop", "rename"]},
                 },
                 {"operationType": {"$in": ["invalidate", "dropDatabase"]}},
             ]

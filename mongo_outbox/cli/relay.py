@@ -37,14 +37,15 @@ from mongo_outbox.cli.common import (
 )
 from mongo_outbox.cli.metrics import Endpoint, check_extra
 from mongo_outbox.errors import ChangeStreamError, ConfigurationError
+from mongo_outbox.group import RelayGroup
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
-from mongo_outbox.settings import RelaySettings, seconds
+from mongo_outbox.settings import RelaySettings, count, seconds
 from mongo_outbox.tenants import TenantRelays
 
 log = logging.getLogger("mongo_outbox.cli")
 
-Relay = PollingRelay | ChangeStreamRelay | TenantRelays
+Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 
 
 @click.command()
@@ -67,6 +68,13 @@ Relay = PollingRelay | ChangeStreamRelay | TenantRelays
 @option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
+@option(
+    "--partitions",
+    type=int,
+    default=None,
+    help="Run as a member of relay group --name over an outbox of this many partitions "
+    "(the writers' count); --leader-lease is the member's lease.",
+)
 @option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
@@ -125,11 +133,40 @@ class _Plan:
         self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
         self.linger = seconds(given["metrics_linger"], "--metrics-linger", zero=True)
+        self.partitions: int | None = given.get("partitions")
+        if self.partitions is not None:
+            count(self.partitions, "--partitions")
+            if self.leader_lease < 2.5 * self.settings.timeout:
+                raise ConfigurationError(
+                    f"a group member's lease ({self.leader_lease:g} s) must be at least 2.5 "
+                    f"times --publish-timeout ({self.settings.timeout:g} s)",
+                    setting="--leader-lease",
+                )
         self.sample = sample_event(target.collections)
         broker.check(self.sample)
         self.databases: tuple[str, ...] = ()
 
-    def relay(self, outbox: Outbox, publisher: Any) -> PollingRelay | ChangeStreamRelay:
+    def relay(
+        self, outbox: Outbox, publisher: Any
+    ) -> PollingRelay | ChangeStreamRelay | RelayGroup:
+        if self.partitions is not None:
+            partitioned = Outbox(
+                outbox.db,
+                mode=outbox.mode,
+                collection=outbox.collection.name,
+                collections=outbox.collections,
+                partitions=self.partitions,
+            )
+            return RelayGroup(
+                partitioned,
+                publisher,
+                name=self.name,
+                source="polling" if self.polling else "changestream",
+                settings=self.settings,
+                lease=self.leader_lease,
+                interval=self.interval,
+                checkpoints=self.checkpoints,
+            )
         if self.polling:
             return PollingRelay(
                 outbox, publisher, settings=self.settings, interval=self.interval, name=self.name
@@ -253,7 +290,7 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
             "its lease runs out"
         )
     error = task.exception()
-    if isinstance(error, ChangeStreamError):
+    if isinstance(error, (ChangeStreamError, ConfigurationError)):
         raise Failure(f"relay {name} failed: {one_line(error)}")
     if error is not None:
         raise error

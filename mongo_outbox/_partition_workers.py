@@ -1,0 +1,137 @@
+"""What a relay group member runs for each partition it wants: a worker that stands by until it
+holds the partition's lease, then publishes that partition, until stopped (see ``group``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+from pymongo.errors import PyMongoError
+
+from mongo_outbox._rounds import Rounds, pause
+from mongo_outbox.changestream.checkpoint import Checkpoint
+from mongo_outbox.changestream.relay import ChangeStreamRelay
+from mongo_outbox.errors import describe
+
+log = logging.getLogger("mongo_outbox.group")
+
+
+class Worker(Protocol):
+    @property
+    def fence(self) -> int | None: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def published(self) -> int: ...
+
+    async def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class PollingWorker:
+    """One partition's polling rounds: stands by until it holds the partition lease, then
+    publishes until stopped or the lease is lost (then stands by again)."""
+
+    def __init__(
+        self, group: str, partition: int, lease: Checkpoint, rounds: Rounds, interval: float
+    ) -> None:
+        self.group = group
+        self.partition = partition
+        self.lease = lease
+        self.rounds = rounds
+        self.interval = interval
+        self._stopping = asyncio.Event()
+
+    @property
+    def fence(self) -> int | None:
+        return self.lease.fence
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def published(self) -> int:
+        return self.rounds.stats.published
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        # A partition given back is released at once: look for it often, however long the lease.
+        standby = min(self.lease.lease.total_seconds() / 4, 1.0)
+        failures = 0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if not await self.lease.acquire():
+                        await pause(self._stopping, standby)
+                        continue
+                    log.info(
+                        "group %s: partition %d taken, fence %s",
+                        self.group,
+                        self.partition,
+                        self.lease.fence,
+                    )
+                    margin = self.rounds.settings.timeout
+                    async with self.lease.renewed(margin) as lost:
+                        await self._publish(lost)
+                    failures = 0
+                except PyMongoError as error:
+                    failures += 1
+                    delay = self.rounds.settings.backoff.delay(failures)
+                    log.warning(
+                        "group %s: partition %d: %s; retrying in %.1fs",
+                        self.group,
+                        self.partition,
+                        describe(error),
+                        delay,
+                    )
+                    await pause(self._stopping, delay)
+        except asyncio.CancelledError:
+            self.lease.fence = None  # a crash: no more writes, the lease runs out
+            raise
+        with contextlib.suppress(PyMongoError):
+            await self.lease.release()  # the next holder need not wait for it to run out
+
+    async def _publish(self, lost: asyncio.Event) -> None:
+        while not self._stopping.is_set():
+            # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
+            if lost.is_set() or self.lease.fence is None:
+                log.warning("group %s: partition %d lease lost", self.group, self.partition)
+                return
+            _, more = await self.rounds.batch(lost=lost)
+            if not more:
+                await pause(self._stopping, self.interval)
+
+
+class StreamWorker:
+    """One partition's change-stream relay (its own checkpoint and lease)."""
+
+    def __init__(self, relay: ChangeStreamRelay) -> None:
+        self.relay = relay
+        self._stopping = False
+
+    @property
+    def fence(self) -> int | None:
+        return self.relay.checkpoint.fence
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def published(self) -> int:
+        return self.relay.stats.published
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.relay.stop()
+
+    async def run(self) -> None:
+        await self.relay.run()
