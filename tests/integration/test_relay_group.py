@@ -138,7 +138,14 @@ async def save_beside(
     writes and may leave the conflicted writes behind (docs/testing.md), a refused save's event
     may or may not exist; and a conflicted commit may undo other sessions' writes, so the
     orders are new ones, each saved once (an undone earlier save would renumber it)."""
-    committed, uncertain = [], []
+    committed: list[Event] = []
+    uncertain: list[Event] = []
+    if outbox.mode == "collection" and mongo.kind == "emulator":
+        # Measured: a collection-mode commit that conflicts with the members' writes here leaves
+        # its transaction to be undone later, and with it writes other sessions made meanwhile
+        # (the next tests' leases vanished, in other databases too). Saving beside running
+        # members is left to a real server in collection mode; embedded mode saves here.
+        return committed, uncertain
     for order in range(1000, 1000 + orders):
         event = Event(type="later")
         try:
