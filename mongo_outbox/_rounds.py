@@ -8,12 +8,7 @@ relay still publishes; and it stops before the next wave the moment its caller's
 is set (a relay that lost its leader lease). Each publish runs in a producer span
 (``tracing.py``) when a tracer provider is configured.
 
-Failures are classified here (see docs/failures.md): an event the broker cannot carry is parked
-at once; a failure for want of a broker waits without counting, its delay growing with the
-event's own waits, and is woken as soon as the broker confirms anything again; a full or missing
-destination waits out its own delay (a missing one counts once it has waited ``max_attempts``
-times while others are confirmed); anything else counts an attempt, and ``max_attempts`` parks
-the event.
+Failures are classified by ``_failures`` (see docs/failures.md).
 """
 
 from __future__ import annotations
@@ -23,17 +18,15 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from mongo_outbox import metrics
+from mongo_outbox._failures import Classifier
 from mongo_outbox._store import Claim, Failure, store_for
 from mongo_outbox.errors import (
-    BrokerFullError,
     BrokerUnavailableError,
-    InvalidEventError,
     UsageError,
-    describe,
 )
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
@@ -42,7 +35,6 @@ from mongo_outbox.publishers.base import (
     Publisher,
     check_publisher,
     client_call,
-    unavailable,
 )
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.stats import RelayStats, RelayStatus, State
@@ -54,8 +46,6 @@ WAKE_EVERY = 1.0
 """Seconds between two looks for entries that wait for the broker, once it confirms again."""
 PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
-OUTAGE_WAIT = 30.0
-"""Seconds at least before an event that waited for the whole broker is retried on its own."""
 
 
 class Rounds:
@@ -77,6 +67,7 @@ class Rounds:
         self.relay = (
             None if relay is None else metrics.relay_labels(relay, outbox.db.name, partition)
         )
+        self._classify = Classifier(settings, self.stats, self.relay)
         # The last round found the broker unavailable and confirmed nothing. A relay starts as
         # if it did: one probe finds out, in case it was restarted during an outage.
         self.outage = True
@@ -231,7 +222,7 @@ class Rounds:
         Returns what was published, what failed, and how many were left for lack of time."""
         published, errors, left = await self.publish_waves(claim.groups, deadline, lost)
         failed = [
-            self._failure(event, error, claim, confirmed) for event, error, confirmed in errors
+            self._classify(event, error, claim, confirmed) for event, error, confirmed in errors
         ]
         return published, failed, left
 
@@ -343,56 +334,6 @@ class Rounds:
             raise
         except Exception as error:  # noqa: BLE001 - any publisher failure is classified
             return error
-
-    def _failure(
-        self, event: Event, error: BaseException, claim: Claim, confirmed: bool
-    ) -> Failure:
-        """Classify a failed publish; ``confirmed``: the broker confirmed others this round."""
-        text = describe(error)
-        self.stats.last_error = text
-        metrics.publish_failed(self.relay, error)
-        name = type(error).__name__
-        self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
-        limit = self.settings.max_attempts
-        if isinstance(error, InvalidEventError):
-            return self._park(event, claim, text)  # the broker cannot carry it: no retry helps
-        if unavailable(error):
-            destination = getattr(error, "destination", None)
-            full = isinstance(error, BrokerFullError)
-            if not (destination or full):
-                # The broker as a whole: not the event's fault, and woken once it is back.
-                return self._wait(event, text, claim.waits.get(event.id, 0), wake=True)
-            misses = claim.misses.get(event.id, 0)
-            # A destination missing for this event alone, longer than the attempt budget, while
-            # the broker confirms others, is the event's own (docs/failures.md). A full one
-            # never is: it drains as its consumers catch up.
-            owns = destination and not full and confirmed and limit is not None and misses >= limit
-            if not owns:
-                return self._wait(event, text, misses, wake=False)
-        attempt = claim.attempts.get(event.id, 0) + 1
-        if limit is not None and attempt >= limit:
-            return self._park(event, claim, text)
-        delay = self.settings.backoff.delay(attempt)
-        log.warning(
-            "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
-        )
-        return Failure(event, text, utc_now() + timedelta(seconds=delay), "retry")
-
-    def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
-        # One warning per round says so, not one per event.
-        delay = self.settings.backoff.delay(waits + 1)
-        if wake:
-            # While the whole broker is away, the probe (one entry a second) finds out when it
-            # is back, and the wake then makes every waiting entry due: their own retries only
-            # matter if this relay stops meanwhile, so a short backoff must not retry them all
-            # in a loop.
-            delay = max(delay, OUTAGE_WAIT)
-        return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
-
-    def _park(self, event: Event, claim: Claim, text: str) -> Failure:
-        attempt = claim.attempts.get(event.id, 0) + 1
-        log.error("parking %s after %d attempts: %s", event.id, attempt, text)
-        return Failure(event, text, utc_now(), "park")
 
 
 class _NotStarted(Exception):

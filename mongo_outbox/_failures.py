@@ -1,0 +1,89 @@
+"""How a relay classifies a failed publish (see docs/failures.md).
+
+An event the broker cannot carry is parked at once; a failure for want of a broker waits
+without counting, at least ``OUTAGE_WAIT`` on its own, and is woken as soon as the broker
+confirms anything again (the rounds probe for that once a second); a full or missing
+destination waits out its own delay (a missing one counts once it has waited ``max_attempts``
+times while others are confirmed); anything else counts an attempt, and ``max_attempts`` parks
+the event.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from mongo_outbox import metrics
+from mongo_outbox._store import Claim, Failure
+from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe
+from mongo_outbox.events import Event, utc_now
+from mongo_outbox.publishers.base import unavailable
+from mongo_outbox.settings import RelaySettings
+from mongo_outbox.stats import RelayStats
+
+log = logging.getLogger("mongo_outbox.relay")
+
+OUTAGE_WAIT = 30.0
+"""Seconds at least before an event that waited for the whole broker is retried on its own."""
+
+
+class Classifier:
+    """Turns a failed publish into the relay's ``Failure``: park, wait or retry, counted in
+    ``stats`` and in the metrics of ``relay`` (its labels, or ``None``)."""
+
+    def __init__(
+        self, settings: RelaySettings, stats: RelayStats, relay: dict[str, str] | None
+    ) -> None:
+        self.settings = settings
+        self.stats = stats
+        self.relay = relay
+
+    def __call__(
+        self, event: Event, error: BaseException, claim: Claim, confirmed: bool
+    ) -> Failure:
+        """Classify a failed publish; ``confirmed``: the broker confirmed others this round."""
+        text = describe(error)
+        self.stats.last_error = text
+        metrics.publish_failed(self.relay, error)
+        name = type(error).__name__
+        self.stats.errors_by_type[name] = self.stats.errors_by_type.get(name, 0) + 1
+        limit = self.settings.max_attempts
+        if isinstance(error, InvalidEventError):
+            return self._park(event, claim, text)  # the broker cannot carry it: no retry helps
+        if unavailable(error):
+            destination = getattr(error, "destination", None)
+            full = isinstance(error, BrokerFullError)
+            if not (destination or full):
+                # The broker as a whole: not the event's fault, and woken once it is back.
+                return self._wait(event, text, claim.waits.get(event.id, 0), wake=True)
+            misses = claim.misses.get(event.id, 0)
+            # A destination missing for this event alone, longer than the attempt budget, while
+            # the broker confirms others, is the event's own (docs/failures.md). A full one
+            # never is: it drains as its consumers catch up.
+            owns = destination and not full and confirmed and limit is not None and misses >= limit
+            if not owns:
+                return self._wait(event, text, misses, wake=False)
+        attempt = claim.attempts.get(event.id, 0) + 1
+        if limit is not None and attempt >= limit:
+            return self._park(event, claim, text)
+        delay = self.settings.backoff.delay(attempt)
+        log.warning(
+            "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
+        )
+        return Failure(event, text, utc_now() + timedelta(seconds=delay), "retry")
+
+    def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
+        # One warning per round says so, not one per event.
+        delay = self.settings.backoff.delay(waits + 1)
+        if wake:
+            # While the whole broker is away, the probe (one entry a second) finds out when it
+            # is back, and the wake then makes every waiting entry due: their own retries only
+            # matter if this relay stops meanwhile, so a short backoff must not retry them all
+            # in a loop.
+            delay = max(delay, OUTAGE_WAIT)
+        return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
+
+    def _park(self, event: Event, claim: Claim, text: str) -> Failure:
+        attempt = claim.attempts.get(event.id, 0) + 1
+        log.error("parking %s after %d attempts: %s", event.id, attempt, text)
+        return Failure(event, text, utc_now(), "park")
