@@ -49,7 +49,7 @@ from typing import Any
 from mongo_outbox import _gauges
 from mongo_outbox._gauges import RelayGauges, relay_labels
 
-__all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "RelayGauges", "relay_labels", "use"]
+__all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "use"]
 
 log = logging.getLogger(__name__)
 

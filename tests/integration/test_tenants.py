@@ -100,7 +100,13 @@ async def test_one_process_relays_every_database_in_either_mode(
 
         statuses = await tenants.status()
         assert set(statuses) == {db.name for db in databases}
-        assert all(s.state == "active" and s.pending == 0 for s in statuses.values())
+
+        async def settled() -> bool:
+            # The broker confirms before the relay marks the event published: wait for both.
+            statuses = (await tenants.status()).values()
+            return all(s.state == "active" and s.pending == 0 for s in statuses)
+
+        await until(settled, timeout=20)
     finally:
         tenants.stop()
         await asyncio.wait_for(task, 20)
