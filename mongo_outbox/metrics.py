@@ -47,7 +47,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from mongo_outbox import _gauges
-from mongo_outbox._gauges import RelayGauges, relay_labels
+from mongo_outbox._gauges import RelayGauges as RelayGauges  # used as metrics.RelayGauges
+from mongo_outbox._gauges import relay_labels as relay_labels
 
 __all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "use"]
 
