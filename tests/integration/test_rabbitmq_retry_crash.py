@@ -74,6 +74,14 @@ async def restart_and_settle(db: Any, channel: Any, queue: Any, transactional: b
 
     await until(copy_came_back, TIMEOUT)
 
+    async def handled() -> bool:
+        # The copy left its retry queue a moment before it reaches the work queue (both read
+        # empty then): wait for its outcome, not for the queues alone.
+        records = await db.inbox.find().to_list(None)
+        return bool(records) and all(r["status"] == "done" for r in records)
+
+    await until(handled, TIMEOUT)
+
     async def work_queue_empty() -> bool:
         return await ready_count(channel, queue.name) == 0
 
