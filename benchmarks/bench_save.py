@@ -5,8 +5,8 @@ aggregate and ``insert_many`` of its outbox entries; embedded mode, one upsertin
 that sets the document and pushes the entries. A third side writes by hand what the library
 writes (one ``findAndModify`` with the update pipeline that keeps ``_version`` and ``_sequence``),
 which splits the library's cost into its own code and the shape of its write. In embedded mode
-the library also reserves its event ids first (one insert into the event-id registry), which that
-side leaves out: its ratio there is the registry's cost. All sides build
+the library reserves no event id (they are its own: the relay takes them before it publishes),
+so that side splits the library's cost the same way. All sides build
 their documents from the same Event objects inside the timed loop, as an application would.
 Every run gets a fresh database (emulator writes cost O(collection size)) and runs alternate,
 so drift hits all sides alike.

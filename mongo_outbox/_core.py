@@ -3,10 +3,10 @@ layout the relays read, and every write as steps (``_steps.py``), so the two API
 documents by the same rules.
 
 A write with events, in collection mode: the aggregate document (``_documents.py``), then its
-entries inserted into the outbox collection, in one transaction. In embedded mode: the event ids
-reserved in the registry (``_event_ids.py`` says why that second write loses nothing), then the
-document with its entries in one single-document write; a refused document write takes its
-reservations back.
+entries inserted into the outbox collection, in one transaction. In embedded mode: the document
+with its entries in one single-document write, after reserving in the registry the ids that can
+collide (``_event_ids.py`` says which, and why that second write loses nothing); a refused
+document write takes its reservations back.
 """
 
 from __future__ import annotations
@@ -17,12 +17,18 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
-from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import (
+    BulkWriteError,
+    DuplicateKeyError,
+    OperationFailure,
+    PyMongoError,
+    WriteConcernError,
+)
 
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._driver import DUPLICATE_KEY
-from mongo_outbox._event_ids import EventIds
+from mongo_outbox._event_ids import EventIds, forget, remember, to_reserve
 from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
@@ -166,14 +172,27 @@ class OutboxCore:
             )
         if self.mode == "collection":
             return (yield from self._write(plan, session))
-        ids = [e.id for e in plan.events]
         name = plan.collection.name
-        reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
+        home = (plan.collection.full_name, plan.doc_id)
+        in_transaction = session is not None and session.in_transaction
+        ids = to_reserve(plan.given, home, in_transaction)
+        # Remembered before the first await, so that a concurrent save of the same object
+        # elsewhere is refused; the home not in a transaction, which the caller may abort. The
+        # copies the save returns (made from plan.events) carry the marks too.
+        before = remember([*plan.given, *plan.events], home, certain=not in_transaction)
+        try:
+            reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
+        except BaseException:
+            forget(before)  # the document was not written
+            raise
         try:
             return (yield from self._write(plan, session))
         except (OutboxError, OperationFailure) as refused:
+            if isinstance(refused, WriteConcernError):
+                raise  # the write happened, only its durability is in doubt
             # The document write was refused and wrote nothing: take the reservations back.
             # (Not after a network error or a cancellation: the write may have happened.)
+            forget(before)
             try:
                 yield from self._registry.release(reserved, name, plan.doc_id, session)
             except PyMongoError as error:  # e.g. the transaction the refusal aborted

@@ -1,16 +1,26 @@
 """Parked entries of embedded mode: listed, counted and requeued where they are, in their
-aggregate's document (``EmbeddedStore`` parks them there, flagged ``parked``). Each requeue is
+aggregate's document (``EmbeddedStore`` parks them there, flagged ``parked``; an entry whose id
+another document holds is parked here, at claim time). Each requeue is
 one single-document write, so no crash can leave an entry unparked in a document no relay looks
 at.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from pymongo import UpdateOne
+
 from mongo_outbox._driver import aggregate
-from mongo_outbox.events import utc_now
+from mongo_outbox.events import Event, utc_now
+
+Holder = tuple[str, Any]
+"""An aggregate document: its collection's name and its ``_id``."""
+Taken = tuple[Holder, Event, tuple[Holder, Any]]
+"""An entry to park: its document, its event, and the entry that holds its id (its document
+and sequence)."""
 
 
 class ParkedEntries:
@@ -20,6 +30,33 @@ class ParkedEntries:
     due: str
     claim_field: str
     colls: dict[str, Any]
+
+    async def _park_taken(self, doomed: Sequence[Taken], token: str) -> None:
+        """Park where they are the entries whose id another document holds (``_event_ids.py``):
+        published, one of the two would be dropped by the broker as the other's duplicate."""
+        parks: dict[str, list[UpdateOne]] = defaultdict(list)
+        for (name, doc_id), event, ((holder, holder_id), sequence) in doomed:
+            which = f"event {sequence} of " if sequence is not None else ""
+            error = (
+                f"DuplicateEventError: event id {event.id} is taken by {which}{holder} "
+                f"{holder_id!r}: the broker would drop one of the two as a duplicate"
+            )
+            entry = f"{self.field}.$"
+            parks[name].append(
+                UpdateOne(
+                    {"_id": doc_id, self.claim_field: token, f"{self.field}.id": event.id},
+                    # Its number too, as settle's park writes it (_codec.numbered).
+                    {
+                        "$set": {
+                            f"{entry}.parked": True,
+                            f"{entry}.last_error": error,
+                            f"{entry}.sequence": event.sequence,
+                        }
+                    },
+                )
+            )
+        for name, writes in parks.items():
+            await self.colls[name].bulk_write(writes, ordered=False)
 
     async def parked(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = []

@@ -7,7 +7,8 @@ published in the event-id registry (``_event_ids.py``: they stay taken for ``ret
 pulls the published entries from the array. Parked entries stay in their document, flagged
 ``parked``: parking is one single-document write like every other, so no crash can lose an
 entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
-to claim, one updateMany of the registry and one bulkWrite per collection to settle.
+and one bulkWrite of the registry (the ids taken for their documents) to claim, one updateMany
+of the registry and one bulkWrite per collection to settle.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, numbered, ours
-from mongo_outbox._embedded_parked import ParkedEntries
+from mongo_outbox._embedded_parked import Holder, ParkedEntries, Taken
 from mongo_outbox._event_ids import PublishedIds
 from mongo_outbox._store import Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
@@ -96,10 +97,8 @@ class EmbeddedStore(ParkedEntries):
         self, found: Mapping[str, list[Any]], due: dict[str, Any], now: datetime, lease: timedelta
     ) -> Claim:
         token = uuid.uuid4().hex
-        groups: list[tuple[Event, ...]] = []
-        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
-        holders: dict[str, Any] = {}
         held: list[tuple[str, Any]] = []
+        read: list[tuple[Holder, list[tuple[Event, dict[str, Any]]]]] = []
         missed = False
         for name, ids in found.items():
             if not ids:
@@ -118,7 +117,7 @@ class EmbeddedStore(ParkedEntries):
             unreadable: list[UpdateOne] = []
             for doc in docs:
                 held.append((name, doc["_id"]))
-                group: list[Event] = []
+                entries: list[tuple[Event, dict[str, Any]]] = []
                 stored = doc.get(self.field) or []
                 for index, (raw, entry) in enumerate(
                     zip(stored, numbered(stored, doc.get("_sequence")), strict=True)
@@ -128,19 +127,25 @@ class EmbeddedStore(ParkedEntries):
                     try:
                         if not isinstance(entry, dict):
                             raise InvalidEventError(f"outbox entry {entry!r} is not a document")
-                        event = decode(entry, "id")
+                        entries.append((decode(entry, "id"), entry))
                     except InvalidEventError as error:
                         unreadable.append(self._park_at(doc["_id"], index, raw, token, error))
-                        continue
-                    group.append(event)
-                    for counter, values in counters.items():
-                        values[event.id] = int(entry.get(counter) or 0)
-                    holders[event.id] = (name, doc["_id"])
-                if group:
-                    groups.append(tuple(group))
+                read.append(((name, doc["_id"]), entries))
             if unreadable:
                 missed = True  # what queued behind them may go at once
                 await coll.bulk_write(unreadable, ordered=False)
+        holders = await self._owners(read, token)
+        missed = missed or sum(len(entries) for _, entries in read) > len(holders)
+        groups: list[tuple[Event, ...]] = []
+        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
+        for place, entries in read:
+            group = tuple(event for event, _ in entries if holders.get(event.id) == place)
+            for event, entry in entries:
+                if holders.get(event.id) == place:
+                    for counter, values in counters.items():
+                        values[event.id] = int(entry.get(counter) or 0)
+            if group:
+                groups.append(group)
         return Claim(
             token,
             tuple(groups),
@@ -151,6 +156,37 @@ class EmbeddedStore(ParkedEntries):
             held=tuple(held),
             more=missed,
         )
+
+    async def _owners(
+        self, read: Sequence[tuple[Holder, list[tuple[Event, dict[str, Any]]]]], token: str
+    ) -> dict[str, Holder]:
+        """Which document each id read goes out from: its own, the id taken for that entry in the
+        registry (``_event_ids.py``), unless the registry has it for another entry (of another
+        document, or of this one under another sequence) or an earlier document of this claim
+        has it. The entries that lose are parked where they are: published, one of two entries
+        under one id would be dropped by the broker as the other's duplicate."""
+        places: dict[str, list[tuple[Holder, Event]]] = defaultdict(list)
+        for place, entries in read:
+            for event, _ in entries:
+                places[event.id].append((place, event))
+        first = {i: (found[0][0], found[0][1].sequence) for i, found in places.items()}
+        taken = await self.ids.own(first)
+        owners: dict[str, Holder] = {}
+        doomed: list[Taken] = []
+        for event_id, found in places.items():
+            holder, sequence = taken.get(event_id, first[event_id])
+            for place, event in found:
+                if (
+                    place == holder
+                    and sequence in (None, event.sequence)
+                    and event_id not in owners
+                ):
+                    owners[event_id] = place
+                else:
+                    doomed.append((place, event, (holder, sequence)))
+        if doomed:
+            await self._park_taken(doomed, token)
+        return owners
 
     def _park_at(
         self, doc_id: Any, index: int, entry: Any, token: str, error: Exception

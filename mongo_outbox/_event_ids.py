@@ -3,38 +3,54 @@
 In collection mode the outbox collection's ``_id`` is the event id, so a reused id fails its
 insert. In embedded mode the entries live in many documents and nothing stops two of them from
 holding the same id; the broker would then drop the second as a duplicate of the first and the
-relay mark both published, losing the second without a word. So each embedded save first
-reserves its event ids here, ``{_id: event id, collection, aggregate: the document's _id,
-expire_at}``, with one insert, and writes the document only once every id is its own.
+relay mark both published, losing the second without a word. The registry holds
+``{_id: event id, collection, aggregate: the document's _id}`` for every id pending or published
+less than ``retention`` ago.
 
-A reservation is ``{_id: event id, collection, aggregate: the document's _id}``. It has no
-``expire_at`` while its event is pending, however long that lasts (a relay down for longer than
-``retention``, an entry parked for weeks): a pending id stays taken. The relay's settle marks it
-``published`` with ``expire_at`` = now + ``retention`` before it removes the entry from its
-document, so an id published a moment ago stays taken too, like a published entry of collection
-mode, and the TTL index prunes it after ``retention``.
+Who writes an id there:
 
-Why two writes lose nothing:
+- **A save, for an id that can collide**: one the caller chose (``Event(id=...)``), or the id of
+  an Event object saved before (a retry, or a reuse). It reserves the id with one insert before
+  its document write, so a reused id is ``DuplicateEventError`` and nothing is written.
+- **Nobody at save time, for an id the library made for a new Event object**: it is a fresh
+  random id that no other event can hold, so the save is the document write alone (one round
+  trip, like a hand-written ``update_one``). The object remembers where it went (``Event._home``,
+  carried by copies): saving it to another document is refused at once, and saving it again to
+  the same one takes the reserving path above.
+- **The relay, before it publishes**: it takes every id of a claimed document for that document
+  (``own``: one upsert per id, in one bulk write), so an id saved without a reservation gets one
+  before its event can reach the broker. An id another document holds (one a caller copied
+  from a library-made id) is not published: its entry is parked with the reason, never dropped.
 
-- A crash after the reservation and before the document write leaves a reservation and no event.
+A registry entry has no ``expire_at`` while its event is pending, however long that lasts (a
+relay down for longer than ``retention``, an entry parked for weeks): a pending id stays taken.
+The relay's settle marks it ``published`` with ``expire_at`` = now + ``retention`` before it
+removes the entry from its document, so an id published a moment ago stays taken too, like a
+published entry of collection mode, and the TTL index prunes it after ``retention``.
+
+Why the extra writes lose nothing:
+
+- A crash after a reservation and before the document write leaves a reservation and no event.
   A retry of that save (same collection, same document) finds its own reservation, not marked
   published, and goes on. (Without a retry the reservation stays: the id remains this
   document's, which costs one small registry document.)
-- A crash of the relay after marking ids published and before removing their entries leaves the
-  entries pending: they are published again (at least once) and marked again.
+- A crash of the relay after taking ids and before publishing leaves them this document's: the
+  next claim finds them its own. A crash after marking ids published and before removing their
+  entries leaves the entries pending: they are published again (at least once) and marked again.
 - A reservation of this document marked ``published`` is not a crash retry: the event went out
   and left the document, so saving the id again is refused like any reused id.
 - A save that fails after reserving (a version conflict, a document too large) removes the
-  reservations it made, so a refused save writes nothing.
+  reservations it made and forgets where its objects went, so a refused save writes nothing.
 
-A save inside a transaction reads the registry first and inserts only the missing ids: a
-duplicate key would abort the caller's transaction, and the transaction makes the reservation and
-the document write one.
+A save inside a transaction reserves every id (its objects keep no record: the caller may abort
+the transaction), reading the registry first and inserting only the missing ids: a duplicate key
+would abort the caller's transaction, and the transaction makes the reservation and the document
+write one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,8 +61,58 @@ from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
+from mongo_outbox.events import Event
 
 _ATTEMPTS = 3  # a reservation that expires between our insert and our read is tried again
+
+
+Home = tuple[str, Any]
+"""Where an embedded save puts an event: its collection's full name, its document's ``_id``."""
+Marks = list[tuple[Event, bool, Home | None]]
+Taken = tuple[tuple[Any, Any], Any]
+"""Who holds an id in the registry: (collection, document ``_id``), and its sequence."""
+
+
+def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list[str]:
+    """The ids of ``given`` a save to ``home`` must reserve; DuplicateEventError, before
+    anything is written, for an object a save put in another document of the same database."""
+    database = home[0].split(".", 1)[0]
+    for event in given:
+        # Another database has an outbox and a registry of its own: its reservation decides.
+        if (
+            event._home is not None
+            and event._home != home
+            and event._home[0].startswith(f"{database}.")
+        ):
+            collection, doc_id = event._home
+            raise DuplicateEventError(
+                f"event {event.id} was given to a save of {collection} {doc_id!r} (which may "
+                "have written it): one event, one document (make a new Event for this one)",
+                collection=home[0].split(".", 1)[1],
+            )
+    return [e.id for e in given if in_transaction or e._given or "id" in e.model_fields_set]
+
+
+def remember(events: Sequence[Event], home: Home, certain: bool) -> Marks:
+    """Mark each object handed to a save, and with ``home`` when the save is ``certain`` (not in
+    a transaction the caller may abort); return what they held, for ``forget``."""
+    before: Marks = []
+    seen: set[int] = set()
+    for event in events:
+        if id(event) in seen:
+            continue
+        seen.add(id(event))
+        before.append((event, event._given, event._home))
+        event._given = True
+        if certain:
+            event._home = home
+    return before
+
+
+def forget(before: Marks) -> None:
+    """Undo ``remember`` after a save that wrote nothing."""
+    for event, given, home in before:
+        event._given, event._home = given, home
 
 
 class EventIds:
@@ -101,12 +167,18 @@ class EventIds:
     def release(
         self, ids: Sequence[str], collection: str, doc_id: Any, session: Any
     ) -> Steps[None]:
-        """Remove reservations ``reserve`` made, when the document write wrote nothing."""
+        """Remove reservations ``reserve`` made, when the document write wrote nothing; not
+        one a relay marked published meanwhile (a retry that raced the event out)."""
         if ids:
             yield call(
                 self.registry,
                 "delete_many",
-                {"_id": {"$in": list(ids)}, "collection": collection, "aggregate": doc_id},
+                {
+                    "_id": {"$in": list(ids)},
+                    "collection": collection,
+                    "aggregate": doc_id,
+                    "published": {"$ne": True},
+                },
                 session=session,
             )
 
@@ -161,6 +233,34 @@ class PublishedIds:
     def __init__(self, registry: Any, retention: timedelta) -> None:
         self.registry = registry
         self.retention = retention
+
+    async def own(self, held: Mapping[str, tuple[Home, int | None]]) -> dict[str, Taken]:
+        """Take each id of ``held`` (event id: its collection's name and document ``_id``, and
+        its sequence) for that entry, unless it is that entry's already; return the ids held
+        otherwise, each with the registry's holder and sequence: another document's, or this
+        document's under another sequence (an event published before, its id given again)."""
+        if not held:
+            return {}
+        ids = list(held)
+        ops = []
+        for i in ids:
+            (collection, doc_id), sequence = held[i]
+            mine = {"_id": i, "collection": collection, "aggregate": doc_id}
+            # A save's reservation has no sequence yet; a crashed relay's own has this one.
+            mine["sequence"] = {"$in": [sequence, None]}
+            ops.append(UpdateOne(mine, {"$set": {"sequence": sequence}}, upsert=True))
+        try:
+            await self.registry.bulk_write(ops, ordered=False)
+            return {}
+        except BulkWriteError as error:
+            failed = {ids[e["index"]]: e.get("code") for e in write_errors(error)}
+            if any(code != DUPLICATE_KEY for code in failed.values()):
+                raise
+        # The filter missed and the insert collided: the id is held otherwise.
+        found = await self.registry.find({"_id": {"$in": list(failed)}}).to_list(None)
+        return {
+            d["_id"]: ((d.get("collection"), d.get("aggregate")), d.get("sequence")) for d in found
+        }
 
     async def mark_published(
         self, published: Sequence[tuple[str, str, Any]], now: datetime

@@ -52,6 +52,9 @@ class Plan:
     upsert: bool = False
     partition: int | None = None
     """The aggregate's partition, stored with its entries when the outbox has more than one."""
+    given: tuple[Event, ...] = ()
+    """The caller's own Event objects (``events`` may be copies carrying a trace context):
+    embedded mode remembers on them where they were saved (``_core.py``)."""
 
 
 class Rules:
@@ -91,12 +94,20 @@ class Rules:
                 )
             document["_id"] = ObjectId()  # as insert_one does
         doc_id = document["_id"]
-        checked, stamp = self._stamp(events, name, doc_id)
+        checked, stamp, given = self._stamp(events, name, doc_id)
         body = {k: v for k, v in document.items() if k not in self.owned}
         size = encoded_size(body, collection, "the document")
         entries = self._entries(collection, checked, stamp, size)
         return Plan(
-            "save", collection, doc_id, checked, entries, stamp, expected_version, body=body
+            "save",
+            collection,
+            doc_id,
+            checked,
+            entries,
+            stamp,
+            expected_version,
+            body=body,
+            given=given,
         )
 
     def update(
@@ -122,7 +133,7 @@ class Rules:
         doc_id = id_of(query, name)
         change = check_update(update, self.owned, name)
         _check_encodable({"q": query, "u": change}, collection, "the filter or update")
-        checked, stamp = self._stamp(events, name, doc_id)
+        checked, stamp, given = self._stamp(events, name, doc_id)
         entries = self._entries(collection, checked, stamp, 0)
         return Plan(
             "update",
@@ -135,6 +146,7 @@ class Rules:
             query=dict(query),
             update=change,
             upsert=upsert,
+            given=given,
         )
 
     def delete(
@@ -161,7 +173,7 @@ class Rules:
             )
         doc_id = id_of(query, name)
         _check_encodable({"q": query}, collection, "the filter")
-        checked, stamp = self._stamp(events, name, doc_id)
+        checked, stamp, _ = self._stamp(events, name, doc_id)
         entries = self._entries(collection, checked, stamp, 0)
         return Plan(
             "delete",
@@ -188,7 +200,7 @@ class Rules:
             )
         query = {"_id": doc_id}
         _check_encodable({"q": query}, collection, "the aggregate id")
-        checked, stamp = self._stamp(events, name, doc_id)
+        checked, stamp, _ = self._stamp(events, name, doc_id)
         entries = self._entries(collection, checked, stamp, 0)
         return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
 
@@ -217,9 +229,9 @@ class Rules:
 
     def _stamp(
         self, events: Iterable[Event], name: str, doc_id: Any
-    ) -> tuple[list[Event], dict[str, Any]]:
-        """The events, checked and carrying the current trace context (``tracing.py``), and
-        the stamp that makes them this aggregate's."""
+    ) -> tuple[list[Event], dict[str, Any], tuple[Event, ...]]:
+        """The events, checked and carrying the current trace context (``tracing.py``), the
+        stamp that makes them this aggregate's, and the caller's own Event objects."""
         stamp: dict[str, Any] = {
             "aggregate_type": type_of(self.aggregate_types, name),
             "aggregate_id": aggregate_id(doc_id, name),
@@ -244,7 +256,7 @@ class Rules:
                     )
             checked.append(event)
         # Every write API passes here: the one place events take the current trace context.
-        return stamped(checked), stamp
+        return stamped(checked), stamp, tuple(checked)
 
     def _entries(
         self, collection: Any, events: list[Event], stamp: dict[str, Any], document_size: int

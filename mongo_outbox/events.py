@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     model_validator,
@@ -233,6 +234,13 @@ class Event(BaseModel):
     causation_id: Annotated[str | None, AfterValidator(_identity)] = None
     version: Annotated[int, Field(ge=1)] = 1
 
+    # What embedded saves did with this object (_event_ids.py): ``_given``, it was handed to a
+    # save, so its id (even one the library made) is reserved from then on; ``_home``, the
+    # document (collection's full name, _id) a save outside a transaction put it in. Copies
+    # (model_copy, copy, pickle) carry both along.
+    _given: bool = PrivateAttr(default=False)
+    _home: tuple[str, Any] | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _storable(self) -> Event:
         # The payload is checked on its own; every other field must survive BSON and JSON too.
@@ -240,6 +248,17 @@ class Event(BaseModel):
             if name != "payload":
                 _check_storable(value, name)
         return self
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        super().__setstate__(state)
+        if self.__pydantic_private__ is None:  # pickled by a version without private fields
+            object.__setattr__(self, "__pydantic_private__", {"_given": False, "_home": None})
+
+    def __eq__(self, other: object) -> bool:
+        # Fields only: what saves did with this object is not part of the event.
+        if not isinstance(other, Event):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -1,7 +1,8 @@
 """A relay process that kills itself (SIGKILL) once KILL_AFTER events are confirmed, before it
 can mark anything published: the crash a relay must survive. With KILL_AT "settle" (embedded
 mode) it dies instead right after its settle marked the published ids in the event-id registry,
-before it removed their entries from their documents.
+before it removed their entries from their documents; with KILL_AT "claim" right after its claim
+took the ids for their documents in the registry, before it published any.
 
 Usage: python -m tests.crash.relay_process URI DB MODE BROKER TARGET KILL_AFTER [KILL_AT]
 BROKER is "nats" (TARGET: the stream, also the subject prefix) or "rabbitmq" (TARGET: exchange).
@@ -28,6 +29,8 @@ async def main(
     outbox = Outbox(client[db_name], mode=mode, collections=["orders"])
     if kill_at == "settle":
         outbox.event_ids = KillAfterWrite(outbox.event_ids, "update_many")
+    elif kill_at == "claim":
+        outbox.event_ids = KillAfterWrite(outbox.event_ids, "bulk_write")
     inner: Publisher
     if broker == "nats":
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")

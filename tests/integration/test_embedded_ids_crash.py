@@ -1,7 +1,7 @@
-"""Embedded mode's event-id registry under SIGKILL, at both boundaries it has: a save killed
-between reserving its ids and writing its document, and a relay killed between marking ids
-published and removing their entries. Nothing is lost, nothing is published under a reused id,
-and every id stays taken."""
+"""Embedded mode's event-id registry under SIGKILL, at every boundary it has: a save killed
+between reserving its ids and writing its document, a relay killed between taking ids for their
+documents and publishing, and a relay killed between marking ids published and removing their
+entries. Nothing is lost, nothing is published under a reused id, and every id stays taken."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ async def test_a_save_killed_after_reserving_its_ids_is_retried_and_its_ids_stay
 ) -> None:
     outbox = Outbox(db, mode="embedded", collections=["orders"])
     await outbox.ensure_indexes()
-    event = Event(type="a")
+    event = Event(id="order-1-a", type="a")  # chosen by the caller: the save reserves it
     await killed("tests.crash.writer_process", mongo.uri, db.name, event.id)
     # The reservation is there, the document is not: no event exists yet.
     assert await db.orders.count_documents({}) == 0
@@ -103,3 +103,49 @@ async def test_a_relay_killed_between_marking_ids_published_and_pulling_them_los
     assert_in_order(received, saved, once=True)
     with pytest.raises(DuplicateEventError):
         await outbox.save_with_events(None, db.orders, {"_id": 0}, [again])
+
+
+async def test_a_relay_killed_after_taking_ids_before_publishing_loses_nothing(
+    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str
+) -> None:
+    outbox = Outbox(db, mode="embedded", collections=["orders"])
+    await outbox.ensure_indexes()
+    saved: list[Event] = []
+    for order in range(6):  # ids the library made: no reservation until the relay takes them
+        result = await outbox.save_with_events(
+            None, db.orders, {"_id": order}, [Event(type="a"), Event(type="b")]
+        )
+        saved += result.events
+    assert await outbox.event_ids.count_documents({}) == 0
+    await killed(
+        "tests.crash.relay_process",
+        mongo.uri,
+        db.name,
+        "embedded",
+        "nats",
+        nats_stream,
+        "1000000",
+        "claim",
+    )
+    js = nats_client.jetstream()
+    assert (await js.stream_info(nats_stream)).state.messages == 0
+    # Taken for their documents, not published, still pending where they were.
+    taken = await outbox.event_ids.find().to_list(None)
+    assert {(t["_id"], t["aggregate"]) for t in taken} == {(e.id, e.aggregate_id) for e in saved}
+    assert not any(t.get("published") for t in taken)
+    assert len(await unsettled(outbox, db)) == len(saved)
+    # Another document cannot take one of them now; the next relay finds them its own.
+    with pytest.raises(DuplicateEventError):
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 99}, [Event(id=saved[0].id, type="x")]
+        )
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    relay = PollingRelay(outbox, publisher)
+    await asyncio.sleep(2.1)  # the dead relay's lease (2 s)
+    assert await relay.drain() == len(saved)
+    await publisher.aclose()
+    assert await relay.parked() == [] and await unsettled(outbox, db) == []
+    sub = await js.subscribe(f"{nats_stream}.>", ordered_consumer=True)
+    received = [Event.from_json((await sub.next_msg(timeout=5)).data) for _ in saved]
+    await sub.unsubscribe()
+    assert_in_order(received, saved, once=True)

@@ -111,12 +111,15 @@ async def test_the_sync_api_stores_exactly_what_the_async_api_stores(
     client: Any, db: Any, other_db: Any, sync_client: MongoClient[Any], mode: str
 ) -> None:
     events = named_events()
+    # The same events, each API its own objects: an object a save was given is reserved ever
+    # after (docs/outbox.md), which would make the second history store more.
+    copies = {name: event.model_copy() for name, event in events.items()}
     by_async = Writer("async", db, sync_client, **options(mode))
     by_sync = Writer("sync", other_db, sync_client, **options(mode))
     for writer in (by_async, by_sync):
         await writer.ensure_indexes()
     async_saved = await history(by_async, client, events)
-    sync_saved = await history(by_sync, client, events)
+    sync_saved = await history(by_sync, client, copies)
     assert async_saved == sync_saved
     stored_async, stored_sync = await contents(db), await contents(other_db)
     assert stored_async and without_clock(stored_async) == without_clock(stored_sync)

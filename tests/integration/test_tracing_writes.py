@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from pymongo import MongoClient
 
-from mongo_outbox import Event, Inbox, PollingRelay, inbox_guard
+from mongo_outbox import DuplicateEventError, Event, Inbox, PollingRelay, inbox_guard
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
 from tests.support.outboxes import MODES, make_outbox
@@ -169,7 +169,7 @@ async def test_a_save_retried_under_another_trace_after_a_crash_is_the_same_save
 ) -> None:
     outbox = make_outbox(db, "embedded")
     await outbox.ensure_indexes()
-    event = Event(type="placed")
+    event = Event(id="order-7-placed", type="placed")  # a chosen id: the save reserves it
     app = trace.get_tracer("shop")
     with app.start_as_current_span("first try"):
         plan = outbox._rules.save(None, db.orders, {"_id": 7}, [event], None)
@@ -231,3 +231,19 @@ def test_without_opentelemetry_installed_the_library_works(mongo: MongoServer) -
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "worked"
+
+
+async def test_an_event_a_traced_save_returned_is_refused_once_published(
+    db: Any, spans: InMemorySpanExporter
+) -> None:
+    # A traced save stores copies of the events (with the trace context): what it returns must
+    # remember the save all the same, or saving it again would publish it a second time.
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    with trace.get_tracer("shop").start_as_current_span("save"):
+        saved = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+    assert len(await published(outbox)) == 1
+    again = saved.events[0]
+    with pytest.raises(DuplicateEventError, match="published"):
+        await outbox.save_with_events(None, db.orders, {"_id": 1}, [again])
+    assert await published(outbox) == []

@@ -1,0 +1,86 @@
+"""What an embedded save remembers on the caller's Event objects (``_event_ids.py``): which ids
+it must reserve, which document an object went to, and what a refused or doubtful write leaves.
+No server: the save's steps are driven by hand, and the answers they would get are made up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+from pymongo.errors import OperationFailure, WriteConcernError
+
+from mongo_outbox import DuplicateEventError, Event, Outbox
+from mongo_outbox._event_ids import forget, remember, to_reserve
+
+HOME = ("shop.orders", 1)
+
+
+def test_only_ids_that_can_collide_are_reserved() -> None:
+    fresh, chosen = Event(type="a"), Event(id="order-1-b", type="b")
+    assert to_reserve([fresh, chosen], HOME, in_transaction=False) == ["order-1-b"]
+    assert to_reserve([fresh, chosen], HOME, in_transaction=True) == [fresh.id, "order-1-b"]
+    remember([fresh], HOME, certain=True)
+    assert to_reserve([fresh], HOME, in_transaction=False) == [fresh.id]  # given once: always
+
+
+def test_an_object_a_save_put_elsewhere_is_refused_and_copies_know_it() -> None:
+    event = Event(type="a")
+    remember([event], HOME, certain=True)
+    for other in (event, event.model_copy(update={"headers": {"k": "v"}})):
+        with pytest.raises(DuplicateEventError, match=r"given to a save of shop\.orders 1"):
+            to_reserve([other], ("shop.orders", 2), in_transaction=False)
+    to_reserve([event], HOME, in_transaction=False)  # its own document: goes on
+    # Another database's outbox: its own registry decides (the object is reserved there).
+    assert to_reserve([event], ("tenant2.orders", 2), in_transaction=False) == [event.id]
+
+
+def test_a_transaction_marks_the_object_given_but_pins_no_document() -> None:
+    event = Event(type="a")
+    before = remember([event], HOME, certain=False)
+    assert event._given and event._home is None
+    to_reserve([event], ("shop.orders", 2), in_transaction=False)  # the caller may have aborted
+    forget(before)
+    assert not event._given and event._home is None
+
+
+def test_marks_are_not_part_of_the_event() -> None:
+    event = Event(type="a")
+    copy = event.model_copy()
+    remember([event], HOME, certain=True)
+    assert event == copy and event.model_dump() == copy.model_dump()
+
+
+def drive(outbox: Outbox, event: Event, failure: BaseException) -> None:
+    """Run a save of ``event`` to orders 1 until its document write, and answer that with
+    ``failure``; the steps must raise it and ask for nothing more (no reservation released)."""
+    plan = outbox._rules.save(None, outbox.db.orders, {"_id": 1}, [event], None)
+    steps = outbox._steps(plan, None)
+    step = next(steps)
+    while step.method != "find_one_and_update":
+        answer: Any = [] if step.method == "find" else None
+        step = steps.send(answer)
+    with pytest.raises(type(failure)):
+        steps.throw(failure)
+
+
+@pytest.fixture
+def outbox() -> Any:
+    client: Any = AsyncMongoClient("mongodb://127.0.0.1:9", connect=False)
+    outbox = Outbox(client.shop, mode="embedded", collections=["orders"])
+    outbox._config_checked = True  # no config read: nothing answers here
+    return outbox
+
+
+def test_a_write_whose_durability_is_in_doubt_keeps_the_object_pinned(outbox: Outbox) -> None:
+    event = Event(type="a")
+    drive(outbox, event, WriteConcernError("waiting for replication timed out", 64))
+    # The write happened: the object stays this document's.
+    with pytest.raises(DuplicateEventError):
+        to_reserve([event], ("shop.orders", 2), in_transaction=False)
+
+
+def test_a_refused_write_forgets_the_object(outbox: Outbox) -> None:
+    event = Event(type="a")
+    drive(outbox, event, OperationFailure("refused", 2))
+    assert not event._given and event._home is None
