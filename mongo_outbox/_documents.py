@@ -147,9 +147,12 @@ class DocumentWriter:
             # A retried write whose events are already pending here must not add them twice,
             # nor those the relay's last settle just removed (a retry that read their
             # reservations an instant before the relay marked them published).
-            ids = [e.id for e in plan.events]
-            conditions[f"{self.field}.id"] = {"$nin": ids}
-            conditions[self.sent_field] = {"$nin": ids}
+            # Only the ids that can be there: an id the library made, on an object no save was
+            # given before, cannot (_event_ids.py).
+            ids = list(plan.may_be_stored)
+            if ids:
+                conditions[f"{self.field}.id"] = {"$nin": ids}
+                conditions[self.sent_field] = {"$nin": ids}
         sets = self._counted(plan, now)
         if plan.kind == "save":
             # Replace the fields, keep the counters (and the embedded fields): one stage.

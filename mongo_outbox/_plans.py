@@ -52,6 +52,9 @@ class Plan:
     upsert: bool = False
     partition: int | None = None
     """The aggregate's partition, stored with its entries when the outbox has more than one."""
+    may_be_stored: tuple[str, ...] = ()
+    """Embedded mode: the event ids the document may hold already (a retry, a chosen id); the
+    write refuses to add them twice."""
     given: tuple[Event, ...] = ()
     """The caller's own Event objects (``events`` may be copies carrying a trace context):
     embedded mode remembers on them where they were saved (``_core.py``)."""
