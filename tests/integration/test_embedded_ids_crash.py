@@ -27,6 +27,12 @@ async def killed(*args: str) -> None:
     assert await asyncio.wait_for(process.wait(), 60) == -signal.SIGKILL
 
 
+async def relay_killed(mongo: MongoServer, db: Any, stream: str, point: str) -> None:
+    """Run an embedded relay process to NATS ``stream`` until it dies at ``point``."""
+    args = (mongo.uri, db.name, "embedded", "nats", stream, "1000000", point)
+    await killed("tests.crash.relay_process", *args)
+
+
 async def test_a_save_killed_after_reserving_its_ids_is_retried_and_its_ids_stay_taken(
     mongo: MongoServer, db: Any
 ) -> None:
@@ -64,16 +70,7 @@ async def test_a_relay_killed_between_marking_ids_published_and_pulling_them_los
                 None, db.orders, {"_id": order}, {"$inc": {"n": 1}}, [Event(type=f"b{step}")]
             )
             saved += result.events
-    await killed(
-        "tests.crash.relay_process",
-        mongo.uri,
-        db.name,
-        "embedded",
-        "nats",
-        nats_stream,
-        "1000000",
-        "settle",
-    )
+    await relay_killed(mongo, db, nats_stream, "settle")
     js = nats_client.jetstream()
     assert (await js.stream_info(nats_stream)).state.messages == len(saved)
     # The registry says published, the entries are all still pending in their documents.
@@ -117,16 +114,7 @@ async def test_a_relay_killed_after_taking_ids_before_publishing_loses_nothing(
         )
         saved += result.events
     assert await outbox.event_ids.count_documents({}) == 0
-    await killed(
-        "tests.crash.relay_process",
-        mongo.uri,
-        db.name,
-        "embedded",
-        "nats",
-        nats_stream,
-        "1000000",
-        "claim",
-    )
+    await relay_killed(mongo, db, nats_stream, "claim")
     js = nats_client.jetstream()
     assert (await js.stream_info(nats_stream)).state.messages == 0
     # Taken for their documents, not published, still pending where they were.
