@@ -25,6 +25,7 @@ from mongo_outbox import (
 from mongo_outbox.changestream import ChangeBatch
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.changestream_sources import MongoEcoSource, ScriptedSource, inserts
+from tests.support.outboxes import save_aborted
 from tests.support.servers import NATS_URL
 from tests.support.waiting import until
 
@@ -42,17 +43,6 @@ async def save(outbox: Outbox, db: Any, count: int, start: int = 0) -> list[dict
         saved = await outbox.save_with_events(None, db.orders, {"_id": n}, [Event(type="placed")])
         ids += [e.id for e in saved.events]
     return list(await db.outbox.find({"_id": {"$in": ids}}).sort("_id", 1).to_list(None))
-
-
-async def save_aborted(outbox: Outbox, db: Any, order: int) -> str:
-    """Save an event in a transaction aborted on purpose; return the id that must never appear."""
-    doomed = Event(type="doomed")
-    async with db.client.start_session() as session:
-        with pytest.raises(RuntimeError):
-            async with await session.start_transaction():
-                await outbox.save_with_events(session, db.orders, {"_id": order}, [doomed])
-                raise RuntimeError("abort on purpose")
-    return doomed.id
 
 
 def relay(outbox: Outbox, publisher: Any, source: Any, **options: Any) -> ChangeStreamRelay:

@@ -6,8 +6,7 @@ import signal
 from typing import Any
 
 from mongo_outbox import Outbox
-from tests.integration.test_cli_relay import save_orders, stream_ids
-from tests.support.cli import Service, held, lease_of
+from tests.support.cli import Service, held, lease_of, save_orders, stream_ids
 from tests.support.servers import NATS_URL, MongoServer
 from tests.support.waiting import until
 

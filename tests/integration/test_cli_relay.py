@@ -10,36 +10,21 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Event, Outbox
-from tests.support.cli import Service, cli, environment, held, lease_of, until_active
+from mongo_outbox import Outbox
+from tests.support.cli import (
+    Service,
+    cli,
+    environment,
+    held,
+    lease_of,
+    save_orders,
+    stream_ids,
+    until_active,
+)
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
-from tests.support.waiting import until
 
 NATS_PASSWORD = "n4ts-Secret-pw"  # the test NATS server takes any credentials
 SECRET_NATS = NATS_URL.replace("nats://", f"nats://relay:{NATS_PASSWORD}@")
-
-
-async def save_orders(outbox: Outbox, db: Any, n: int, start: int = 0) -> list[Event]:
-    events: list[Event] = []
-    for i in range(start, start + n):
-        saved = await outbox.save_with_events(
-            None, db.orders, {"_id": f"o-{i}"}, [Event(type="placed", payload={"n": i})]
-        )
-        events += saved.events
-    return events
-
-
-async def stream_ids(nats_client: Any, stream: str, expected: int) -> list[str]:
-    js = nats_client.jetstream()
-
-    async def arrived() -> bool:
-        return bool((await js.stream_info(stream)).state.messages >= expected)
-
-    await until(arrived, timeout=20, every=0.05)
-    sub = await js.subscribe(f"{stream}.>", ordered_consumer=True)
-    ids = [Event.from_json((await sub.next_msg(timeout=5)).data).id for _ in range(expected)]
-    await sub.unsubscribe()
-    return ids
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])

@@ -17,9 +17,10 @@ from pydantic import BaseModel
 from mongo_outbox import Backoff, Event, Inbox, PoisonMessage
 from mongo_outbox.faststream import inbox_handler
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from tests.integration.test_inbox_consumers import concurrency, relay_twice, save_orders, until
 from tests.support.amqp import publish_without_message_id
+from tests.support.billing import concurrency, relay_twice, save_orders
 from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.waiting import until
 
 FAST = Backoff(initial=0.05, maximum=0.1)
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from mongo_outbox import Event
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
-from tests.integration.test_inbox_consumers import concurrency
+from tests.support.billing import concurrency
 from tests.support.crash import billing
 from tests.support.servers import REDIS_URL, MongoServer
 from tests.support.waiting import until

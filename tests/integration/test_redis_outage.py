@@ -16,13 +16,13 @@ from redis.asyncio import Redis
 from mongo_outbox import BrokerFullError, BrokerUnavailableError, ConfigurationError, Event
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
-from tests.integration.test_broker_restart import relay_through_outage
-from tests.integration.test_inbox_consumers import (
+from tests.support.billing import (
     concurrency,
     guarded_billing,
     wait_for_invoices,
 )
 from tests.support.brokers import KillsTheBroker
+from tests.support.outage import relay_through_outage
 from tests.support.redis_server import HAVE_REDIS_SERVER, RedisServer
 from tests.support.waiting import eventually, until
 

@@ -30,7 +30,7 @@ from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
 from mongo_outbox.publishers.base import message_headers
 from mongo_outbox.publishers.redis import entry_of
-from tests.integration.test_inbox_consumers import (
+from tests.support.billing import (
     concurrency,
     guarded_billing,
     relay_twice,

@@ -22,7 +22,7 @@ import pytest
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher
 from tests.crash.group_process import PARTITIONS
-from tests.integration.test_changestream import save_aborted
+from tests.support.outboxes import save_aborted
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]

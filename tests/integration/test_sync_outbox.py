@@ -14,9 +14,9 @@ from pymongo import MongoClient
 
 from mongo_outbox import ChangeStreamRelay, Event, PollingRelay, RelaySettings, Saved
 from mongo_outbox.publishers import NatsPublisher
-from tests.integration.test_publishers import read_stream
 from tests.support.apis import Writer
 from tests.support.contents import contents
+from tests.support.messages import read_stream
 from tests.support.servers import NATS_URL, MongoServer
 from tests.support.waiting import until
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from mongo_outbox import Event, Outbox
 from tests.support.waiting import until
 
 COMMAND = [sys.executable, "-m", "mongo_outbox"]
@@ -107,3 +108,26 @@ async def until_active(db: Any, name: str, service: Service, timeout: float = 20
         return held(await lease_of(db, name))
 
     await until(active, timeout=timeout, every=0.1)
+
+
+async def save_orders(outbox: Outbox, db: Any, n: int, start: int = 0) -> list[Event]:
+    events: list[Event] = []
+    for i in range(start, start + n):
+        saved = await outbox.save_with_events(
+            None, db.orders, {"_id": f"o-{i}"}, [Event(type="placed", payload={"n": i})]
+        )
+        events += saved.events
+    return events
+
+
+async def stream_ids(nats_client: Any, stream: str, expected: int) -> list[str]:
+    js = nats_client.jetstream()
+
+    async def arrived() -> bool:
+        return bool((await js.stream_info(stream)).state.messages >= expected)
+
+    await until(arrived, timeout=20, every=0.05)
+    sub = await js.subscribe(f"{stream}.>", ordered_consumer=True)
+    ids = [Event.from_json((await sub.next_msg(timeout=5)).data).id for _ in range(expected)]
+    await sub.unsubscribe()
+    return ids

@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from mongo_outbox import Event, Outbox
 from mongo_outbox._codec import numbered
 from mongo_outbox.events import utc_now
@@ -85,3 +87,14 @@ def assert_in_order(published: Sequence[Event], saved: Sequence[Event], *, once:
         expected[(event.aggregate_type, event.aggregate_id)].append(event.sequence or 0)
     for aggregate, sequences in firsts.items():
         assert sequences == sorted(expected[aggregate]), f"aggregate {aggregate}: {sequences}"
+
+
+async def save_aborted(outbox: Outbox, db: Any, order: int) -> str:
+    """Save an event in a transaction aborted on purpose; return the id that must never appear."""
+    doomed = Event(type="doomed")
+    async with db.client.start_session() as session:
+        with pytest.raises(RuntimeError):
+            async with await session.start_transaction():
+                await outbox.save_with_events(session, db.orders, {"_id": order}, [doomed])
+                raise RuntimeError("abort on purpose")
+    return doomed.id
