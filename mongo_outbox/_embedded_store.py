@@ -139,13 +139,14 @@ class EmbeddedStore(ParkedEntries):
         groups: list[tuple[Event, ...]] = []
         counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
         for place, entries in read:
-            group = tuple(event for event, _ in entries if holders.get(event.id) == place)
+            group: list[Event] = []
             for event, entry in entries:
-                if holders.get(event.id) == place:
+                if holders.get(event.id) == place:  # else parked, or another entry's id
+                    group.append(event)
                     for counter, values in counters.items():
                         values[event.id] = int(entry.get(counter) or 0)
             if group:
-                groups.append(group)
+                groups.append(tuple(group))
         return Claim(
             token,
             tuple(groups),
