@@ -7,7 +7,8 @@ The orders are saved first; then the FastStream app starts. After startup the re
 every event, and then all of them again (as a relay that crashed before marking them would):
 the inbox skips the copies. One order in ten has a negative total, which the handler refuses
 with ``PoisonMessage``: the inbox records it as failed (the dead letter) and it is acked, not
-retried. Once every order is invoiced or dead-lettered the app exits and prints a summary.
+retried. Once every order is invoiced or dead-lettered the app counts them, exits and prints the
+summary.
 
 MongoDB: MONGODB_URI, else the mongoeco emulator started here (mongo_outbox.testing, which needs
 mongo-outbox[testing] and Python >= 3.13). Brokers: NATS_URL (a JetStream stream of the run's
@@ -91,9 +92,15 @@ async def run(db: Any, orders: int, broker_name: str) -> dict[str, object]:
     app = FastStream(broker)
     inbox = Inbox(db, consumer="billing", transactional=True)
 
+    relayed = asyncio.Event()
+
     @subscriber
     @inbox_handler(inbox, payload=OrderPlaced)
     async def bill(order: OrderPlaced, session: Any) -> None:
+        # Billing starts once both relay passes are done, so every copy is queued by then (and,
+        # on the mongoeco emulator, no handler's transaction overlaps the relay's writes: there
+        # such a transaction can be undone later with other sessions' writes, docs/testing.md).
+        await relayed.wait()
         if order.cents < 0:
             raise PoisonMessage(f"order {order.order} has a negative total")
         await db.invoices.insert_one({"order": order.order, "cents": order.cents}, session=session)
@@ -109,30 +116,34 @@ async def run(db: Any, orders: int, broker_name: str) -> dict[str, object]:
         due = datetime(2000, 1, 1, tzinfo=timezone.utc)
         await db.outbox.update_many({}, {"$set": {"status": "pending", "available_at": due}})
         published += await PollingRelay(outbox, publisher).drain()
+        relayed.set()
         app_tasks.append(asyncio.create_task(exit_when_settled()))
+
+    summary: dict[str, object] = {}
 
     async def exit_when_settled() -> None:
         settled = {"status": {"$in": ["done", "failed"]}}
-        while True:
-            if await db.inbox.count_documents(settled) >= orders:
-                app.exit()
-                return
+        while await db.inbox.count_documents(settled) < orders:  # noqa: ASYNC110 - the database
             await asyncio.sleep(0.05)
+        failed = await inbox.failed()
+        invoices = await db.invoices.find().to_list(None)
+        summary.update(
+            {
+                "broker": "NATS JetStream" if broker_name == "nats" else "RabbitMQ",
+                "orders saved": orders,
+                "events published": published,
+                "invoices written": len(invoices),
+                "orders invoiced twice": len(invoices) - len({i["order"] for i in invoices}),
+                "dead-lettered": len(failed),
+            }
+        )
+        app.exit()
 
     app_tasks: list[asyncio.Task[None]] = []
     await asyncio.wait_for(app.run(log_level=QUIET), 120)
     if broker_name == "nats":
         await drop_stream(f"billing-{db.name}")
-    failed = await inbox.failed()
-    invoices = await db.invoices.find().to_list(None)
-    return {
-        "broker": "NATS JetStream" if broker_name == "nats" else "RabbitMQ",
-        "orders saved": orders,
-        "events published": published,
-        "invoices written": len(invoices),
-        "orders invoiced twice": len(invoices) - len({i["order"] for i in invoices}),
-        "dead-lettered": len(failed),
-    }
+    return summary
 
 
 async def drop_stream(name: str) -> None:

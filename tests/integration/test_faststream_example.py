@@ -16,18 +16,13 @@ from tests.support.servers import MongoServer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# RabbitMQ only: on NATS the example once left an order unsettled past its 120 s window in CI
-# (not reproduced; the guard's NATS path is covered end to end by test_faststream_inbox.py).
-# Put NATS back once that is found.
-@pytest.mark.parametrize(("broker", "name"), [("rabbitmq", "RabbitMQ")])
+@pytest.mark.parametrize(("broker", "name"), [("nats", "NATS JetStream"), ("rabbitmq", "RabbitMQ")])
 def test_the_faststream_service_invoices_each_order_once(
     mongo: MongoServer, broker: str, name: str
 ) -> None:
     env = dict(os.environ)
     if mongo.kind == "emulator":
-        # The example starts an emulator of its own, as it does for a user: on the shared one, a
-        # transaction an earlier test left conflicted can be undone later with other sessions'
-        # writes (an emulator defect, docs/testing.md), and once took this run's invoices.
+        # The example starts an emulator of its own, as it does for a user.
         env.pop("MONGODB_URI", None)
     else:
         env["MONGODB_URI"] = mongo.uri
@@ -50,4 +45,4 @@ def test_the_faststream_service_invoices_each_order_once(
         "invoices written": "18",
         "orders invoiced twice": "0",
         "dead-lettered": "2",  # orders 9 and 19
-    }
+    }, result.stderr
