@@ -9,18 +9,21 @@ less than ``retention`` ago.
 
 Who writes an id there:
 
-- **A save, for an id that can collide**: one the caller chose (``Event(id=...)``), or the id of
-  an Event object saved before (a retry, or a reuse). It reserves the id with one insert before
-  its document write, so a reused id is ``DuplicateEventError`` and nothing is written.
+- **A save, for an id that can collide**: one the caller chose (``Event(id=...)``), the id of an
+  Event object given to a save before (a retry, or a reuse: ``Event._given``), and every id
+  saved in a caller's transaction. It reserves the id with one insert before its document
+  write, so a reused id is ``DuplicateEventError`` and nothing is written.
 - **Nobody at save time, for an id the library made for a new Event object**: it is a fresh
   random id that no other event can hold, so the save is the document write alone (one round
-  trip, like a hand-written ``update_one``). The object remembers where it went (``Event._home``,
-  carried by copies): saving it to another document is refused at once, and saving it again to
-  the same one takes the reserving path above.
-- **The relay, before it publishes**: it takes every id of a claimed document for that document
-  (``own``: one upsert per id, in one bulk write), so an id saved without a reservation gets one
-  before its event can reach the broker. An id another document holds (one a caller copied
-  from a library-made id) is not published: its entry is parked with the reason, never dropped.
+  trip, like a hand-written ``update_one``). The object remembers the document a save outside a
+  transaction put it in (``Event._home``, carried by copies and by the events the save returns):
+  saving it to another document of the database is refused at once.
+- **The relay, before it publishes**: it takes every id of a claimed document for that entry
+  (``own``: one upsert per id, keyed by the id, the document and the entry's sequence, in one
+  bulk write), so an id saved without a reservation gets one before its event can reach the
+  broker. An id held otherwise (another document's, or this document's under another sequence:
+  an id a caller copied, or a copy taken before its first save) is not published: its entry is
+  parked with the reason, never dropped.
 
 A registry entry has no ``expire_at`` while its event is pending, however long that lasts (a
 relay down for longer than ``retention``, an entry parked for weeks): a pending id stays taken.
