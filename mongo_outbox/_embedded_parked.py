@@ -14,13 +14,11 @@ from typing import Any
 from pymongo import UpdateOne
 
 from mongo_outbox._driver import aggregate
+from mongo_outbox._event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
 
-Holder = tuple[str, Any]
-"""An aggregate document: its collection's name and its ``_id``."""
-Taken = tuple[Holder, Event, tuple[Holder, Any]]
-"""An entry to park: its document, its event, and the entry that holds its id (its document
-and sequence)."""
+Doomed = tuple[Holder, Event, Taken]
+"""An entry to park: its document, its event, and who holds its id in the registry."""
 
 
 class ParkedEntries:
@@ -31,7 +29,7 @@ class ParkedEntries:
     claim_field: str
     colls: dict[str, Any]
 
-    async def _park_taken(self, doomed: Sequence[Taken], token: str) -> None:
+    async def _park_taken(self, doomed: Sequence[Doomed], token: str) -> None:
         """Park where they are the entries whose id another document holds (``_event_ids.py``):
         published, one of the two would be dropped by the broker as the other's duplicate."""
         parks: dict[str, list[UpdateOne]] = defaultdict(list)

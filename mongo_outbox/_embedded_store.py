@@ -23,8 +23,8 @@ from typing import Any
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, numbered, ours
-from mongo_outbox._embedded_parked import Holder, ParkedEntries, Taken
-from mongo_outbox._event_ids import PublishedIds
+from mongo_outbox._embedded_parked import Doomed, ParkedEntries
+from mongo_outbox._event_ids import Holder, PublishedIds
 from mongo_outbox._store import Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -173,7 +173,7 @@ class EmbeddedStore(ParkedEntries):
         first = {i: (found[0][0], found[0][1].sequence) for i, found in places.items()}
         taken = await self.ids.own(first)
         owners: dict[str, Holder] = {}
-        doomed: list[Taken] = []
+        doomed: list[Doomed] = []
         for event_id, found in places.items():
             holder, sequence = taken.get(event_id, first[event_id])
             for place, event in found:

@@ -72,14 +72,17 @@ _ATTEMPTS = 3  # a reservation that expires between our insert and our read is t
 Home = tuple[str, Any]
 """Where an embedded save puts an event: its collection's full name, its document's ``_id``."""
 Marks = list[tuple[Event, bool, Home | None]]
-Taken = tuple[tuple[Any, Any], Any]
-"""Who holds an id in the registry: (collection, document ``_id``), and its sequence."""
+Holder = tuple[Any, Any]
+"""An aggregate document as the registry and the relay name it: its collection's name, its
+``_id``."""
+Taken = tuple[Holder, Any]
+"""Who holds an id in the registry: the document, and the entry's sequence."""
 
 
 def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list[str]:
     """The ids of ``given`` a save to ``home`` must reserve; DuplicateEventError, before
     anything is written, for an object a save put in another document of the same database."""
-    database = home[0].split(".", 1)[0]
+    database, collection = home[0].split(".", 1)
     for event in given:
         # Another database has an outbox and a registry of its own: its reservation decides.
         if (
@@ -87,11 +90,11 @@ def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list
             and event._home != home
             and event._home[0].startswith(f"{database}.")
         ):
-            collection, doc_id = event._home
+            elsewhere, doc_id = event._home
             raise DuplicateEventError(
-                f"event {event.id} was given to a save of {collection} {doc_id!r} (which may "
+                f"event {event.id} was given to a save of {elsewhere} {doc_id!r} (which may "
                 "have written it): one event, one document (make a new Event for this one)",
-                collection=home[0].split(".", 1)[1],
+                collection=collection,
             )
     return [e.id for e in given if in_transaction or e._given or "id" in e.model_fields_set]
 
@@ -237,7 +240,7 @@ class PublishedIds:
         self.registry = registry
         self.retention = retention
 
-    async def own(self, held: Mapping[str, tuple[Home, int | None]]) -> dict[str, Taken]:
+    async def own(self, held: Mapping[str, Taken]) -> dict[str, Taken]:
         """Take each id of ``held`` (event id: its collection's name and document ``_id``, and
         its sequence) for that entry, unless it is that entry's already; return the ids held
         otherwise, each with the registry's holder and sequence: another document's, or this
@@ -248,9 +251,13 @@ class PublishedIds:
         ops = []
         for i in ids:
             (collection, doc_id), sequence = held[i]
-            mine = {"_id": i, "collection": collection, "aggregate": doc_id}
             # A save's reservation has no sequence yet; a crashed relay's own has this one.
-            mine["sequence"] = {"$in": [sequence, None]}
+            mine = {
+                "_id": i,
+                "collection": collection,
+                "aggregate": doc_id,
+                "sequence": {"$in": [sequence, None]},
+            }
             ops.append(UpdateOne(mine, {"$set": {"sequence": sequence}}, upsert=True))
         try:
             await self.registry.bulk_write(ops, ordered=False)
