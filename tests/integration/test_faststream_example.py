@@ -16,6 +16,7 @@ from tests.support.servers import MongoServer
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize(("broker", "name"), [("nats", "NATS JetStream"), ("rabbitmq", "RabbitMQ")])
 def test_the_faststream_service_invoices_each_order_once(
     mongo: MongoServer, broker: str, name: str
@@ -26,15 +27,19 @@ def test_the_faststream_service_invoices_each_order_once(
         env.pop("MONGODB_URI", None)
     else:
         env["MONGODB_URI"] = mongo.uri
-    result = subprocess.run(
-        [sys.executable, "examples/faststream_service.py", "--orders", "20", "--broker", broker],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    example = ["examples/faststream_service.py", "--orders", "20", "--broker", broker]
+    try:
+        result = subprocess.run(
+            [sys.executable, *example],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=170,  # the example gives up by itself after about 120 s
+            check=False,
+        )
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the example hung; its log so far:\n{hung.stdout!r}\n{hung.stderr!r}")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
     summary = {key.strip(): value.strip() for key, value in lines}
