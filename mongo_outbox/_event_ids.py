@@ -247,6 +247,28 @@ class PublishedIds:
         document's under another sequence (an event published before, its id given again)."""
         if not held:
             return {}
+        # Most ids are new to the registry (the library made them and saves do not reserve
+        # them): one insert of the whole claim. Only the ids already there need a condition.
+        ids = list(held)
+        entries = [
+            {
+                "_id": i,
+                "collection": held[i][0][0],
+                "aggregate": held[i][0][1],
+                "sequence": held[i][1],
+            }
+            for i in ids
+        ]
+        try:
+            await self.registry.insert_many(entries, ordered=False)
+            return {}
+        except BulkWriteError as error:
+            there = {ids[e["index"]]: e.get("code") for e in write_errors(error)}
+            if any(code != DUPLICATE_KEY for code in there.values()):
+                raise
+        return await self._take({i: held[i] for i in there})
+
+    async def _take(self, held: Mapping[str, Taken]) -> dict[str, Taken]:
         ids = list(held)
         ops = []
         for i in ids:

@@ -30,7 +30,7 @@ async def main(
     if kill_at == "settle":
         outbox.event_ids = KillAfterWrite(outbox.event_ids, "update_many")
     elif kill_at == "claim":
-        outbox.event_ids = KillAfterWrite(outbox.event_ids, "bulk_write")
+        outbox.event_ids = KillAfterWrite(outbox.event_ids, "insert_many")
     inner: Publisher
     if broker == "nats":
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")
