@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from benchmarks.common import client, fresh_db, header, median, say, standalone
+from benchmarks.common import client, fresh_db, header, median, say, standalone, stored
 from mongo_outbox import Event, Outbox
 from mongo_outbox.events import utc_now
 
@@ -62,8 +62,7 @@ def library(expected_version: int | None) -> Create:
 
 
 async def by_hand(db: Any, order: dict[str, Any], event: Event) -> None:
-    data = event.model_dump() | {"aggregate_type": "orders", "aggregate_id": order["_id"]}
-    data["_id"] = data.pop("id")
+    data = stored(event, "_id") | {"aggregate_type": "orders", "aggregate_id": order["_id"]}
     entry = data | {"status": "pending", "available_at": utc_now(), "attempts": 0}
 
     async def write(session: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from pymongo import ReturnDocument
 
-from benchmarks.common import client, fresh_db, header, median, say, standalone
+from benchmarks.common import client, fresh_db, header, median, say, standalone, stored
 from mongo_outbox import Event, Outbox
 
 SAVES = 200
@@ -53,12 +53,6 @@ def workload() -> list[tuple[dict[str, Any], list[Event]]]:
     return work
 
 
-def entry(event: Event, id_key: str) -> dict[str, Any]:
-    data = event.model_dump()
-    data[id_key] = data.pop("id")
-    return data
-
-
 async def library_save(mode: str) -> Saver:
     async def save(mongo: Any, db: Any, document: dict[str, Any], events: list[Event]) -> None:
         outbox = (
@@ -76,7 +70,7 @@ async def baseline_save(mode: str) -> Saver:
         mongo: Any, db: Any, document: dict[str, Any], events: list[Event]
     ) -> None:
         entries = [
-            entry(e, "_id") | {"status": "pending", "available_at": e.occurred_at, "attempts": 0}
+            stored(e, "_id") | {"status": "pending", "available_at": e.occurred_at, "attempts": 0}
             for e in events
         ]
 
@@ -90,7 +84,7 @@ async def baseline_save(mode: str) -> Saver:
             await session.with_transaction(write)
 
     async def update(mongo: Any, db: Any, document: dict[str, Any], events: list[Event]) -> None:
-        entries = [entry(e, "id") for e in events]
+        entries = [stored(e, "id") for e in events]
         body = {k: v for k, v in document.items() if k != "_id"}
         await db.orders.update_one(
             {"_id": document["_id"]},
@@ -125,7 +119,7 @@ def versioned(body: dict[str, Any], entries: list[dict[str, Any]], embedded: boo
 async def same_shape_save(mode: str) -> Saver:
     async def save(mongo: Any, db: Any, document: dict[str, Any], events: list[Event]) -> None:
         embedded = mode == "embedded"
-        entries = [entry(e, "id" if embedded else "_id") for e in events]
+        entries = [stored(e, "id" if embedded else "_id") for e in events]
 
         async def write(session: Any) -> None:
             stored = await db.orders.find_one_and_update(

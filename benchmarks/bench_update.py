@@ -30,7 +30,7 @@ from typing import Any
 
 from pymongo import MongoClient
 
-from benchmarks.common import client, fresh_db, header, median, say, standalone, unique
+from benchmarks.common import client, fresh_db, header, median, say, standalone, stored, unique
 from mongo_outbox import Event, Outbox
 from mongo_outbox.events import utc_now
 from mongo_outbox.sync import Outbox as SyncOutbox
@@ -55,9 +55,7 @@ def workload() -> list[tuple[str, dict[str, Any], Event]]:
 
 
 def entry(event: Event, id_key: str, key: str) -> dict[str, Any]:
-    data = event.model_dump() | {"aggregate_id": key}
-    data[id_key] = data.pop("id")
-    return data
+    return stored(event, id_key) | {"aggregate_id": key}
 
 
 def as_pipeline(update: dict[str, Any]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from pymongo.monitoring import (
     CommandSucceededEvent,
 )
 
+from mongo_outbox import Event
 from mongo_outbox.testing import start_emulator
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
@@ -138,3 +139,13 @@ def standalone(run: Callable[[str], Awaitable[list[str]]]) -> None:
             server.stop()
 
     asyncio.run(main())
+
+
+def stored(event: Event, id_key: str) -> dict[str, Any]:
+    """``event`` as a hand-written write stores it, with the same fields as the library's entry:
+    the id under ``id_key``, and no field that holds its default (None, no headers)."""
+    data = event.model_dump(exclude_none=True)
+    if not data["headers"]:
+        del data["headers"]
+    data[id_key] = data.pop("id")
+    return data

@@ -2,8 +2,8 @@
 write side and the relay cannot drift apart.
 
 An entry is the Event's fields with its id under ``_id`` (a document of the outbox collection)
-or ``id`` (an element of an aggregate's outbox array), plus the relay's bookkeeping fields, which
-decoding ignores. An embedded entry appended by an update of operators carries no ``sequence``:
+or ``id`` (an element of an aggregate's outbox array), without the optional ones that hold their
+default, plus the relay's bookkeeping fields, which decoding ignores. An embedded entry appended by an update of operators carries no ``sequence``:
 an operator update cannot read the stored ``_sequence`` it moves, so ``numbered`` gives the
 entry its number when the entries are read (see ``numbered`` for why the position tells it).
 Reading goes through collections with codec options of our own, so a client
@@ -24,9 +24,22 @@ from mongo_outbox.events import Event, as_utc
 _EVENT_FIELDS = frozenset(Event.model_fields)
 
 
+# Left out of an entry while they hold their default (decoding restores it): every write and
+# every read of an embedded document carries its entries, so bytes saved are saved each time.
+_DEFAULTS: dict[str, Any] = {
+    "sequence": None,
+    "headers": {},
+    "correlation_id": None,
+    "causation_id": None,
+}
+
+
 def encode(event: Event, id_key: str) -> dict[str, Any]:
     data = event.model_dump()
     data[id_key] = data.pop("id")
+    for key, default in _DEFAULTS.items():
+        if data[key] == default:
+            del data[key]
     return data
 
 

@@ -167,7 +167,9 @@ class DocumentWriter:
                 # moves, and their position tells their number (_codec.numbered). $max keeps a
                 # due time in the future (a relay's lease, a backoff) and makes a document
                 # with none due now.
-                ours["$push"] = {self.field: {"$each": plan.entries}}
+                # One entry is pushed as itself: "$each" costs the emulator a tenth of the write.
+                one = len(plan.entries) == 1
+                ours["$push"] = {self.field: plan.entries[0] if one else {"$each": plan.entries}}
                 ours["$max"] = {self.due_field: now}
                 if plan.partition is not None:
                     # Stored by the writer, so that a relay group's members only filter on it.
