@@ -3,11 +3,12 @@ write side and the relay cannot drift apart.
 
 An entry is the Event's fields with its id under ``_id`` (a document of the outbox collection)
 or ``id`` (an element of an aggregate's outbox array), without the optional ones that hold their
-default, plus the relay's bookkeeping fields, which decoding ignores. An embedded entry appended by an update of operators carries no ``sequence``:
-an operator update cannot read the stored ``_sequence`` it moves, so ``numbered`` gives the
-entry its number when the entries are read (see ``numbered`` for why the position tells it).
-Reading goes through collections with codec options of our own, so a client
-configured for naive datetimes or ``DATETIME_MS`` reads the same entries.
+default, plus the relay's bookkeeping fields, which decoding ignores. An embedded entry appended
+by an update of operators carries no ``sequence``: an operator update cannot read the stored
+``_sequence`` it moves, so ``numbered`` gives the entry its number when the entries are read
+(see ``numbered`` for why the position tells it). Reading goes through collections with codec
+options of our own, so a client configured for naive datetimes or ``DATETIME_MS`` reads the
+same entries.
 """
 
 from __future__ import annotations
