@@ -13,6 +13,7 @@ same entries.
 
 from __future__ import annotations
 
+from copy import copy
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,6 +43,11 @@ def encode(event: Event, id_key: str) -> dict[str, Any]:
         if data[key] == default:
             del data[key]
     return data
+
+
+def shown(entry: dict[str, Any]) -> dict[str, Any]:
+    """A stored entry with every field the Event has, as listings show it (``parked()``)."""
+    return {key: copy(default) for key, default in _DEFAULTS.items()} | entry
 
 
 def decode(entry: dict[str, Any], id_key: str) -> Event:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import decode, ours
+from mongo_outbox._codec import decode, ours, shown
 from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -292,7 +292,8 @@ class CollectionStore:
         return as_utc(doc["available_at"]) if doc else None
 
     async def parked(self) -> list[dict[str, Any]]:
-        return list(await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None))
+        found = await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None)
+        return [shown(entry) for entry in found]
 
     async def parked_count(self) -> int:
         return int(await self.coll.count_documents({"status": "parked"}))

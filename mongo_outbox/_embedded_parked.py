@@ -13,6 +13,7 @@ from typing import Any
 
 from pymongo import UpdateOne
 
+from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
 from mongo_outbox._event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
@@ -70,7 +71,10 @@ class ParkedEntries:
     def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
         # An unreadable entry was parked wrapped, its original under "entry": show its fields.
         original = entry.get("entry", entry)
-        fields = original if isinstance(original, dict) else {"entry": original}
+        if not isinstance(original, dict):
+            fields: dict[str, Any] = {"entry": original}
+        else:
+            fields = original if "entry" in entry else shown(original)
         rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
         return {
             "_id": fields.get("id"),

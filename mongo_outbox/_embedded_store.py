@@ -7,8 +7,9 @@ published in the event-id registry (``_event_ids.py``: they stay taken for ``ret
 pulls the published entries from the array. Parked entries stay in their document, flagged
 ``parked``: parking is one single-document write like every other, so no crash can lose an
 entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
-and one bulkWrite of the registry (the ids taken for their documents) to claim, one updateMany
-of the registry and one bulkWrite per collection to settle.
+and one insertMany of the registry (the ids taken for their documents; a bulkWrite more for ids
+already there) to claim, one updateMany of the registry and one bulkWrite per collection to
+settle.
 """
 
 from __future__ import annotations

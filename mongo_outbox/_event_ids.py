@@ -19,11 +19,11 @@ Who writes an id there:
   transaction put it in (``Event._home``, carried by copies and by the events the save returns):
   saving it to another document of the database is refused at once.
 - **The relay, before it publishes**: it takes every id of a claimed document for that entry
-  (``own``: one upsert per id, keyed by the id, the document and the entry's sequence, in one
-  bulk write), so an id saved without a reservation gets one before its event can reach the
-  broker. An id held otherwise (another document's, or this document's under another sequence:
-  an id a caller copied, or a copy taken before its first save) is not published: its entry is
-  parked with the reason, never dropped.
+  (``own``: one insert of all the claim's ids; only an id already there is checked, with an
+  upsert keyed by the id, the document and the entry's sequence), so an id saved without a
+  reservation gets one before its event can reach the broker. An id held otherwise (another
+  document's, or this document's under another sequence: an id a caller copied, or a copy taken
+  before its first save) is not published: its entry is parked with the reason, never dropped.
 
 A registry entry has no ``expire_at`` while its event is pending, however long that lasts (a
 relay down for longer than ``retention``, an entry parked for weeks): a pending id stays taken.
@@ -264,8 +264,8 @@ class PublishedIds:
             return {}
         except BulkWriteError as error:
             there = {ids[e["index"]]: e.get("code") for e in write_errors(error)}
-            if any(code != DUPLICATE_KEY for code in there.values()):
-                raise
+            if not there or any(code != DUPLICATE_KEY for code in there.values()):
+                raise  # not (only) ids already there: a write concern error, say
         return await self._take({i: held[i] for i in there})
 
     async def _take(self, held: Mapping[str, Taken]) -> dict[str, Taken]:

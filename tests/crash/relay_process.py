@@ -2,7 +2,9 @@
 can mark anything published: the crash a relay must survive. With KILL_AT "settle" (embedded
 mode) it dies instead right after its settle marked the published ids in the event-id registry,
 before it removed their entries from their documents; with KILL_AT "claim" right after its claim
-took the ids for their documents in the registry, before it published any.
+took the ids for their documents in the registry (the insert of ids new to it), before it
+published any, and with "retake" right after it took ids already there (the check that follows
+the insert's duplicate keys).
 
 Usage: python -m tests.crash.relay_process URI DB MODE BROKER TARGET KILL_AFTER [KILL_AT]
 BROKER is "nats" (TARGET: the stream, also the subject prefix) or "rabbitmq" (TARGET: exchange).
@@ -31,6 +33,8 @@ async def main(
         outbox.event_ids = KillAfterWrite(outbox.event_ids, "update_many")
     elif kill_at == "claim":
         outbox.event_ids = KillAfterWrite(outbox.event_ids, "insert_many")
+    elif kill_at == "retake":
+        outbox.event_ids = KillAfterWrite(outbox.event_ids, "bulk_write")
     inner: Publisher
     if broker == "nats":
         inner = await NatsPublisher.connect(NATS_URL, subject=f"{target}.{{type}}")

@@ -102,24 +102,33 @@ async def test_a_relay_killed_between_marking_ids_published_and_pulling_them_los
         await outbox.save_with_events(None, db.orders, {"_id": 0}, [again])
 
 
+@pytest.mark.parametrize("point", ["claim", "retake"])
 async def test_a_relay_killed_after_taking_ids_before_publishing_loses_nothing(
-    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str
+    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str, point: str
 ) -> None:
+    """``claim``: ids the library made, new to the registry, taken with one insert;
+    ``retake``: ids the caller chose, reserved by their saves, taken by the check that follows
+    the insert's duplicate keys."""
     outbox = Outbox(db, mode="embedded", collections=["orders"])
     await outbox.ensure_indexes()
     saved: list[Event] = []
-    for order in range(6):  # ids the library made: no reservation until the relay takes them
-        result = await outbox.save_with_events(
-            None, db.orders, {"_id": order}, [Event(type="a"), Event(type="b")]
-        )
+    for order in range(6):
+        if point == "claim":  # no reservation until the relay takes them
+            events = [Event(type="a"), Event(type="b")]
+        else:
+            events = [Event(id=f"order-{order}-{kind}", type=kind) for kind in "ab"]
+        result = await outbox.save_with_events(None, db.orders, {"_id": order}, events)
         saved += result.events
-    assert await outbox.event_ids.count_documents({}) == 0
-    await relay_killed(mongo, db, nats_stream, "claim")
+    reserved = await outbox.event_ids.find().to_list(None)
+    assert [r.get("sequence") for r in reserved] == ([] if point == "claim" else [None] * 12)
+    await relay_killed(mongo, db, nats_stream, point)
     js = nats_client.jetstream()
     assert (await js.stream_info(nats_stream)).state.messages == 0
-    # Taken for their documents, not published, still pending where they were.
+    # Taken for their entries, not published, still pending where they were.
     taken = await outbox.event_ids.find().to_list(None)
-    assert {(t["_id"], t["aggregate"]) for t in taken} == {(e.id, e.aggregate_id) for e in saved}
+    assert {(t["_id"], t["aggregate"], t["sequence"]) for t in taken} == {
+        (e.id, e.aggregate_id, e.sequence) for e in saved
+    }
     assert not any(t.get("published") for t in taken)
     assert len(await unsettled(outbox, db)) == len(saved)
     # Another document cannot take one of them now; the next relay finds them its own.

@@ -39,7 +39,8 @@ def test_the_faststream_service_invoices_each_order_once(
             check=False,
         )
     except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"the example hung; its log so far:\n{hung.stdout!r}\n{hung.stderr!r}")
+        log = [(out or b"").decode(errors="replace") for out in (hung.stdout, hung.stderr)]
+        pytest.fail("the example hung; its output so far:\n" + "\n".join(log))
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
     summary = {key.strip(): value.strip() for key, value in lines}

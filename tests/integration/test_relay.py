@@ -169,6 +169,8 @@ async def test_poison_entry_is_parked_listed_and_requeued(db: Any, mode: str) ->
     assert (record["_id"], record["status"], record["attempts"]) == (poison.id, "parked", 2)
     assert "RuntimeError: rejected" in record["last_error"]
     assert (record["type"], record["aggregate_id"], record["sequence"]) == (poison.type, 0, 1)
+    # Every field of the event, also those stored only when they differ from their default.
+    assert {"headers": {}, "correlation_id": None, "causation_id": None}.items() <= record.items()
     if mode == "embedded":
         # It stays in its document, which leaves the relay's index until it is requeued.
         assert record["collection"] == "orders"

@@ -4,14 +4,15 @@ No server: the save's steps are driven by hand, and the answers they would get a
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
-from pymongo.errors import OperationFailure, WriteConcernError
+from pymongo.errors import BulkWriteError, OperationFailure, WriteConcernError
 
 from mongo_outbox import DuplicateEventError, Event, Outbox
-from mongo_outbox._event_ids import forget, remember, to_reserve
+from mongo_outbox._event_ids import PublishedIds, forget, remember, to_reserve
 
 HOME = ("shop.orders", 1)
 
@@ -84,3 +85,20 @@ def test_a_refused_write_forgets_the_object(outbox: Outbox) -> None:
     event = Event(type="a")
     drive(outbox, event, OperationFailure("refused", 2))
     assert not event._given and event._home is None
+
+
+class FakeRegistry:
+    """A FAKE registry collection whose insert reports only a write concern error: the write
+    happened on the primary, its durability is unknown (no emulator can produce this)."""
+
+    async def insert_many(self, documents: list[Any], ordered: bool) -> None:
+        raise BulkWriteError(
+            {"writeErrors": [], "writeConcernErrors": [{"code": 64, "errmsg": "waiting"}]}
+        )
+
+
+async def test_a_claim_whose_ids_are_in_doubt_fails_with_the_write_concern_error() -> None:
+    ids = PublishedIds(FakeRegistry(), timedelta(days=1))
+    with pytest.raises(BulkWriteError) as failure:
+        await ids.own({"e-1": (("orders", 1), 1)})
+    assert failure.value.details["writeConcernErrors"][0]["code"] == 64
