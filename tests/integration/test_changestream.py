@@ -814,6 +814,7 @@ async def test_dropped_outbox_collection_recovers(db: Any, outbox: Outbox) -> No
     assert [e.id for e in publisher.events] == [e.id for e in saved.events]
 
 
+@pytest.mark.timeout(270)
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_relay_processes_killed_at_random_lose_nothing(
     mongo: Any, db: Any, nats_client: Any, nats_stream: str, mode: str
@@ -824,7 +825,9 @@ async def test_relay_processes_killed_at_random_lose_nothing(
     aggregate."""
     outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
     await outbox.ensure_indexes()
-    total = 2000  # writes, one event each; 1 in 10 aborted
+    # Writes, one event each; 1 in 10 aborted. The emulator's writes cost O(collection size):
+    # half as many there, and the relays are killed as often while they go on.
+    total = 1000 if mongo.kind == "emulator" else 2000
     committed: list[str] = []
     uncertain: list[str] = []
     aborted: list[str] = []
@@ -883,7 +886,7 @@ async def test_relay_processes_killed_at_random_lose_nothing(
         await write()
 
     first_token: list[Any] = []
-    await asyncio.wait_for(asyncio.gather(write_once_watched(), keep_two_relays_dying()), 110)
+    await asyncio.wait_for(asyncio.gather(write_once_watched(), keep_two_relays_dying()), 180)
     js = nats_client.jetstream()
     # The killed relays did relay while the writer wrote, and moved the checkpoint on.
     assert rounds >= 2 and (await js.stream_info(nats_stream)).state.messages > 0
