@@ -167,7 +167,7 @@ class DocumentWriter:
                 # moves, and their position tells their number (_codec.numbered). $max keeps a
                 # due time in the future (a relay's lease, a backoff) and makes a document
                 # with none due now.
-                # One entry is pushed as itself: "$each" costs the emulator a tenth of the write.
+                # One entry is pushed as itself: "$each" is for several (the emulator charges it).
                 one = len(plan.entries) == 1
                 ours["$push"] = {self.field: plan.entries[0] if one else {"$each": plan.entries}}
                 ours["$max"] = {self.due_field: now}
