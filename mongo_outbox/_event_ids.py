@@ -251,13 +251,8 @@ class PublishedIds:
         # them): one insert of the whole claim. Only the ids already there need a condition.
         ids = list(held)
         entries = [
-            {
-                "_id": i,
-                "collection": held[i][0][0],
-                "aggregate": held[i][0][1],
-                "sequence": held[i][1],
-            }
-            for i in ids
+            {"_id": i, "collection": collection, "aggregate": doc_id, "sequence": sequence}
+            for i, ((collection, doc_id), sequence) in held.items()
         ]
         try:
             await self.registry.insert_many(entries, ordered=False)
