@@ -176,7 +176,8 @@ class OutboxCore:
         home = (plan.collection.full_name, plan.doc_id)
         in_transaction = session is not None and session.in_transaction
         ids = to_reserve(plan.given, home, in_transaction)
-        plan = replace(plan, may_be_stored=tuple(ids))
+        if ids:
+            plan = replace(plan, may_be_stored=tuple(ids))
         # Remembered before the first await, so that a concurrent save of the same object
         # elsewhere is refused; the home not in a transaction, which the caller may abort. The
         # copies the save returns (made from plan.events) carry the marks too.

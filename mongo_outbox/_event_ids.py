@@ -82,21 +82,20 @@ Taken = tuple[Holder, Any]
 def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list[str]:
     """The ids of ``given`` a save to ``home`` must reserve; DuplicateEventError, before
     anything is written, for an object a save put in another document of the same database."""
-    database, collection = home[0].split(".", 1)
+    ids = []
     for event in given:
+        marks = _marks(event)
+        elsewhere = marks["_home"]
         # Another database has an outbox and a registry of its own: its reservation decides.
-        if (
-            event._home is not None
-            and event._home != home
-            and event._home[0].startswith(f"{database}.")
-        ):
-            elsewhere, doc_id = event._home
+        if elsewhere is not None and elsewhere != home and _database(elsewhere) == _database(home):
             raise DuplicateEventError(
-                f"event {event.id} was given to a save of {elsewhere} {doc_id!r} (which may "
-                "have written it): one event, one document (make a new Event for this one)",
-                collection=collection,
+                f"event {event.id} was given to a save of {elsewhere[0]} {elsewhere[1]!r} (which "
+                "may have written it): one event, one document (make a new Event for this one)",
+                collection=home[0].split(".", 1)[1],
             )
-    return [e.id for e in given if in_transaction or e._given or "id" in e.model_fields_set]
+        if in_transaction or marks["_given"] or "id" in event.model_fields_set:
+            ids.append(event.id)
+    return ids
 
 
 def remember(events: Sequence[Event], home: Home, certain: bool) -> Marks:
@@ -108,17 +107,34 @@ def remember(events: Sequence[Event], home: Home, certain: bool) -> Marks:
         if id(event) in seen:
             continue
         seen.add(id(event))
-        before.append((event, event._given, event._home))
-        event._given = True
+        marks = _marks(event)
+        before.append((event, marks["_given"], marks["_home"]))
+        marks["_given"] = True
         if certain:
-            event._home = home
+            marks["_home"] = home
     return before
 
 
 def forget(before: Marks) -> None:
     """Undo ``remember`` after a save that wrote nothing."""
     for event, given, home in before:
-        event._given, event._home = given, home
+        marks = _marks(event)
+        marks["_given"], marks["_home"] = given, home
+
+
+def _marks(event: Event) -> dict[str, Any]:
+    """The Event's private ``_given`` and ``_home``, where pydantic keeps them: read and set
+    there, because pydantic's attribute path for private fields cost more than the rest of this
+    bookkeeping together (benchmarks/bench_update.py)."""
+    marks = event.__pydantic_private__
+    if marks is None:  # not seen: __init__, model_construct and __setstate__ all set them
+        marks = {"_given": False, "_home": None}
+        object.__setattr__(event, "__pydantic_private__", marks)
+    return marks
+
+
+def _database(home: Home) -> str:
+    return home[0].split(".", 1)[0]
 
 
 class EventIds:

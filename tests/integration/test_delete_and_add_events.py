@@ -52,6 +52,17 @@ async def test_a_delete_removes_the_aggregate_and_records_its_events(
     assert publisher.events[-1] == deleted.events[0]
 
 
+async def test_a_delete_of_a_document_written_without_the_outbox_numbers_from_one(
+    writer: Writer, db: Any
+) -> None:
+    await db.orders.insert_one({"_id": "legacy", "note": "no counters"})
+    deleted = await writer.delete_with_events(
+        None, db.orders, {"_id": "legacy"}, [Event(type="deleted"), Event(type="archived")]
+    )
+    assert deleted.version == 1 and [e.sequence for e in deleted.events] == [1, 2]
+    assert await entries(db) == [("deleted", "legacy", 1), ("archived", "legacy", 2)]
+
+
 async def test_a_refused_delete_writes_nothing(writer: Writer, db: Any) -> None:
     await writer.save_with_events(None, db.orders, {"_id": 1, "open": True}, [Event(type="a")])
     before = await contents(db)

@@ -219,6 +219,28 @@ async def test_an_update_of_a_document_written_without_the_outbox_starts_its_cou
     assert fields(stored) == {"_id": 1, "note": "legacy", "x": 1}
 
 
+@pytest.mark.parametrize(
+    "counters", [{}, {"_version": None, "_sequence": None}], ids=["absent", "null"]
+)
+async def test_counters_absent_or_null_start_at_zero_for_a_pipeline_update_and_a_guarded_save(
+    writer: Writer, db: Any, counters: dict[str, Any]
+) -> None:
+    # The returned counters are computed from those before the write (_documents.py): a missing
+    # or null one counts as 0, as the update's $ifNull does on the server.
+    await db.orders.insert_one({"_id": 1, "n": 1, **counters})
+    saved = await writer.update_with_events(
+        None, db.orders, {"_id": 1}, [{"$set": {"n": {"$add": ["$n", 1]}}}], [Event(type="a")]
+    )
+    assert saved.version == 1 and [e.sequence for e in saved.events] == [1]
+    again = await writer.save_with_events(
+        None, db.orders, {"_id": 1, "n": 5}, [Event(type="b"), Event(type="c")], expected_version=1
+    )
+    assert again.version == 2 and [e.sequence for e in again.events] == [2, 3]
+    stored = await db.orders.find_one({"_id": 1})
+    assert (stored["_version"], stored["_sequence"], stored["n"]) == (2, 3, 5)
+    assert [s for _, _, s in await pending(writer)] == [1, 2, 3]
+
+
 def refused_updates(mode: str) -> list[tuple[Any, Any]]:
     """(filter, update) pairs refused before anything is written."""
     owned = ["_version", "_sequence"]

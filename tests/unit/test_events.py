@@ -6,9 +6,12 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from mongo_outbox import Backoff, Event, InvalidEventError, OutboxError, new_event_id
+from mongo_outbox._codec import _DEFAULTS, decode, encode
 
 
 def test_ids_are_uuid7_unique_and_increasing() -> None:
@@ -206,3 +209,34 @@ def test_model_payloads_obey_the_rules_of_dict_payloads() -> None:
             Event(type="x", payload=payload)
     with pytest.raises(InvalidEventError, match="pydantic model"):
         Event.of({"a": 1}, type="x")  # type: ignore[arg-type]
+
+
+keys = st.from_regex(r"[a-z]{1,4}", fullmatch=True)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    payload=st.dictionaries(keys, json_values, max_size=4),
+    headers=st.dictionaries(keys, st.from_regex(r"[a-z0-9]{1,4}", fullmatch=True)),
+    sequence=st.none() | st.integers(1, 10**6),
+    correlation_id=st.none() | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+)
+def test_an_entry_holds_what_model_dump_gives_without_the_defaults(
+    payload: dict[str, object],
+    headers: dict[str, str],
+    sequence: int | None,
+    correlation_id: str | None,
+) -> None:
+    # _codec.encode reads an Event's fields directly instead of calling model_dump(): the same.
+    event = Event(
+        type="t", payload=payload, headers=headers, sequence=sequence, correlation_id=correlation_id
+    )
+    dumped = event.model_dump()
+    dumped["_id"] = dumped.pop("id")
+    expected = {k: v for k, v in dumped.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}
+    assert encode(event, "_id") == expected
+    assert decode(encode(event, "_id"), "_id") == event
