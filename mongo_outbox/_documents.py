@@ -222,11 +222,6 @@ class DocumentWriter:
     def _find_and_modify(
         self, plan: Plan, query: dict[str, Any], update: Any, upsert: bool, session: Any
     ) -> Steps[tuple[int, int] | None]:
-        # The counters before the write tell those after it (it moves them by known steps;
-        # $ifNull, like $inc, counts a missing one as 0), and the emulator returns the document
-        # before a little cheaper (benchmarks/bench_update.py). An upsert that inserts has no
-        # document before: it returns the one after.
-        returned = ReturnDocument.AFTER if upsert else ReturnDocument.BEFORE
         try:
             stored = yield call(
                 plan.collection,
@@ -235,7 +230,7 @@ class DocumentWriter:
                 update,
                 upsert=upsert,
                 projection=_COUNTERS,
-                return_document=returned,
+                return_document=ReturnDocument.AFTER,
                 session=session,
             )
         except DuplicateKeyError as error:
@@ -245,9 +240,7 @@ class DocumentWriter:
             return None
         if stored is None:
             return None
-        if upsert:
-            return stored["_version"], stored["_sequence"]
-        return _moved(stored, len(plan.events))
+        return stored["_version"], stored["_sequence"]
 
     def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
         query = guarded(plan.query, _version_guard(plan.expected_version))
@@ -256,7 +249,9 @@ class DocumentWriter:
                 plan.collection, "find_one_and_delete", query, projection=_COUNTERS, session=session
             )
             if removed is not None:
-                return _moved(removed, len(plan.events))
+                # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
+                version = (removed.get("_version") or 0) + 1
+                return version, (removed.get("_sequence") or 0) + len(plan.events)
             yield from explain(plan, session, self._entries, self.due_field)
         raise conflict(plan)
 
@@ -275,11 +270,6 @@ def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
     if stored is None:
         raise not_found(plan, exists=False)
     return stored["_version"], stored["_sequence"]
-
-
-def _moved(before: dict[str, Any], events: int) -> tuple[int, int]:
-    """The counters after a write that moved ``before``'s by one version and ``events``."""
-    return (before.get("_version") or 0) + 1, (before.get("_sequence") or 0) + events
 
 
 def _version_guard(expected: int | None) -> dict[str, Any]:

@@ -225,8 +225,8 @@ async def test_an_update_of_a_document_written_without_the_outbox_starts_its_cou
 async def test_counters_absent_or_null_start_at_zero_for_a_pipeline_update_and_a_guarded_save(
     writer: Writer, db: Any, counters: dict[str, Any]
 ) -> None:
-    # The returned counters are computed from those before the write (_documents.py): a missing
-    # or null one counts as 0, as the update's $ifNull does on the server.
+    # A missing or null counter counts as 0 ($ifNull in the pipeline), in what is stored and
+    # in what Saved returns.
     await db.orders.insert_one({"_id": 1, "n": 1, **counters})
     saved = await writer.update_with_events(
         None, db.orders, {"_id": 1}, [{"$set": {"n": {"$add": ["$n", 1]}}}], [Event(type="a")]

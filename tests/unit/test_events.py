@@ -240,3 +240,11 @@ def test_an_entry_holds_what_model_dump_gives_without_the_defaults(
     expected = {k: v for k, v in dumped.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}
     assert encode(event, "_id") == expected
     assert decode(encode(event, "_id"), "_id") == event
+
+
+def test_an_entry_holds_only_the_fields_of_an_event_copied_with_other_keys() -> None:
+    # model_copy(update=...) does not validate: keys that are no field stay out of the entry.
+    event = Event(type="a").model_copy(update={"foo": 1, "_given": True})
+    entry = encode(event, "_id")
+    assert "foo" not in entry and "_given" not in entry
+    assert entry == encode(Event(**event.model_dump()), "_id")
