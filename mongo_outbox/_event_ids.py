@@ -127,9 +127,7 @@ def _marks(event: Event) -> dict[str, Any]:
     there, because pydantic's attribute path for private fields cost more than the rest of this
     bookkeeping together (benchmarks/bench_update.py)."""
     marks = event.__pydantic_private__
-    if marks is None:  # not seen: __init__, model_construct and __setstate__ all set them
-        marks = {"_given": False, "_home": None}
-        object.__setattr__(event, "__pydantic_private__", marks)
+    assert marks is not None  # __init__, model_construct, copies and __setstate__ all set them
     return marks
 
 
