@@ -13,11 +13,13 @@ same entries.
 
 from __future__ import annotations
 
+import math
 from copy import copy
 from datetime import datetime, timezone
 from typing import Any
 
 from bson.codec_options import DatetimeConversion
+from bson.decimal128 import Decimal128
 from pydantic import ValidationError
 
 from mongo_outbox.errors import InvalidEventError, describe
@@ -67,6 +69,10 @@ def decode(entry: dict[str, Any], id_key: str) -> Event:
     at = data.get("occurred_at")
     if isinstance(at, datetime):
         data["occurred_at"] = as_utc(at)
+    sequence = data.get("sequence")
+    if sequence is not None and counter(sequence) is not None:
+        # A pipeline write numbers entries from the stored _sequence, in its BSON type.
+        data["sequence"] = counter(sequence)
     try:
         return Event.model_validate(data)
     except (ValidationError, ValueError, TypeError) as error:
@@ -86,6 +92,23 @@ def ours(collection: Any) -> Any:
     return collection.with_options(codec_options=options)
 
 
+def counter(value: Any) -> int | None:
+    """A stored ``_version`` or ``_sequence`` as an int; None when it is no whole number (or
+    missing). Documents written by other code may hold a counter as a double, an Int64 or a
+    Decimal128, and ``$inc`` keeps the type it finds."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return int(value)  # an Int64 too
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, Decimal128):
+        number = value.to_decimal()
+        if number.is_finite() and number == number.to_integral_value():
+            return int(number)
+    return None
+
+
 def numbered(entries: list[Any], last: Any) -> list[Any]:
     """An aggregate document's outbox array with every entry's ``sequence``; ``last`` is the
     document's ``_sequence``, read with the array.
@@ -96,7 +119,8 @@ def numbered(entries: list[Any], last: Any) -> list[Any]:
     removes only entries it published, which follow in order every earlier entry it did not
     park, and parking writes the entry's number (``EmbeddedStore.settle``).
     """
-    if not isinstance(last, int) or isinstance(last, bool):
+    last = counter(last)
+    if last is None:
         return list(entries)
     after = len(entries) - 1
     out: list[Any] = []

@@ -27,6 +27,7 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
+from mongo_outbox._codec import counter
 from mongo_outbox._plans import Plan
 from mongo_outbox._refusals import (
     conflict,
@@ -240,7 +241,9 @@ class DocumentWriter:
             return None
         if stored is None:
             return None
-        return stored["_version"], stored["_sequence"]
+        # In collection mode an error here aborts the transaction; in embedded mode it comes
+        # after the one write, which stands.
+        return _counters(plan, stored, stands=self.mode == "embedded")
 
     def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
         query = guarded(plan.query, _version_guard(plan.expected_version))
@@ -249,9 +252,7 @@ class DocumentWriter:
                 plan.collection, "find_one_and_delete", query, projection=_COUNTERS, session=session
             )
             if removed is not None:
-                # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
-                version = (removed.get("_version") or 0) + 1
-                return version, (removed.get("_sequence") or 0) + len(plan.events)
+                return _counters(plan, removed, moved=True)
             yield from explain(plan, session, self._entries, self.due_field)
         raise conflict(plan)
 
@@ -269,7 +270,29 @@ def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
     )
     if stored is None:
         raise not_found(plan, exists=False)
-    return stored["_version"], stored["_sequence"]
+    return _counters(plan, stored)
+
+
+def _counters(
+    plan: Plan, stored: dict[str, Any], *, moved: bool = False, stands: bool = False
+) -> tuple[int, int]:
+    """The document's ``_version`` and ``_sequence`` after the write, as ints; ``moved``: the
+    write did not move them (a delete returns the document before it), so move them here;
+    ``stands``: the write is stored whatever this raises."""
+    # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
+    version = counter(stored.get("_version") or 0)
+    sequence = counter(stored.get("_sequence") or 0)
+    if version is None or sequence is None:
+        raise InvalidAggregateError(
+            f"{plan.collection.name} {plan.doc_id!r} holds _version {stored.get('_version')!r} "
+            f"and _sequence {stored.get('_sequence')!r}: the outbox counts with whole numbers "
+            "(did other code write them?)"
+            + (". This write is stored, with its events" if stands else ""),
+            collection=plan.collection.name,
+        )
+    if moved:
+        return version + 1, sequence + len(plan.events)
+    return version, sequence
 
 
 def _version_guard(expected: int | None) -> dict[str, Any]:

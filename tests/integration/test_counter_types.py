@@ -1,0 +1,134 @@
+"""Counters other code stored in another BSON number type (a double, an Int64, a Decimal128:
+``$inc`` keeps the type it finds) number events as ints, in both modes and both APIs, and the
+relay publishes them in order; a counter that is no whole number is a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from bson import Decimal128, Int64
+from pymongo import MongoClient
+
+from mongo_outbox import Event, InvalidAggregateError, PollingRelay, Saved
+from mongo_outbox._codec import counter
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.apis import APIS, Writer
+from tests.support.contents import contents
+
+NUMBERS = [(Int64(3), Int64(2)), (3.0, 2.0), (Decimal128("3"), Decimal128("2.0"))]
+MODES = ["collection", "embedded"]
+
+
+@pytest.fixture(params=[(m, a) for m in MODES for a in APIS], ids=lambda p: f"{p[0]}-{p[1]}")
+def writer(request: pytest.FixtureRequest, db: Any, sync_client: MongoClient[Any]) -> Writer:
+    mode, api = request.param
+    options = {"mode": mode, "collections": ["orders"]} if mode == "embedded" else {}
+    return Writer(api, db, sync_client, **options)
+
+
+@pytest.mark.parametrize("numbers", NUMBERS, ids=["int64", "double", "decimal128"])
+async def test_counters_in_other_number_types_number_the_events_as_ints(
+    writer: Writer, db: Any, numbers: tuple[Any, Any]
+) -> None:
+    version, sequence = numbers
+    await db.orders.insert_one({"_id": 1, "n": 1, "_version": version, "_sequence": sequence})
+    saved = [
+        await writer.update_with_events(
+            None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [Event(type="a")], expected_version=3
+        ),
+        await writer.update_with_events(
+            None, db.orders, {"_id": 1}, [{"$set": {"n": {"$add": ["$n", 1]}}}], [Event(type="b")]
+        ),
+        await writer.save_with_events(
+            None, db.orders, {"_id": 1, "n": 9}, [Event(type="c")], expected_version=5
+        ),
+    ]
+    assert [(s.version, [e.sequence for e in s.events]) for s in saved] == [
+        (4, [3]),
+        (5, [4]),
+        (6, [5]),
+    ]
+    assert all(type(s.version) is int and type(s.events[0].sequence) is int for s in saved)
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 3
+    assert [(e.type, e.sequence) for e in publisher.events] == [("a", 3), ("b", 4), ("c", 5)]
+
+
+async def added_in_a_transaction(writer: Writer, doc_id: Any, events: list[Event]) -> Saved:
+    """add_events in a transaction of the writer's own API (it refuses to run outside one)."""
+    if writer.api == "async":
+        async with writer.db.client.start_session() as session:
+            async with await session.start_transaction():
+                return await writer.add_events(session, writer.db.orders, doc_id, events)
+
+    def add() -> Saved:
+        with writer.sync_db.client.start_session() as session, session.start_transaction():
+            saved: Saved = writer.outbox.add_events(session, writer.sync_db.orders, doc_id, events)
+            return saved
+
+    return await asyncio.to_thread(add)
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("numbers", NUMBERS, ids=["int64", "double", "decimal128"])
+async def test_delete_and_add_events_count_from_other_number_types(
+    api: str, db: Any, sync_client: MongoClient[Any], numbers: tuple[Any, Any]
+) -> None:
+    writer = Writer(api, db, sync_client)
+    version, sequence = numbers
+    for doc_id in (1, 2):
+        await db.orders.insert_one({"_id": doc_id, "_version": version, "_sequence": sequence})
+    deleted = await writer.delete_with_events(
+        None, db.orders, {"_id": 1}, [Event(type="deleted")], expected_version=3
+    )
+    assert (deleted.version, deleted.events[0].sequence) == (4, 3)
+    added = await added_in_a_transaction(writer, 2, [Event(type="noted")])
+    assert (added.version, added.events[0].sequence) == (4, 3)
+    assert type(added.version) is int and type(deleted.version) is int
+    stored = await db.outbox.find().sort("aggregate_id", 1).to_list(None)
+    assert [(e["aggregate_id"], e["sequence"]) for e in stored] == [(1, 3), (2, 3)]
+
+
+async def test_a_counter_that_is_no_whole_number_is_a_clear_error(writer: Writer, db: Any) -> None:
+    await db.orders.insert_one({"_id": 1, "_version": 2.5, "_sequence": 1})
+    before = await contents(db)
+    with pytest.raises(InvalidAggregateError, match="whole numbers") as caught:
+        await writer.update_with_events(
+            None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [Event(type="a")]
+        )
+    assert caught.value.collection == "orders"
+    if writer.relay_outbox.mode == "collection":
+        # The error aborts the transaction the write ran in.
+        assert await contents(db) == before
+    else:
+        # One single-document write, stored before its result could be read: the error says so.
+        assert "This write is stored, with its events" in str(caught.value)
+        assert (await db.orders.find_one({"_id": 1}))["x"] == 1
+
+
+@pytest.mark.parametrize(
+    ("stored", "whole"),
+    [
+        (7, 7),
+        (Int64(7), 7),
+        (7.0, 7),
+        (-2.0, -2),
+        (Decimal128("7"), 7),
+        (Decimal128("7.000"), 7),
+        (Decimal128("1E+2"), 100),
+        (7.5, None),
+        (float("inf"), None),
+        (float("nan"), None),
+        (Decimal128("7.5"), None),
+        (Decimal128("NaN"), None),
+        (Decimal128("Infinity"), None),
+        (True, None),
+        ("7", None),
+        (None, None),
+    ],
+)
+def test_counter_reads_whole_numbers_of_every_bson_number_type(stored: Any, whole: Any) -> None:
+    assert counter(stored) == whole
+    assert whole is None or type(counter(stored)) is int
