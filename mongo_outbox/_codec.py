@@ -26,6 +26,8 @@ from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc
 
 _EVENT_FIELDS = frozenset(Event.model_fields)
+_INT64 = 2**63
+_EXACT_DOUBLES = 2**53
 _EVENT_FIELDS_IN_ORDER = tuple(Event.model_fields)
 
 
@@ -69,10 +71,16 @@ def decode(entry: dict[str, Any], id_key: str) -> Event:
     at = data.get("occurred_at")
     if isinstance(at, datetime):
         data["occurred_at"] = as_utc(at)
-    sequence = data.get("sequence")
-    if sequence is not None and counter(sequence) is not None:
-        # A pipeline write numbers entries from the stored _sequence, in its BSON type.
-        data["sequence"] = counter(sequence)
+    # A pipeline write numbers entries from the stored _sequence, in its BSON type; an entry
+    # without a whole number (its document's _sequence was none) cannot be put in order.
+    sequence = counter(data.get("sequence"))
+    if sequence is None:
+        raise InvalidEventError(
+            f"outbox entry {data['id']!r} has no sequence to publish it in order by: "
+            f"{data.get('sequence')!r} (is its document's _sequence a whole number?)",
+            event_id=data["id"] if isinstance(data["id"], str) else None,
+        )
+    data["sequence"] = sequence
     try:
         return Event.model_validate(data)
     except (ValidationError, ValueError, TypeError) as error:
@@ -93,20 +101,26 @@ def ours(collection: Any) -> Any:
 
 
 def counter(value: Any) -> int | None:
-    """A stored ``_version`` or ``_sequence`` as an int; None when it is no whole number (or
-    missing). Documents written by other code may hold a counter as a double, an Int64 or a
-    Decimal128, and ``$inc`` keeps the type it finds."""
+    """A stored ``_version``, ``_sequence`` or entry ``sequence`` as an int; None when it is no
+    whole number from 0 to 2**63 - 1 (or missing). Documents written by other code may hold a
+    counter as a double, an Int64 or a Decimal128, and ``$inc`` keeps the type it finds; a double
+    from 2**53 up no longer moves by 1, so it counts as no whole number."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return int(value)  # an Int64 too
-    if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, Decimal128):
-        number = value.to_decimal()
-        if number.is_finite() and number == number.to_integral_value():
-            return int(number)
-    return None
+        number = int(value)  # an Int64 too
+    elif isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer() and abs(value) < _EXACT_DOUBLES):
+            return None
+        number = int(value)
+    elif isinstance(value, Decimal128):
+        exact = value.to_decimal()
+        if not (exact.is_finite() and exact == exact.to_integral_value()):
+            return None
+        number = int(exact)
+    else:
+        return None
+    return number if 0 <= number < _INT64 else None
 
 
 def numbered(entries: list[Any], last: Any) -> list[Any]:

@@ -33,7 +33,7 @@ from mongo_outbox._partitions import check_config, config_collection, partition_
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call
-from mongo_outbox.errors import DuplicateEventError, OutboxError
+from mongo_outbox.errors import DuplicateEventError, InvalidCountersError, OutboxError
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.settings import count
 
@@ -190,8 +190,8 @@ class OutboxCore:
         try:
             return (yield from self._write(plan, session))
         except (OutboxError, OperationFailure) as refused:
-            if isinstance(refused, WriteConcernError):
-                raise  # the write happened, only its durability is in doubt
+            if isinstance(refused, (WriteConcernError, InvalidCountersError)):
+                raise  # the write happened (or is in a transaction that decides)
             # The document write was refused and wrote nothing: take the reservations back.
             # (Not after a network error or a cancellation: the write may have happened.)
             forget(before)

@@ -38,7 +38,7 @@ from mongo_outbox._refusals import (
 )
 from mongo_outbox._steps import Steps, call
 from mongo_outbox._updates import guarded, with_operators
-from mongo_outbox.errors import InvalidAggregateError
+from mongo_outbox.errors import InvalidAggregateError, InvalidCountersError
 
 _TOO_LARGE = frozenset(
     {
@@ -241,9 +241,7 @@ class DocumentWriter:
             return None
         if stored is None:
             return None
-        # In collection mode an error here aborts the transaction; in embedded mode it comes
-        # after the one write, which stands.
-        return _counters(plan, stored, stands=self.mode == "embedded")
+        return _counters(plan, stored, session, embedded=self.mode == "embedded")
 
     def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
         query = guarded(plan.query, _version_guard(plan.expected_version))
@@ -252,7 +250,7 @@ class DocumentWriter:
                 plan.collection, "find_one_and_delete", query, projection=_COUNTERS, session=session
             )
             if removed is not None:
-                return _counters(plan, removed, moved=True)
+                return _counters(plan, removed, session, moved=True)
             yield from explain(plan, session, self._entries, self.due_field)
         raise conflict(plan)
 
@@ -270,29 +268,40 @@ def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
     )
     if stored is None:
         raise not_found(plan, exists=False)
-    return _counters(plan, stored)
+    return _counters(plan, stored, session)
 
 
 def _counters(
-    plan: Plan, stored: dict[str, Any], *, moved: bool = False, stands: bool = False
+    plan: Plan, stored: dict[str, Any], session: Any, *, moved: bool = False, embedded: bool = False
 ) -> tuple[int, int]:
     """The document's ``_version`` and ``_sequence`` after the write, as ints; ``moved``: the
     write did not move them (a delete returns the document before it), so move them here;
-    ``stands``: the write is stored whatever this raises."""
+    ``embedded``: the events went in with the write."""
+    raw = stored.get("_version"), stored.get("_sequence")
     # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
-    version = counter(stored.get("_version") or 0)
-    sequence = counter(stored.get("_sequence") or 0)
-    if version is None or sequence is None:
-        raise InvalidAggregateError(
-            f"{plan.collection.name} {plan.doc_id!r} holds _version {stored.get('_version')!r} "
-            f"and _sequence {stored.get('_sequence')!r}: the outbox counts with whole numbers "
-            "(did other code write them?)"
-            + (". This write is stored, with its events" if stands else ""),
-            collection=plan.collection.name,
+    version, sequence = (0 if value is None else counter(value) for value in raw)
+    if moved and version is not None and sequence is not None:
+        version, sequence = counter(version + 1), counter(sequence + len(plan.events))
+    if version is not None and sequence is not None:
+        return version, sequence
+    in_transaction = session is not None and session.in_transaction
+    if not embedded:
+        what = (
+            "Its events were not recorded: the transaction must not commit (one the outbox "
+            "began is aborted)"
         )
-    if moved:
-        return version + 1, sequence + len(plan.events)
-    return version, sequence
+    elif in_transaction:
+        what = "This write, with its events, is in the transaction: it commits or aborts with it"
+    else:
+        what = "This write is stored, with its events"
+    raise InvalidCountersError(
+        f"{plan.collection.name} {plan.doc_id!r} holds _version {raw[0]!r} and _sequence "
+        f"{raw[1]!r}: the outbox counts with whole numbers from 0 (did other code write them?). "
+        + what,
+        collection=plan.collection.name,
+        aggregate_id=plan.doc_id,
+        stored=embedded and not in_transaction,
+    )
 
 
 def _version_guard(expected: int | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@
     OutboxError
     ├── InvalidEventError        an Event or its payload cannot be stored or sent
     ├── InvalidAggregateError    the document, collection or session cannot be saved with events
+    │   └── InvalidCountersError the stored _version or _sequence is no whole number
     ├── ConfigurationError       a setting is out of range (a duration, a count, a template)
     ├── UsageError               the API was called in a way it does not support
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
@@ -60,6 +61,18 @@ class InvalidAggregateError(OutboxError, ValueError):
     def __init__(self, message: str, *, collection: str | None = None) -> None:
         super().__init__(message)
         self.collection = collection
+
+
+class InvalidCountersError(InvalidAggregateError):
+    """The aggregate's stored ``_version`` or ``_sequence`` is no whole number from 0 to 2**63 - 1
+    (other code wrote it), found in what the write returned, so after the write: ``stored``
+    says whether that write stands (embedded mode, outside a transaction) or is in a transaction
+    that commits or aborts with it."""
+
+    def __init__(self, message: str, *, collection: str, aggregate_id: Any, stored: bool) -> None:
+        super().__init__(message, collection=collection)
+        self.aggregate_id = aggregate_id
+        self.stored = stored
 
 
 class ConcurrencyError(OutboxError):

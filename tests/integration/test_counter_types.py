@@ -11,12 +11,14 @@ import pytest
 from bson import Decimal128, Int64
 from pymongo import MongoClient
 
-from mongo_outbox import Event, InvalidAggregateError, PollingRelay, Saved
+from mongo_outbox import DuplicateEventError, Event, InvalidCountersError, PollingRelay, Saved
 from mongo_outbox._codec import counter
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
 from tests.support.contents import contents
 
+# The emulator's $inc turns an Int64 into an int, so there the Int64 case checks the numbering
+# only; against a real MongoDB (MONGODB_URI) it also checks that an Int64 comes back an int.
 NUMBERS = [(Int64(3), Int64(2)), (3.0, 2.0), (Decimal128("3"), Decimal128("2.0"))]
 MODES = ["collection", "embedded"]
 
@@ -94,18 +96,60 @@ async def test_delete_and_add_events_count_from_other_number_types(
 async def test_a_counter_that_is_no_whole_number_is_a_clear_error(writer: Writer, db: Any) -> None:
     await db.orders.insert_one({"_id": 1, "_version": 2.5, "_sequence": 1})
     before = await contents(db)
-    with pytest.raises(InvalidAggregateError, match="whole numbers") as caught:
+    chosen = Event(id="chosen-1", type="a")
+    with pytest.raises(InvalidCountersError, match="whole numbers") as caught:
+        await writer.update_with_events(None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [chosen])
+    assert (caught.value.collection, caught.value.aggregate_id) == ("orders", 1)
+    if writer.relay_outbox.mode == "collection":
+        # Found inside the transaction the write ran in, which it aborts.
+        assert not caught.value.stored and "not recorded" in str(caught.value)
+        assert await contents(db) == before
+        return
+    # One single-document write, stored before what it returned could be read: the error says
+    # so, and the event stays this document's (its reservation and the object's marks kept).
+    assert caught.value.stored and "This write is stored, with its events" in str(caught.value)
+    assert [e["id"] for e in (await db.orders.find_one({"_id": 1}))["_outbox"]] == ["chosen-1"]
+    assert await db.outbox_event_ids.count_documents({"_id": "chosen-1"}) == 1
+    await db.orders.insert_one({"_id": 2})
+    with pytest.raises(DuplicateEventError, match="one event, one document"):
+        await writer.update_with_events(None, db.orders, {"_id": 2}, {"$set": {"y": 1}}, [chosen])
+    # _sequence was whole: the relay numbers the entry and publishes it.
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
+    assert [(e.id, e.sequence) for e in publisher.events] == [("chosen-1", 2)]
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_embedded_entries_of_a_document_whose_sequence_is_no_whole_number_are_parked(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    # Embedded mode only: collection mode numbers its entries in the write the error aborts.
+    writer = Writer(api, db, sync_client, mode="embedded", collections=["orders"])
+    await db.orders.insert_one({"_id": 1, "_version": 1, "_sequence": 2.5})
+    with pytest.raises(InvalidCountersError):
         await writer.update_with_events(
             None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [Event(type="a")]
         )
-    assert caught.value.collection == "orders"
-    if writer.relay_outbox.mode == "collection":
-        # The error aborts the transaction the write ran in.
+    # Pushed unnumbered, and no whole _sequence to number it from: parked, never sent unordered.
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 0
+    assert publisher.events == []
+    (entry,) = (await db.orders.find_one({"_id": 1}))["_outbox"]
+    assert entry["parked"] and "no sequence" in entry["last_error"]
+    assert entry["entry"]["type"] == "a"
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_delete_refuses_counters_that_are_no_numbers(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    writer = Writer(api, db, sync_client)
+    for n, (version, sequence) in enumerate([(False, ""), ([], {}), (1, True), (2**63 - 1, 0)]):
+        await db.orders.insert_one({"_id": n, "_version": version, "_sequence": sequence})
+        before = await contents(db)
+        with pytest.raises(InvalidCountersError, match="not recorded"):
+            await writer.delete_with_events(None, db.orders, {"_id": n}, [Event(type="gone")])
         assert await contents(db) == before
-    else:
-        # One single-document write, stored before its result could be read: the error says so.
-        assert "This write is stored, with its events" in str(caught.value)
-        assert (await db.orders.find_one({"_id": 1}))["x"] == 1
 
 
 @pytest.mark.parametrize(
@@ -114,11 +158,23 @@ async def test_a_counter_that_is_no_whole_number_is_a_clear_error(writer: Writer
         (7, 7),
         (Int64(7), 7),
         (7.0, 7),
-        (-2.0, -2),
+        (2.0, 2),
         (Decimal128("7"), 7),
         (Decimal128("7.000"), 7),
         (Decimal128("1E+2"), 100),
+        (0, 0),
+        (Int64(2**63 - 1), 2**63 - 1),
+        (2.0**53 - 1, 2**53 - 1),
+        (Decimal128("9223372036854775807"), 2**63 - 1),
+        (-0.0, 0),
+        (Decimal128("-0"), 0),
         (7.5, None),
+        (2.0**53, None),  # a double that $inc no longer moves by 1
+        (Decimal128("9223372036854775808"), None),
+        (Decimal128("1E+30"), None),
+        (2**63, None),
+        (-1, None),
+        (-1.0, None),
         (float("inf"), None),
         (float("nan"), None),
         (Decimal128("7.5"), None),

@@ -20,6 +20,7 @@ EXTRA = {
     "GroupStatus",
     "Guarded",
     "Inbox",
+    "InvalidCountersError",
     "Outcome",
     "RelayGroup",
     "RelayStatus",
