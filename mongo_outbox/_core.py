@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pymongo.errors import (
     BulkWriteError,
@@ -27,13 +27,18 @@ from pymongo.errors import (
 
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
-from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._driver import DUPLICATE_KEY, is_async
 from mongo_outbox._event_ids import EventIds, forget, remember, to_reserve
 from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call
-from mongo_outbox.errors import DuplicateEventError, InvalidCountersError, OutboxError
+from mongo_outbox.errors import (
+    DuplicateEventError,
+    InvalidCountersError,
+    OutboxError,
+    UsageError,
+)
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.settings import count
 
@@ -44,8 +49,19 @@ Written = tuple[Any, int, list[Event]]
 """A write's result: the aggregate's ``_id``, its new version, the events as stored."""
 
 
+_WRONG_API = {
+    True: "mongo_outbox.Outbox is async: give it an AsyncDatabase (of an AsyncMongoClient) or a "
+    "Motor database, not a {}; for a MongoClient use mongo_outbox.sync.Outbox",
+    False: "mongo_outbox.sync.Outbox writes with PyMongo's sync API: give it a Database (of a "
+    "MongoClient), not an {}; for an AsyncMongoClient or Motor use mongo_outbox.Outbox",
+}
+
+
 class OutboxCore:
     """The settings and writes of an outbox; see ``mongo_outbox.Outbox`` for the parameters."""
+
+    _ASYNC: ClassVar[bool]
+    """Whether the subclass's methods are coroutines: its ``db`` must be of that API."""
 
     def __init__(
         self,
@@ -59,6 +75,8 @@ class OutboxCore:
         aggregate_types: Mapping[str, str] | None = None,
         partitions: int = 1,
     ) -> None:
+        if is_async(db) not in (None, self._ASYNC):
+            raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
         if mode not in ("collection", "embedded"):
             raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
         if mode == "embedded" and not collections:

@@ -5,7 +5,20 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.synchronous.database import Database
+
 DUPLICATE_KEY = 11000  # DuplicateKey, in a bulk write's writeErrors
+
+
+def is_async(db: Any) -> bool | None:
+    """Whether ``db`` is PyMongo's ``AsyncDatabase`` or Motor's (True), PyMongo's sync
+    ``Database`` (False), or neither (None: a stand-in, taken as it is)."""
+    if isinstance(db, AsyncDatabase) or type(db).__module__.startswith("motor."):
+        return True
+    if isinstance(db, Database):
+        return False
+    return None
 
 
 async def start_session(client: Any) -> Any:

@@ -68,6 +68,8 @@ class Outbox(OutboxCore):
     committed.
     """
 
+    _ASYNC = True
+
     async def ensure_indexes(self) -> None:
         """Create the indexes the relay and the TTL pruning need. Idempotent."""
         await run_async(self._index_steps())

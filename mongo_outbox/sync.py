@@ -32,6 +32,8 @@ class Outbox(OutboxCore):
             ``mongo_outbox.Outbox``; give the relay's outbox the same values.
     """
 
+    _ASYNC = False
+
     def ensure_indexes(self) -> None:
         """Create the indexes the relay and the TTL pruning need. Idempotent."""
         run_sync(self._index_steps())

@@ -214,3 +214,27 @@ def test_the_sync_outbox_refuses_collections_and_sessions_of_other_clients(
     finally:
         other.close()
         sync_client.drop_database(shop.name)
+
+
+def test_each_outbox_refuses_a_database_of_the_other_api(
+    client: Any, sync_client: MongoClient[Any], mongo: MongoServer
+) -> None:
+    # Built over the other API's database, its calls would hand back coroutines never awaited
+    # (or block the event loop): refused when the outbox is built, before anything is written.
+    from motor.motor_asyncio import AsyncIOMotorClient
+
+    from mongo_outbox import Outbox, UsageError
+    from mongo_outbox.sync import Outbox as SyncOutbox
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    motor: Any = AsyncIOMotorClient(mongo.uri, connect=False)
+    try:
+        for database in (client[name], motor[name]):
+            with pytest.raises(UsageError, match="sync API: give it a Database"):
+                SyncOutbox(database, mode="embedded", collections=["orders"])
+        with pytest.raises(UsageError, match="is async: give it an AsyncDatabase"):
+            Outbox(sync_client[name])
+        assert name not in sync_client.list_database_names()
+        Outbox(motor[name])  # Motor's database is async too
+    finally:
+        motor.close()
