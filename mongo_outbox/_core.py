@@ -28,7 +28,7 @@ from pymongo.errors import (
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._driver import DUPLICATE_KEY, is_async
-from mongo_outbox._event_ids import EventIds, forget, remember, to_reserve
+from mongo_outbox._event_ids import EventIds, forget, mark
 from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
@@ -193,13 +193,13 @@ class OutboxCore:
         name = plan.collection.name
         home = (plan.collection.full_name, plan.doc_id)
         in_transaction = session is not None and session.in_transaction
-        ids = to_reserve(plan.given, home, in_transaction)
+        # Remembered before the first database call, so that a concurrent save of the same
+        # object elsewhere (another task, another thread) is refused; the home not in a
+        # transaction, which the caller may abort. The copies the save returns (made from
+        # plan.events) carry the marks too.
+        ids, before = mark(plan.given, plan.events, home, in_transaction)
         if ids:
             plan = replace(plan, may_be_stored=tuple(ids))
-        # Remembered before the first await, so that a concurrent save of the same object
-        # elsewhere is refused; the home not in a transaction, which the caller may abort. The
-        # copies the save returns (made from plan.events) carry the marks too.
-        before = remember([*plan.given, *plan.events], home, certain=not in_transaction)
         try:
             reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
         except BaseException:

@@ -53,6 +53,7 @@ write one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -77,6 +78,20 @@ Holder = tuple[Any, Any]
 ``_id``."""
 Taken = tuple[Holder, Any]
 """Who holds an id in the registry: the document, and the entry's sequence."""
+
+
+_marking = threading.Lock()
+
+
+def mark(
+    given: Sequence[Event], events: Sequence[Event], home: Home, in_transaction: bool
+) -> tuple[list[str], Marks]:
+    """``to_reserve`` and ``remember`` as one step, so that saves of one Event object from two
+    threads (the sync API in a threaded server, or an event loop per thread) cannot both find
+    it unsaved: the ids to reserve, and the marks ``forget`` restores."""
+    with _marking:
+        ids = to_reserve(given, home, in_transaction)
+        return ids, remember([*given, *events], home, certain=not in_transaction)
 
 
 def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list[str]:
@@ -117,9 +132,10 @@ def remember(events: Sequence[Event], home: Home, certain: bool) -> Marks:
 
 def forget(before: Marks) -> None:
     """Undo ``remember`` after a save that wrote nothing."""
-    for event, given, home in before:
-        marks = _marks(event)
-        marks["_given"], marks["_home"] = given, home
+    with _marking:
+        for event, given, home in before:
+            marks = _marks(event)
+            marks["_given"], marks["_home"] = given, home
 
 
 def _marks(event: Event) -> dict[str, Any]:

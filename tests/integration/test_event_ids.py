@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from pymongo import monitoring
+from pymongo import MongoClient, monitoring
 
 from mongo_outbox import (
     ConcurrencyError,
@@ -346,6 +348,39 @@ async def test_one_event_object_saved_to_two_documents_at_once_goes_to_one(db: A
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 1
     assert [e.id for e in publisher.events] == [event.id]
+
+
+def test_one_event_object_saved_to_two_documents_from_two_threads_goes_to_one(
+    sync_client: MongoClient[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sync API in a threaded server: each thread checks the object's marks, then sets them.
+    # The check is slowed down here so that, were the two steps not one, both threads would
+    # pass it before either set the marks.
+    from mongo_outbox import _event_ids
+    from mongo_outbox.sync import Outbox as SyncOutbox
+
+    checked = _event_ids.to_reserve
+
+    def slow(*args: Any) -> list[str]:
+        ids = checked(*args)
+        time.sleep(0.05)
+        return ids
+
+    monkeypatch.setattr(_event_ids, "to_reserve", slow)
+    shop = sync_client[f"t_{uuid.uuid4().hex[:12]}"]
+    try:
+        outbox = SyncOutbox(shop, mode="embedded", collections=["orders"])
+        event = Event(type="placed")
+        with ThreadPoolExecutor(2) as pool:
+            saves = [
+                pool.submit(outbox.save_with_events, None, shop.orders, {"_id": n}, [event])
+                for n in range(2)
+            ]
+        failures = [save.exception() for save in saves]
+        assert sum(isinstance(f, DuplicateEventError) for f in failures) == 1, failures
+        assert shop.orders.count_documents({}) == 1
+    finally:
+        sync_client.drop_database(shop.name)
 
 
 async def test_a_refused_save_of_a_new_event_leaves_it_free_for_another_document(
