@@ -72,12 +72,13 @@ def decode(entry: dict[str, Any], id_key: str) -> Event:
     if isinstance(at, datetime):
         data["occurred_at"] = as_utc(at)
     # A pipeline write numbers entries from the stored _sequence, in its BSON type; an entry
-    # without a whole number (its document's _sequence was none) cannot be put in order.
+    # without a whole number from 1 (its document's _sequence was none, or too small for its
+    # entries) cannot be put in order.
     sequence = counter(data.get("sequence"))
-    if sequence is None:
+    if sequence is None or sequence < 1:
         raise InvalidEventError(
-            f"outbox entry {data['id']!r} has no sequence to publish it in order by: "
-            f"{data.get('sequence')!r} (is its document's _sequence a whole number?)",
+            f"outbox entry {data['id']!r} has no sequence to publish it in order by (a whole "
+            f"number from 1): {data.get('sequence')!r}; is its document's _sequence right?",
             event_id=data["id"] if isinstance(data["id"], str) else None,
         )
     data["sequence"] = sequence
@@ -131,7 +132,8 @@ def numbered(entries: list[Any], last: Any) -> list[Any]:
     each write appends its entries at the end and moves ``_sequence`` by as many, in one
     single-document write, and no entry after an unnumbered one is ever removed: the relay
     removes only entries it published, which follow in order every earlier entry it did not
-    park, and parking writes the entry's number (``EmbeddedStore.settle``).
+    park, and a parked entry keeps its place (``EmbeddedStore.settle`` writes its number too;
+    an unreadable one is wrapped where it is, and a requeue unwraps it there).
     """
     last = counter(last)
     if last is None:

@@ -280,10 +280,15 @@ def _counters(
     raw = stored.get("_version"), stored.get("_sequence")
     # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
     version, sequence = (0 if value is None else counter(value) for value in raw)
-    if moved and version is not None and sequence is not None:
-        version, sequence = counter(version + 1), counter(sequence + len(plan.events))
+    n = len(plan.events)
     if version is not None and sequence is not None:
-        return version, sequence
+        # Both the counters before the write and those after it must be in range: a negative
+        # one before it would number events from 0 or below.
+        before, after = ((version, sequence), (version + 1, sequence + n))
+        if not moved:
+            before, after = ((version - 1, sequence - n), (version, sequence))
+        if all(counter(value) is not None for value in (*before, *after)):
+            return after
     in_transaction = session is not None and session.in_transaction
     if not embedded:
         what = (
@@ -296,8 +301,8 @@ def _counters(
         what = "This write is stored, with its events"
     raise InvalidCountersError(
         f"{plan.collection.name} {plan.doc_id!r} holds _version {raw[0]!r} and _sequence "
-        f"{raw[1]!r}: the outbox counts with whole numbers from 0 (did other code write them?). "
-        + what,
+        f"{raw[1]!r}: the outbox counts them with whole numbers from 0 to 2**63 - 1 (did other "
+        "code write them?). " + what,
         collection=plan.collection.name,
         aggregate_id=plan.doc_id,
         stored=embedded and not in_transaction,

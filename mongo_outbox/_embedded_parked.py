@@ -101,24 +101,25 @@ class ParkedEntries:
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
         wanted = list(event_ids)
+        # A parked entry, or an unreadable one parked wrapped with its original under "entry".
+        asked = {
+            "$or": [
+                {self.field: {"$elemMatch": {key: {"$in": wanted}, "parked": True}}}
+                for key in ("id", "entry.id")
+            ]
+        }
         for coll in self.colls.values():
-            docs = coll.find(
-                {self.field: {"$elemMatch": {"id": {"$in": wanted}, "parked": True}}},
-                projection={self.field: 1},
-            )
+            docs = coll.find(asked, projection={self.field: 1})
             async for doc in docs:
-                entries = [e for e in doc[self.field] if isinstance(e, dict)]
-                upto = max(
-                    e.get("sequence") or 0
-                    for e in entries
-                    if e.get("id") in wanted and e.get("parked")
-                )
-                ids = [
-                    e["id"]
-                    for e in entries
-                    if e.get("parked")
-                    and (e.get("id") in wanted or (e.get("sequence") or 0) <= upto)
+                # The entries are in their aggregate's order (each write appends its own), so
+                # the earlier parked ones are those before the last one asked for.
+                parked = [
+                    (index, _parked_id(e))
+                    for index, e in enumerate(doc[self.field])
+                    if isinstance(e, dict) and e.get("parked")
                 ]
+                upto = max(index for index, id_ in parked if id_ in wanted)
+                ids = [id_ for index, id_ in parked if id_ is not None and index <= upto]
                 result = await coll.update_one({"_id": doc["_id"]}, self._requeue(ids))
                 requeued += len(ids) if result.modified_count else 0
         return requeued
@@ -128,13 +129,21 @@ class ParkedEntries:
         # holds the document (then that relay's settle makes it due). Two writes could leave an
         # unparked entry in a document no relay looks at. Ids go in as literals: an id such as
         # "$x" would otherwise be read as a field path.
-        chosen = {
+        ids = {"$literal": event_ids}
+        parked = {"$eq": ["$$e.parked", True]}
+        chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
+        again = {"parked": False, "attempts": 0, "waits": 0}
+        fresh = {"$mergeObjects": ["$$e", again]}
+        # An unreadable entry was parked wrapped, its original under "entry": it comes back as
+        # it was (to be read again: a fix by hand, a newer version), in its place.
+        wrapped = {
             "$and": [
-                {"$in": ["$$e.id", {"$literal": event_ids}]},
-                {"$eq": ["$$e.parked", True]},
+                parked,
+                {"$eq": [{"$type": "$$e.entry"}, "object"]},
+                {"$in": [{"$ifNull": ["$$e.entry.id", None]}, ids]},
             ]
         }
-        fresh = {"$mergeObjects": ["$$e", {"parked": False, "attempts": 0, "waits": 0}]}
+        unwrapped = {"$mergeObjects": ["$$e.entry", again]}
         unclaimed = {"$eq": [{"$ifNull": [f"${self.claim_field}", None]}, None]}
         return [
             {
@@ -143,10 +152,20 @@ class ParkedEntries:
                         "$map": {
                             "input": f"${self.field}",
                             "as": "e",
-                            "in": {"$cond": [chosen, fresh, "$$e"]},
+                            "in": {
+                                "$cond": [chosen, fresh, {"$cond": [wrapped, unwrapped, "$$e"]}]
+                            },
                         }
                     },
                     self.due: {"$cond": [unclaimed, {"$literal": utc_now()}, f"${self.due}"]},
                 }
             }
         ]
+
+
+def _parked_id(entry: dict[str, Any]) -> Any:
+    """The event id of a parked entry, wrapped or not (None: an entry without one)."""
+    if "id" in entry:
+        return entry["id"]
+    original = entry.get("entry")
+    return original.get("id") if isinstance(original, dict) else None

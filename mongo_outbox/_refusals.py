@@ -14,6 +14,7 @@ from typing import Any
 
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
+from mongo_outbox._codec import counter
 from mongo_outbox._plans import Plan
 from mongo_outbox._steps import Steps, call
 from mongo_outbox.errors import (
@@ -68,7 +69,7 @@ def at_version(found: Mapping[str, Any] | None, expected: int | None) -> bool:
         return True
     if expected == 0:
         return found is None
-    return found is not None and found.get("_version") == expected
+    return found is not None and counter(found.get("_version")) == expected
 
 
 def conflict(plan: Plan) -> ConcurrencyError:

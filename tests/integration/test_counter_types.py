@@ -11,7 +11,15 @@ import pytest
 from bson import Decimal128, Int64
 from pymongo import MongoClient
 
-from mongo_outbox import DuplicateEventError, Event, InvalidCountersError, PollingRelay, Saved
+from mongo_outbox import (
+    AggregateNotFoundError,
+    ConcurrencyError,
+    DuplicateEventError,
+    Event,
+    InvalidCountersError,
+    PollingRelay,
+    Saved,
+)
 from mongo_outbox._codec import counter
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
@@ -117,6 +125,43 @@ async def test_a_counter_that_is_no_whole_number_is_a_clear_error(writer: Writer
     publisher = MemoryPublisher()
     assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
     assert [(e.id, e.sequence) for e in publisher.events] == [("chosen-1", 2)]
+
+
+async def test_negative_counters_are_refused_not_numbered_from_zero(
+    writer: Writer, db: Any
+) -> None:
+    # After the write they are in range (0, and 1 for the last event): those before it were not.
+    await db.orders.insert_one({"_id": 1, "_version": -1, "_sequence": -2})
+    before = await contents(db)
+    events = [Event(type="a"), Event(type="b"), Event(type="c")]
+    with pytest.raises(InvalidCountersError, match="from 0 to 2"):
+        await writer.update_with_events(None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, events)
+    if writer.relay_outbox.mode == "collection":
+        assert await contents(db) == before
+
+
+async def test_a_decimal128_version_tells_a_filter_miss_from_a_version_conflict(
+    writer: Writer, db: Any
+) -> None:
+    await db.orders.insert_one({"_id": 1, "status": "open", "_version": Decimal128("3")})
+    with pytest.raises(AggregateNotFoundError, match="not the rest of the filter"):
+        await writer.update_with_events(
+            None,
+            db.orders,
+            {"_id": 1, "status": "closed"},
+            {"$set": {"x": 1}},
+            [],
+            expected_version=3,
+        )
+    with pytest.raises(ConcurrencyError):
+        await writer.update_with_events(
+            None,
+            db.orders,
+            {"_id": 1, "status": "closed"},
+            {"$set": {"x": 1}},
+            [],
+            expected_version=2,
+        )
 
 
 @pytest.mark.parametrize("api", APIS)

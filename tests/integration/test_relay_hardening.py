@@ -308,6 +308,38 @@ async def test_embedded_requeue_takes_event_ids_literally(db: Any) -> None:
     assert parked["_id"] == saved[0].id
 
 
+async def test_an_unreadable_embedded_entry_comes_back_as_it_was_when_requeued(db: Any) -> None:
+    # Parked wrapped (its original under "entry", no id of its own) beside one parked as
+    # refused: requeuing either by id works, and the unreadable one, fixed by hand meanwhile,
+    # comes back unwrapped in its place and is published in order.
+    outbox = make_outbox(db, "embedded")
+    [first] = await save(outbox, db, aggregates=1, events=1)
+    refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
+    relay = PollingRelay(outbox, refusing, settings=RelaySettings(max_attempts=1))
+    await relay.drain()
+    # Pushed unnumbered, as an operator update does, beside a _sequence other code broke.
+    broken = {"id": "broken", "type": "later", "aggregate_type": "orders", "aggregate_id": 0}
+    await db.orders.update_one(
+        {"_id": 0},
+        {
+            "$push": {"_outbox": broken | {"occurred_at": first.occurred_at}},
+            "$set": {"_sequence": 1.5, "_outbox_due": first.occurred_at},
+        },
+    )
+    await relay.drain()
+    assert sorted(e["_id"] for e in await relay.parked()) == sorted(["broken", first.id])
+    wrapped = (await db.orders.find_one({"_id": 0}))["_outbox"][1]
+    assert set(wrapped) == {"parked", "last_error", "entry"}
+    assert "no sequence" in wrapped["last_error"]
+    await db.orders.update_one({"_id": 0}, {"$set": {"_sequence": 2}})  # fixed by hand
+    assert await relay.requeue([first.id]) == 1  # the wrapped one is later: it stays
+    assert await relay.requeue(["broken"]) == 1
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == 2
+    assert [(e.id, e.sequence) for e in publisher.events] == [(first.id, 1), ("broken", 2)]
+    assert await relay.parked() == []
+
+
 # -- outages ----------------------------------------------------------------------------------
 
 
