@@ -226,7 +226,10 @@ json_values = st.recursive(
 
 @given(
     payload=st.dictionaries(keys, json_values, max_size=4),
-    headers=st.dictionaries(keys, st.from_regex(r"[a-z0-9]{1,4}", fullmatch=True)),
+    # "h-" keeps them clear of the headers brokers act on (CC, Nats-*, x-death, ...).
+    headers=st.dictionaries(
+        keys.map(lambda key: f"h-{key}"), st.from_regex(r"[a-z0-9]{1,4}", fullmatch=True)
+    ),
     sequence=st.none() | st.integers(1, 10**6),
     correlation_id=st.none() | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
 )
