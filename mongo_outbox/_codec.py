@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from copy import copy
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 from bson.codec_options import DatetimeConversion
@@ -114,8 +115,8 @@ def counter(value: Any) -> int | None:
         if not (math.isfinite(value) and value.is_integer() and abs(value) < _EXACT_DOUBLES):
             return None
         number = int(value)
-    elif isinstance(value, Decimal128):
-        exact = value.to_decimal()
+    elif isinstance(value, (Decimal128, Decimal)):  # a Decimal: a codec that decodes Decimal128
+        exact = value.to_decimal() if isinstance(value, Decimal128) else value
         if not (exact.is_finite() and exact == exact.to_integral_value()):
             return None
         number = int(exact)

@@ -17,13 +17,16 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
+from bson.errors import InvalidDocument
 from pymongo.errors import (
     BulkWriteError,
     DuplicateKeyError,
+    InvalidOperation,
     OperationFailure,
     PyMongoError,
     WriteConcernError,
 )
+from pymongo.errors import ConfigurationError as DriverConfigurationError
 
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
@@ -34,6 +37,7 @@ from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import write_errors
 from mongo_outbox._steps import Steps, call
 from mongo_outbox.errors import (
+    ConfigurationError,
     DuplicateEventError,
     InvalidCountersError,
     OutboxError,
@@ -47,6 +51,29 @@ log = logging.getLogger(__name__)
 Mode = Literal["collection", "embedded"]
 Written = tuple[Any, int, list[Event]]
 """A write's result: the aggregate's ``_id``, its new version, the events as stored."""
+
+
+# What the driver raises before it sends a command: an ended session, a closed client, a value
+# it cannot encode (the rules refuse what they can see before; these they cannot all see).
+_UNSENT = (InvalidDocument, InvalidOperation, DriverConfigurationError, OverflowError)
+_NOT_A_FIELD = frozenset({"_id", "_version", "_sequence"})
+
+
+def check_field(field: Any) -> None:
+    """The embedded entries' field: one top-level name MongoDB stores as it is."""
+    if (
+        not isinstance(field, str)
+        or not field
+        or field in _NOT_A_FIELD
+        or field.startswith("$")
+        or "." in field
+        or "\x00" in field
+    ):
+        raise ConfigurationError(
+            f"field must be a top-level field name (no '.', no leading '$', not _id, _version "
+            f"or _sequence), not {field!r}",
+            setting="Outbox.field",
+        )
 
 
 _WRONG_API = {
@@ -79,6 +106,13 @@ class OutboxCore:
             raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
         if mode not in ("collection", "embedded"):
             raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
+        if not db.write_concern.acknowledged:
+            raise ConfigurationError(
+                f"database {db.name} writes unacknowledged (w=0): the outbox, its relays and its "
+                "registry must know what was stored; use an acknowledged write concern",
+                setting="Outbox.db",
+            )
+        check_field(field)
         if mode == "embedded" and not collections:
             raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
         if retention <= timedelta(0):
@@ -207,11 +241,12 @@ class OutboxCore:
             raise
         try:
             return (yield from self._write(plan, session))
-        except (OutboxError, OperationFailure) as refused:
+        except (OutboxError, OperationFailure, *_UNSENT) as refused:
             if isinstance(refused, (WriteConcernError, InvalidCountersError)):
                 raise  # the write happened (or is in a transaction that decides)
-            # The document write was refused and wrote nothing: take the reservations back.
-            # (Not after a network error or a cancellation: the write may have happened.)
+            # The document write was refused, or never sent, and wrote nothing: take the
+            # reservations back. (Not after a network error or a cancellation: the write may
+            # have happened.)
             forget(before)
             try:
                 yield from self._registry.release(reserved, name, plan.doc_id, session)

@@ -10,7 +10,7 @@ the stored document, a document grown too large) fails the one write that would 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from mongo_outbox.tracing import stamped
 Kind = Literal["save", "update", "delete", "add"]
 
 _ENTRY_OVERHEAD = 32  # bytes an entry gains when stored: its sequence, its array index
+_INT64 = 2**63
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,12 @@ class Rules:
             if expected_version:
                 raise InvalidAggregateError(
                     f"a document without _id cannot match expected_version {expected_version}",
+                    collection=name,
+                )
+            if not isinstance(document, MutableMapping):
+                raise InvalidAggregateError(
+                    f"the document has no _id, and a {type(document).__name__} cannot take the "
+                    "one a save gives it: give it an _id",
                     collection=name,
                 )
             document["_id"] = ObjectId()  # as insert_one does
@@ -224,10 +231,20 @@ class Rules:
                 "the relay would never see its events",
                 collection=name,
             )
-        if session is not None and session.client is not self.db.client:
+        # Collection mode writes in a transaction, whose own write concern counts.
+        if self.mode == "embedded" and not collection.write_concern.acknowledged:
             raise InvalidAggregateError(
-                "the session belongs to another client than the outbox", collection=name
+                f"{name} writes unacknowledged (w=0): the outbox could not tell whether the events "
+                "were stored; use an acknowledged write concern (the default)",
+                collection=name,
             )
+        if session is not None:
+            if session.client is not self.db.client:
+                raise InvalidAggregateError(
+                    "the session belongs to another client than the outbox", collection=name
+                )
+            if session.has_ended:
+                raise UsageError("the session has ended: start a new one")
         return name
 
     def _stamp(
@@ -285,10 +302,11 @@ def _check_expected(expected_version: Any, name: str) -> None:
     if expected_version is not None and (
         isinstance(expected_version, bool)
         or not isinstance(expected_version, int)
-        or expected_version < 0
+        or not 0 <= expected_version < _INT64
     ):
         raise InvalidAggregateError(
-            f"expected_version must be an int >= 0, not {expected_version!r}", collection=name
+            f"expected_version must be an int from 0 to 2**63 - 1, not {expected_version!r}",
+            collection=name,
         )
 
 

@@ -54,7 +54,7 @@ class Outbox(OutboxCore):
         collections: the aggregate collections the relay scans (embedded mode, required there).
         retention: how long published entries (and embedded event-id reservations) are kept
             before the TTL index prunes them.
-        field: the array field that holds embedded events.
+        field: the array field that holds embedded events: a top-level field name (no dots).
         aggregate_types: the ``aggregate_type`` of each collection's events, where it is not the
             collection's name, e.g. ``{"orders": "Order"}``. One type per collection, and never
             another collection's name.

@@ -5,6 +5,7 @@ relay publishes them in order; a counter that is no whole number is a clear erro
 from __future__ import annotations
 
 import asyncio
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -213,6 +214,8 @@ async def test_a_delete_refuses_counters_that_are_no_numbers(
         (Decimal128("9223372036854775807"), 2**63 - 1),
         (-0.0, 0),
         (Decimal128("-0"), 0),
+        (Decimal("12"), 12),  # a codec may decode Decimal128 as a Decimal
+        (Decimal("1.5"), None),
         (7.5, None),
         (2.0**53, None),  # a double that $inc no longer moves by 1
         (Decimal128("9223372036854775808"), None),

@@ -1,0 +1,134 @@
+"""A hostile caller of either write API: settings and objects the outbox cannot work with are
+refused with a clear error before anything is written, and a write the driver never sent leaves
+no reservation and no mark behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from bson.raw_bson import RawBSONDocument
+from pymongo import MongoClient, WriteConcern
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import InvalidOperation
+from pymongo.synchronous.collection import Collection
+
+from mongo_outbox import (
+    ConfigurationError,
+    Event,
+    InvalidAggregateError,
+    Outbox,
+    PollingRelay,
+    UsageError,
+)
+from mongo_outbox.publishers import MemoryPublisher
+from mongo_outbox.sync import Outbox as SyncOutbox
+from tests.support.apis import APIS, Writer
+from tests.support.contents import contents
+
+EMBEDDED = {"mode": "embedded", "collections": ["orders"]}
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_unacknowledged_writes_are_refused(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    # w=0 cannot tell whether a write happened: a duplicate id unseen, a write taken for a miss.
+    writer = Writer(api, db, sync_client, **EMBEDDED)
+    unacknowledged = WriteConcern(w=0)
+    with pytest.raises(InvalidAggregateError, match="unacknowledged"):
+        if api == "async":
+            orders = db.orders.with_options(write_concern=unacknowledged)
+            await writer.outbox.save_with_events(None, orders, {"_id": 1}, [Event(type="a")])
+        else:
+            orders = writer.sync_db.orders.with_options(write_concern=unacknowledged)
+            writer.outbox.save_with_events(None, orders, {"_id": 1}, [Event(type="a")])
+    assert await contents(db) == {}
+    for database in (db, writer.sync_db):
+        for options in ({}, EMBEDDED):
+            outbox = Outbox if database is db else SyncOutbox
+            with pytest.raises(ConfigurationError, match="unacknowledged") as caught:
+                outbox(database.with_options(write_concern=unacknowledged), **options)
+            assert caught.value.setting == "Outbox.db"
+
+
+@pytest.mark.parametrize("field", ["meta.outbox", "$x", "", "_id", "_version", "x\x00y", 7])
+def test_an_embedded_field_that_is_no_top_level_name_is_refused(
+    sync_client: MongoClient[Any], field: Any
+) -> None:
+    # A dotted field: updates $push into a nested array the relay never reads.
+    with pytest.raises(ConfigurationError) as caught:
+        SyncOutbox(sync_client.shop, field=field, **EMBEDDED)
+    assert caught.value.setting == "Outbox.field"
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_an_expected_version_beyond_64_bits_is_refused_before_any_reservation(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    writer = Writer(api, db, sync_client, **EMBEDDED)
+    await db.orders.insert_one({"_id": 1})
+    before = await contents(db)
+    chosen = Event(id="pay-42", type="paid")  # a chosen id is reserved before the write
+    with pytest.raises(InvalidAggregateError, match="2\\*\\*63"):
+        await writer.update_with_events(
+            None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [chosen], expected_version=2**63
+        )
+    assert await contents(db) == before
+    saved = await writer.save_with_events(None, db.orders, {"_id": 2}, [chosen])
+    assert saved.events[0].id == "pay-42"
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_an_ended_session_is_refused_and_leaves_the_event_free(
+    api: str, client: Any, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    writer = Writer(api, db, sync_client, **EMBEDDED)
+    if api == "async":
+        session = client.start_session()
+        await session.end_session()
+    else:
+        session = sync_client.start_session()
+        session.end_session()
+    event = Event(type="placed")
+    with pytest.raises(UsageError, match="session has ended"):
+        await writer.save_with_events(session, db.orders, {"_id": 1}, [event])
+    assert await contents(db) == {}
+    await writer.save_with_events(None, db.orders, {"_id": 2}, [event])  # not marked as saved
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_read_only_document_without_an_id_is_refused(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    writer = Writer(api, db, sync_client)
+    document = RawBSONDocument(b"\x0c\x00\x00\x00\x10n\x00\x01\x00\x00\x00\x00")  # {"n": 1}
+    with pytest.raises(InvalidAggregateError, match="give it an _id"):
+        await writer.save_with_events(None, db.orders, document, [Event(type="a")])  # type: ignore[arg-type]
+    assert await contents(db) == {}
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_write_the_driver_refused_to_send_takes_its_reservations_back(
+    api: str, db: Any, sync_client: MongoClient[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the driver raises before sending (a closed client, say) wrote nothing: the event's id
+    # and the object are free again, as after any refused write. The refusal is injected: the
+    # rules refuse every such input they can see first.
+    writer = Writer(api, db, sync_client, **EMBEDDED)
+    await db.orders.insert_many([{"_id": 1}, {"_id": 2}])
+
+    def unsent(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidOperation("Cannot use MongoClient after close")
+
+    for collection_type in (AsyncCollection, Collection):
+        monkeypatch.setattr(collection_type, "find_one_and_update", unsent)
+    chosen = Event(id="pay-43", type="paid")
+    with pytest.raises(InvalidOperation):
+        await writer.update_with_events(None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [chosen])
+    monkeypatch.undo()
+    assert await db.outbox_event_ids.count_documents({}) == 0
+    await writer.update_with_events(None, db.orders, {"_id": 2}, {"$set": {"x": 1}}, [chosen])
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
+    assert [(e.id, e.aggregate_id) for e in publisher.events] == [("pay-43", 2)]
