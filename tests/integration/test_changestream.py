@@ -366,7 +366,10 @@ async def test_real_change_stream_publishes_committed_not_aborted() -> None:
                     await outbox.save_with_events(session, db.orders, {"_id": 2}, [Event(type="x")])
                     raise RuntimeError("abort on purpose")
         await publisher.wait_for(2)
-        await asyncio.sleep(0.2)
+
+        # They may go out with the opening sweep, before the stream reaches them.
+        await until(lambda: _checkpointed(db))
+        await asyncio.sleep(0.2)  # the aborted save's change, if the stream showed it, by now
         await stopped(r, task)
         assert [e.id for e in publisher.events] == [e.id for e in committed.events]
         token = (await db.outbox_relays.find_one({"_id": "orders-relay"}))["token"]
@@ -475,6 +478,10 @@ async def test_history_lost_on_a_real_stream_recovers_by_sweeping(
     await until(lambda: _active(first))
     before = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
     await publisher.wait_for(1)
+
+    # It may go out with the opening sweep, before the stream reaches its change: the token is
+    # saved once the stream has.
+    await until(lambda: _checkpointed(db))
     await stopped(first, task)
     token = (await db.outbox_relays.find_one({"_id": "orders-relay"}))["token"]
     source.forget_history()  # the oplog rolls over while the relay is down
@@ -700,6 +707,11 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
 
 async def _active(r: ChangeStreamRelay) -> bool:
     return (await r.status()).active
+
+
+async def _checkpointed(db: Any) -> bool:
+    doc = await db.outbox_relays.find_one({"_id": "orders-relay"})
+    return bool(doc and doc.get("token"))
 
 
 async def _active_or_done(r: ChangeStreamRelay, task: asyncio.Task[None]) -> bool:
