@@ -10,6 +10,7 @@ the stored document, a document grown too large) fails the one write that would 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -256,6 +257,17 @@ class Rules:
             "aggregate_type": type_of(self.aggregate_types, name),
             "aggregate_id": aggregate_id(doc_id, name),
         }
+        if self.mode == "embedded" and isinstance(doc_id, uuid.UUID):
+            # The registry and the relay store the _id with the database's codec options, which
+            # may lack the uuidRepresentation the collection was given.
+            try:
+                bson.encode({"_id": doc_id}, codec_options=self.db.codec_options)
+            except ValueError as error:
+                raise InvalidAggregateError(
+                    f"a UUID _id needs a uuidRepresentation on the database (the client), not on "
+                    f"{name} alone: the outbox's registry and relay store it there ({error})",
+                    collection=name,
+                ) from error
         if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
             raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
         seen: set[str] = set()

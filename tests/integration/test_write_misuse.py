@@ -4,9 +4,12 @@ no reservation and no mark behind."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
+from bson.binary import UuidRepresentation
+from bson.codec_options import CodecOptions
 from bson.raw_bson import RawBSONDocument
 from pymongo import MongoClient, WriteConcern
 from pymongo.asynchronous.collection import AsyncCollection
@@ -132,3 +135,21 @@ async def test_a_write_the_driver_refused_to_send_takes_its_reservations_back(
     publisher = MemoryPublisher()
     assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
     assert [(e.id, e.aggregate_id) for e in publisher.events] == [("pay-43", 2)]
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_uuid_id_needs_its_representation_on_the_database_in_embedded_mode(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    # The collection alone can encode it; the registry and the relay use the database's codec.
+    writer = Writer(api, db, sync_client, **EMBEDDED)
+    standard = CodecOptions(uuid_representation=UuidRepresentation.STANDARD)
+    chosen = Event(id="uuid-1", type="placed")
+    with pytest.raises(InvalidAggregateError, match="uuidRepresentation on the database"):
+        if api == "async":
+            orders = db.orders.with_options(codec_options=standard)
+            await writer.outbox.save_with_events(None, orders, {"_id": uuid.uuid4()}, [chosen])
+        else:
+            orders = writer.sync_db.orders.with_options(codec_options=standard)
+            writer.outbox.save_with_events(None, orders, {"_id": uuid.uuid4()}, [chosen])
+    assert await contents(db) == {}
