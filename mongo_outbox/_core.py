@@ -21,12 +21,10 @@ from bson.errors import InvalidDocument
 from pymongo.errors import (
     BulkWriteError,
     DuplicateKeyError,
-    InvalidOperation,
     OperationFailure,
     PyMongoError,
     WriteConcernError,
 )
-from pymongo.errors import ConfigurationError as DriverConfigurationError
 
 from mongo_outbox._aggregates import type_map
 from mongo_outbox._documents import DocumentWriter, bump
@@ -53,9 +51,10 @@ Written = tuple[Any, int, list[Event]]
 """A write's result: the aggregate's ``_id``, its new version, the events as stored."""
 
 
-# What the driver raises before it sends a command: an ended session, a closed client, a value
-# it cannot encode (the rules refuse what they can see before; these they cannot all see).
-_UNSENT = (InvalidDocument, InvalidOperation, DriverConfigurationError, OverflowError)
+# What the driver raises while it encodes a command, so before sending it: a value the rules
+# could not see (they refuse what they can). Not InvalidOperation: a retry after a network error
+# raises it for a client closed meanwhile, when the first attempt may have been applied.
+_UNSENT = (InvalidDocument, OverflowError)
 _NOT_A_FIELD = frozenset({"_id", "_version", "_sequence"})
 
 
@@ -235,6 +234,8 @@ class OutboxCore:
         if ids:
             plan = replace(plan, may_be_stored=tuple(ids))
         try:
+            if ids:
+                self._rules.check_registry_id(plan.doc_id, name)
             reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
         except BaseException:
             forget(before)  # the document was not written

@@ -118,8 +118,10 @@ class ParkedEntries:
                     for index, e in enumerate(doc[self.field])
                     if isinstance(e, dict) and e.get("parked")
                 ]
-                upto = max(index for index, id_ in parked if id_ in wanted)
+                upto = max((index for index, id_ in parked if id_ in wanted), default=-1)
                 ids = [id_ for index, id_ in parked if id_ is not None and index <= upto]
+                if not ids:  # an id the query matched inside an array: no entry of ours
+                    continue
                 result = await coll.update_one({"_id": doc["_id"]}, self._requeue(ids))
                 requeued += len(ids) if result.modified_count else 0
         return requeued
@@ -135,11 +137,13 @@ class ParkedEntries:
         again = {"parked": False, "attempts": 0, "waits": 0}
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
-        # it was (to be read again: a fix by hand, a newer version), in its place.
+        # it was (to be read again: a fix by hand, a newer version), in its place, if it has its
+        # number (_park_at).
         wrapped = {
             "$and": [
                 parked,
                 {"$eq": [{"$type": "$$e.entry"}, "object"]},
+                {"$in": [{"$type": "$$e.entry.sequence"}, ["int", "long"]]},
                 {"$in": [{"$ifNull": ["$$e.entry.id", None]}, ids]},
             ]
         }
@@ -164,8 +168,11 @@ class ParkedEntries:
 
 
 def _parked_id(entry: dict[str, Any]) -> Any:
-    """The event id of a parked entry, wrapped or not (None: an entry without one)."""
+    """The event id of a parked entry a requeue can bring back (None: none). A wrapped one
+    without its number cannot come back: its position may no longer tell it; fix it by hand."""
     if "id" in entry:
         return entry["id"]
     original = entry.get("entry")
-    return original.get("id") if isinstance(original, dict) else None
+    if not isinstance(original, dict) or type(original.get("sequence")) is not int:
+        return None
+    return original.get("id")

@@ -130,7 +130,9 @@ class EmbeddedStore(ParkedEntries):
                             raise InvalidEventError(f"outbox entry {entry!r} is not a document")
                         entries.append((decode(entry, "id"), entry))
                     except InvalidEventError as error:
-                        unreadable.append(self._park_at(doc["_id"], index, raw, token, error))
+                        unreadable.append(
+                            self._park_at(doc["_id"], index, raw, entry, token, error)
+                        )
                 read.append(((name, doc["_id"]), entries))
             if unreadable:
                 missed = True  # what queued behind them may go at once
@@ -191,14 +193,16 @@ class EmbeddedStore(ParkedEntries):
         return owners
 
     def _park_at(
-        self, doc_id: Any, index: int, entry: Any, token: str, error: Exception
+        self, doc_id: Any, index: int, raw: Any, entry: Any, token: str, error: Exception
     ) -> UpdateOne:
         """Park an unreadable entry where it is, by position (it may have no id), replacing it
-        with a parked record that keeps the original; the filter names the exact element, so a
+        with a parked record that keeps the original ``entry`` with its number, if it has one:
+        entries after it may be published and removed, and then its position no longer tells it
+        (``_codec.numbered``). The filter names the exact element as stored (``raw``), so a
         concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
         return UpdateOne(
-            {"_id": doc_id, self.claim_field: token, at: entry},
+            {"_id": doc_id, self.claim_field: token, at: raw},
             {"$set": {at: {"parked": True, "last_error": describe(error), "entry": entry}}},
         )
 

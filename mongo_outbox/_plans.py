@@ -215,6 +215,20 @@ class Rules:
         entries = self._entries(collection, checked, stamp, 0)
         return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
 
+    def check_registry_id(self, doc_id: Any, name: str) -> None:
+        """Embedded mode, before reserving event ids for ``doc_id``: the registry stores it with
+        the database's codec options, which may lack the uuidRepresentation its collection has."""
+        if not isinstance(doc_id, uuid.UUID):
+            return
+        try:
+            bson.encode({"_id": doc_id}, codec_options=self.db.codec_options)
+        except ValueError as error:
+            raise InvalidAggregateError(
+                f"a UUID _id needs a uuidRepresentation on the database (the client), not on "
+                f"{name} alone, to reserve event ids for it in the registry ({error})",
+                collection=name,
+            ) from error
+
     def _check_collection(self, collection: Any, session: Any) -> str:
         name: str = collection.name
         database = collection.database
@@ -232,8 +246,14 @@ class Rules:
                 "the relay would never see its events",
                 collection=name,
             )
-        # Collection mode writes in a transaction, whose own write concern counts.
-        if self.mode == "embedded" and not collection.write_concern.acknowledged:
+        # In a transaction (all of collection mode's writes) the transaction's write concern
+        # counts, not the collection's.
+        in_transaction = session is not None and session.in_transaction
+        if (
+            self.mode == "embedded"
+            and not in_transaction
+            and not collection.write_concern.acknowledged
+        ):
             raise InvalidAggregateError(
                 f"{name} writes unacknowledged (w=0): the outbox could not tell whether the events "
                 "were stored; use an acknowledged write concern (the default)",
@@ -257,17 +277,6 @@ class Rules:
             "aggregate_type": type_of(self.aggregate_types, name),
             "aggregate_id": aggregate_id(doc_id, name),
         }
-        if self.mode == "embedded" and isinstance(doc_id, uuid.UUID):
-            # The registry and the relay store the _id with the database's codec options, which
-            # may lack the uuidRepresentation the collection was given.
-            try:
-                bson.encode({"_id": doc_id}, codec_options=self.db.codec_options)
-            except ValueError as error:
-                raise InvalidAggregateError(
-                    f"a UUID _id needs a uuidRepresentation on the database (the client), not on "
-                    f"{name} alone: the outbox's registry and relay store it there ({error})",
-                    collection=name,
-                ) from error
         if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
             raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
         seen: set[str] = set()

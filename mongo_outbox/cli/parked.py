@@ -134,9 +134,11 @@ async def _requeue(
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
         requeued = await store.requeue(chosen)
     earlier = requeued - len(chosen)
-    if earlier < 0:  # a relay or another requeue got to some first
+    if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (
-            f"requeued {requeued} of the {len(chosen)} parked events: the rest are no longer parked"
+            f"requeued {requeued} of the {len(chosen)} parked events: the rest are no longer "
+            "parked, or are unreadable entries without a sequence, to be fixed by hand "
+            "(docs/failures.md)"
         )
     also = f", and {earlier} earlier parked events of their aggregates" if earlier > 0 else ""
     return f"requeued {len(chosen)} parked events{also}"

@@ -22,6 +22,7 @@ from mongo_outbox import (
     UsageError,
 )
 from mongo_outbox._store import store_for
+from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.brokers import Broker, KillsTheBroker
 from tests.support.changestream_sources import ScriptedSource
@@ -308,36 +309,63 @@ async def test_embedded_requeue_takes_event_ids_literally(db: Any) -> None:
     assert parked["_id"] == saved[0].id
 
 
-async def test_an_unreadable_embedded_entry_comes_back_as_it_was_when_requeued(db: Any) -> None:
-    # Parked wrapped (its original under "entry", no id of its own) beside one parked as
-    # refused: requeuing either by id works, and the unreadable one, fixed by hand meanwhile,
-    # comes back unwrapped in its place and is published in order.
+async def test_an_unreadable_embedded_entry_comes_back_with_its_number_when_requeued(
+    db: Any,
+) -> None:
+    # Pushed unnumbered (as an operator update pushes), it is parked wrapped, with the number its
+    # position gave it; the entry after it is published and removed, so that position no longer
+    # tells its number. Requeued once fixed by hand, it goes out under its own number.
     outbox = make_outbox(db, "embedded")
-    [first] = await save(outbox, db, aggregates=1, events=1)
-    refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
-    relay = PollingRelay(outbox, refusing, settings=RelaySettings(max_attempts=1))
-    await relay.drain()
-    # Pushed unnumbered, as an operator update does, beside a _sequence other code broke.
-    broken = {"id": "broken", "type": "later", "aggregate_type": "orders", "aggregate_id": 0}
+    await db.orders.insert_one({"_id": 0, "_version": 1, "_sequence": 0})
+    base = {"aggregate_type": "orders", "aggregate_id": 0, "occurred_at": utc_now()}
+    unreadable, later = Event(type="fixed").id, Event(type="later")
     await db.orders.update_one(
         {"_id": 0},
         {
-            "$push": {"_outbox": broken | {"occurred_at": first.occurred_at}},
-            "$set": {"_sequence": 1.5, "_outbox_due": first.occurred_at},
+            "$push": {
+                "_outbox": {
+                    "$each": [
+                        base | {"id": unreadable, "type": ""},
+                        base | {"id": later.id, "type": "later"},
+                    ]
+                }
+            },
+            "$inc": {"_sequence": 2},
+            "$set": {"_outbox_due": utc_now()},
         },
     )
-    await relay.drain()
-    assert sorted(e["_id"] for e in await relay.parked()) == sorted(["broken", first.id])
-    wrapped = (await db.orders.find_one({"_id": 0}))["_outbox"][1]
-    assert set(wrapped) == {"parked", "last_error", "entry"}
-    assert "no sequence" in wrapped["last_error"]
-    await db.orders.update_one({"_id": 0}, {"$set": {"_sequence": 2}})  # fixed by hand
-    assert await relay.requeue([first.id]) == 1  # the wrapped one is later: it stays
-    assert await relay.requeue(["broken"]) == 1
     publisher = MemoryPublisher()
-    assert await PollingRelay(outbox, publisher).drain() == 2
-    assert [(e.id, e.sequence) for e in publisher.events] == [(first.id, 1), ("broken", 2)]
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == 1
+    assert [(e.id, e.sequence) for e in publisher.events] == [(later.id, 2)]
+    [wrapped] = (await db.orders.find_one({"_id": 0}))["_outbox"]
+    assert wrapped["parked"] and wrapped["entry"]["sequence"] == 1
+    await db.orders.update_one({"_id": 0}, {"$set": {"_outbox.0.entry.type": "fixed"}})
+    assert await relay.requeue([unreadable]) == 1
+    assert await relay.drain() == 1
+    assert [(e.id, e.sequence) for e in publisher.events][1:] == [(unreadable, 1)]
     assert await relay.parked() == []
+
+
+async def test_an_unreadable_embedded_entry_without_a_number_stays_parked(db: Any) -> None:
+    # Its document's _sequence was no whole number, so nothing told its number: a requeue would
+    # guess it from its position, which entries removed after it may have shifted.
+    outbox = make_outbox(db, "embedded")
+    entry = {"id": "broken", "type": "x", "aggregate_type": "orders", "aggregate_id": 0}
+    await db.orders.insert_one(
+        {
+            "_id": 0,
+            "_sequence": 1.5,
+            "_outbox": [entry | {"occurred_at": utc_now()}],
+            "_outbox_due": utc_now(),
+        }
+    )
+    relay = PollingRelay(outbox, MemoryPublisher())
+    assert await relay.drain() == 0
+    [parked] = await relay.parked()
+    assert parked["_id"] == "broken" and "no sequence" in parked["last_error"]
+    assert await relay.requeue(["broken"]) == 0
+    assert [e["_id"] for e in await relay.parked()] == ["broken"]
 
 
 # -- outages ----------------------------------------------------------------------------------
