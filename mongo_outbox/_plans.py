@@ -21,7 +21,7 @@ from bson.errors import InvalidDocument
 
 from mongo_outbox._aggregates import aggregate_id, check_size, encoded_size, type_of
 from mongo_outbox._codec import encode
-from mongo_outbox._updates import Update, check_update, id_of
+from mongo_outbox._updates import Update, check_update, check_upsert_filter, id_of
 from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
 from mongo_outbox.events import Event
 from mongo_outbox.tracing import stamped
@@ -142,6 +142,11 @@ class Rules:
                 collection=name,
             )
         doc_id = id_of(query, name)
+        # A stored version N > 0 means the document exists: there is nothing to insert (an
+        # upsert would insert one at version N + 1).
+        upsert = upsert and not expected_version
+        if upsert:
+            check_upsert_filter(query, self.owned, name)
         change = check_update(update, self.owned, name)
         _check_encodable({"q": query, "u": change}, collection, "the filter or update")
         checked, stamp, given = self._stamp(events, name, doc_id)

@@ -63,6 +63,11 @@ async def run_async(steps: Steps[T]) -> T:
                 reply = made
         except Exception as error:  # noqa: BLE001 - handed to the steps, which decide
             failure = error
+        except BaseException:
+            # A cancellation: the steps' cleanup runs now, not when the generator is collected
+            # (by then a retry of the same write may have set what it would undo).
+            steps.close()
+            raise
 
 
 def run_sync(steps: Steps[T]) -> T:
@@ -81,3 +86,6 @@ def run_sync(steps: Steps[T]) -> T:
             reply = list(made) if step.listed else made
         except Exception as error:  # noqa: BLE001 - handed to the steps, which decide
             failure = error
+        except BaseException:  # KeyboardInterrupt, say: clean up now, as run_async does
+            steps.close()
+            raise

@@ -73,6 +73,22 @@ def id_of(query: Any, collection: str) -> Any:
     return value
 
 
+def check_upsert_filter(query: Mapping[Any, Any], owned: Iterable[str], collection: str) -> None:
+    """An upsert inserts what its filter's conditions say (``$and`` and ``$or`` clauses too): none
+    may name a field the outbox owns, or a new aggregate would start its counters there."""
+    for key, value in query.items():
+        if key in ("$and", "$or", "$nor") and isinstance(value, (list, tuple)):
+            for clause in value:
+                if isinstance(clause, Mapping):
+                    check_upsert_filter(clause, owned, collection)
+        elif isinstance(key, str) and key.split(".", 1)[0] in owned:
+            raise InvalidAggregateError(
+                f"the filter of an upsert names {key!r}, a field the outbox owns: a document it "
+                "inserts would take its value there; use expected_version",
+                collection=collection,
+            )
+
+
 def check_update(update: Any, owned: Iterable[str], collection: str) -> Update:
     """A copy of ``update`` (operators or a pipeline) that writes no owned field and no ``_id``."""
     forbidden = {"_id", *owned}

@@ -383,6 +383,56 @@ def test_one_event_object_saved_to_two_documents_from_two_threads_goes_to_one(
         sync_client.drop_database(shop.name)
 
 
+class CancelsAtRegistryRead(monitoring.CommandListener):
+    """Cancels ``task`` as the registry's read starts: a save interrupted while it reserves."""
+
+    task: asyncio.Task[Any] | None = None
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if self.task and event.command_name == "find" and "_event_ids" in str(event.command):
+            self.task.cancel()
+            self.task = None
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+async def test_a_save_cancelled_while_reserving_forgets_then_not_later(mongo: Any) -> None:
+    # The cancelled save's cleanup (the object is free again) must run when it is cancelled: run
+    # when its generator is collected, it would undo the marks of the retry that saved it since.
+    import gc
+
+    from pymongo import AsyncMongoClient
+
+    canceller = CancelsAtRegistryRead()
+    client: Any = AsyncMongoClient(mongo.uri, event_listeners=[canceller])
+    db = client[f"t_{uuid.uuid4().hex[:12]}"]
+    try:
+        outbox = Outbox(db, mode="embedded", collections=["carts"])
+        event = Event(type="cart.created")
+        async with client.start_session() as session:
+            await session.start_transaction()  # in a transaction every id is reserved
+            save = asyncio.create_task(
+                outbox.save_with_events(session, db.carts, {"_id": "A"}, [event])
+            )
+            canceller.task = save
+            with pytest.raises(asyncio.CancelledError):
+                await save
+            await session.abort_transaction()
+        await outbox.save_with_events(None, db.carts, {"_id": "A"}, [event])
+        del save
+        gc.collect()
+        with pytest.raises(DuplicateEventError, match="one event, one document"):
+            await outbox.save_with_events(None, db.carts, {"_id": "B"}, [event])
+        assert [d["_id"] async for d in db.carts.find({"_outbox.id": event.id})] == ["A"]
+    finally:
+        await client.drop_database(db.name)
+        await client.close()
+
+
 async def test_a_refused_save_of_a_new_event_leaves_it_free_for_another_document(
     db: Any,
 ) -> None:

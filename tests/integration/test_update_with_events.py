@@ -487,3 +487,59 @@ async def test_a_repeated_write_racing_the_publication_of_its_event_is_refused(
     stored = await db.orders.find_one({"_id": 1})
     assert (stored["n"], stored["_version"], stored["_outbox"]) == (0, 1, [])
     assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0
+
+
+async def test_an_upsert_with_a_stored_version_to_match_inserts_nothing(
+    writer: Writer, db: Any
+) -> None:
+    # expected_version=3 says the aggregate exists at version 3: a missing one is a conflict, not
+    # a new aggregate inserted at version 4.
+    with pytest.raises(ConcurrencyError):
+        await writer.update_with_events(
+            None,
+            db.orders,
+            {"_id": "o1"},
+            {"$set": {"a": 1}},
+            [Event(type="x")],
+            upsert=True,
+            expected_version=3,
+        )
+    assert await contents(db) == {}
+    await db.orders.insert_one({"_id": "o1", "_version": 3, "_sequence": 2})
+    saved = await writer.update_with_events(
+        None,
+        db.orders,
+        {"_id": "o1"},
+        {"$set": {"a": 1}},
+        [Event(type="x")],
+        upsert=True,
+        expected_version=3,
+    )
+    assert (saved.version, saved.events[0].sequence) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"_id": "o1", "_version": 5},
+        {"_id": "o1", "_sequence": 40},
+        {"_id": "o1", "$and": [{"_version": 5}]},
+        {"_id": "o1", "$or": [{"_sequence.x": 1}]},
+    ],
+)
+async def test_an_upsert_filter_may_not_name_an_owned_field(
+    writer: Writer, db: Any, query: dict[str, Any]
+) -> None:
+    # An upsert inserts its filter's equalities: the new aggregate would start at version 6, or
+    # number its first event 41.
+    with pytest.raises(InvalidAggregateError, match="a field the outbox owns"):
+        await writer.update_with_events(
+            None, db.orders, query, {"$set": {"a": 1}}, [Event(type="x")], upsert=True
+        )
+    assert await contents(db) == {}
+    # Without upsert such a condition only guards the update, as expected_version does.
+    await db.orders.insert_one({"_id": "o1", "_version": 5, "_sequence": 40})
+    saved = await writer.update_with_events(
+        None, db.orders, {"_id": "o1", "_version": 5}, {"$set": {"a": 1}}, [Event(type="x")]
+    )
+    assert (saved.version, saved.events[0].sequence) == (6, 41)
