@@ -18,13 +18,18 @@ the same writes (``_core.py``) with PyMongo's sync API.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pymongo.errors import PyMongoError
+
 from mongo_outbox._core import Mode, OutboxCore, Written
 from mongo_outbox._driver import start_session
 from mongo_outbox._plans import Plan
+from mongo_outbox._sessions import check_free, lent
 from mongo_outbox._steps import run_async
 from mongo_outbox.events import Event
 
@@ -143,15 +148,31 @@ class Outbox(OutboxCore):
 
     async def _run(self, plan: Plan, session: Any) -> Saved:
         if not self._transactional(session):
-            return Saved(*await run_async(self._steps(plan, session)))
+            joined = session is not None and session.in_transaction
+            if joined:
+                check_free(session)
+            try:
+                return Saved(*await run_async(self._steps(plan, session)))
+            except BaseException as error:
+                if joined and not isinstance(error, Exception):  # cancelled mid-write
+                    await _abandon(session)
+                raise
 
         async def write(own: Any) -> Written:
             return await run_async(self._steps(plan, own))
 
         if session is not None:
-            return Saved(*await _with_transaction(session, write))
+            with lent(session):
+                return Saved(*await _with_transaction(session, write))
         async with await start_session(self.db.client) as own:
             return Saved(*await _with_transaction(own, write))
+
+
+async def _abandon(session: Any) -> None:
+    """Abort the caller's transaction a cancelled write had joined: nothing tells which of its
+    writes happened, and a commit of part of them would store a change without its events."""
+    with contextlib.suppress(PyMongoError):
+        await asyncio.shield(session.abort_transaction())
 
 
 async def _with_transaction(session: Any, write: Callable[[Any], Awaitable[Written]]) -> Written:

@@ -9,11 +9,15 @@ database. The relays and the inbox stay async.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from pymongo.errors import PyMongoError
+
 from mongo_outbox._core import OutboxCore, Written
 from mongo_outbox._plans import Plan
+from mongo_outbox._sessions import check_free, lent
 from mongo_outbox._steps import run_sync
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Saved
@@ -94,7 +98,18 @@ class Outbox(OutboxCore):
 
     def _run(self, plan: Plan, session: Any) -> Saved:
         if not self._transactional(session):
-            return Saved(*run_sync(self._steps(plan, session)))
+            joined = session is not None and session.in_transaction
+            if joined:
+                check_free(session)
+            try:
+                return Saved(*run_sync(self._steps(plan, session)))
+            except BaseException as error:
+                if joined and not isinstance(error, Exception):  # interrupted mid-write
+                    # As mongo_outbox.Outbox does: a commit of part of it would store a
+                    # change without its events.
+                    with contextlib.suppress(PyMongoError):
+                        session.abort_transaction()
+                raise
 
         def write(own: Any) -> Written:
             return run_sync(self._steps(plan, own))
@@ -102,6 +117,7 @@ class Outbox(OutboxCore):
         # with_transaction retries TransientTransactionError and UnknownTransactionCommitResult
         # as the driver spec prescribes, for up to 120 s.
         if session is not None:
-            return Saved(*session.with_transaction(write))
+            with lent(session):
+                return Saved(*session.with_transaction(write))
         with self.db.client.start_session() as own:
             return Saved(*own.with_transaction(write))

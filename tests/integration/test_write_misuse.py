@@ -4,6 +4,7 @@ no reservation and no mark behind."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -12,7 +13,7 @@ from bson.binary import UuidRepresentation
 from bson.codec_options import CodecOptions
 from bson.errors import InvalidDocument
 from bson.raw_bson import RawBSONDocument
-from pymongo import MongoClient, WriteConcern
+from pymongo import AsyncMongoClient, MongoClient, WriteConcern, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.synchronous.collection import Collection
 
@@ -167,3 +168,75 @@ async def test_a_uuid_id_needs_its_representation_on_the_database_in_embedded_mo
     else:
         writer.outbox.save_with_events(None, orders, {"_id": fresh}, [Event(type="a")])
     assert await db.orders.count_documents({}) == 1
+
+
+class CancelsAtCommand(monitoring.CommandListener):
+    """Cancels ``task`` as a ``name`` command starts: a save interrupted mid-write."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.task: asyncio.Task[Any] | None = None
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if self.task and event.command_name == self.name:
+            self.task.cancel()
+            self.task = None
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_a_save_cancelled_in_the_callers_transaction_aborts_it(mongo: Any, mode: str) -> None:
+    # Cancelled once its document write was sent: nothing tells which of its writes happened,
+    # and committing what did would store the change without its events (or count one write
+    # twice after a retry). The transaction it joined is aborted.
+    canceller = CancelsAtCommand("findAndModify")
+    client: Any = AsyncMongoClient(mongo.uri, event_listeners=[canceller])
+    db = client[f"t_{uuid.uuid4().hex[:12]}"]
+    try:
+        outbox = Outbox(db, mode=mode, collections=["orders"])
+        await outbox.save_with_events(None, db.orders, {"_id": "o1", "n": 0}, [Event(type="a")])
+        before = await contents(db)
+        async with client.start_session() as session:
+            await session.start_transaction()
+            await db.lines.insert_one({"_id": 1}, session=session)  # the caller's own write
+            save = asyncio.create_task(
+                outbox.save_with_events(
+                    session, db.orders, {"_id": "o1", "n": 1}, [Event(type="b")]
+                )
+            )
+            canceller.task = save
+            with pytest.raises(asyncio.CancelledError):
+                await save
+            assert not session.in_transaction
+        assert await contents(db) == before
+    finally:
+        await client.drop_database(db.name)
+        await client.close()
+
+
+async def test_two_saves_sharing_one_session_at_once_are_refused_not_mixed(
+    client: Any, db: Any
+) -> None:
+    # The first save starts a transaction on the session; the second would join it, and the
+    # first one's refusal would abort the second's writes behind a returned Saved.
+    outbox = Outbox(db)
+    async with client.start_session() as session:
+        results = await asyncio.gather(
+            outbox.save_with_events(session, db.orders, {"_id": "A"}, [Event(type="a")]),
+            outbox.save_with_events(session, db.orders, {"_id": "B"}, [Event(type="b")]),
+            return_exceptions=True,
+        )
+    refused = [r for r in results if isinstance(r, UsageError)]
+    assert len(refused) == 1 and "one task or thread at a time" in str(refused[0])
+    [saved] = [r for r in results if not isinstance(r, BaseException)]
+    assert await db.orders.count_documents({}) == 1
+    assert await db.outbox.count_documents({"aggregate_id": saved.id}) == 1
+    async with client.start_session() as session:  # one after the other: both fine
+        for doc_id in ("C", "D"):
+            await outbox.save_with_events(session, db.orders, {"_id": doc_id}, [Event(type="c")])
+    assert await db.orders.count_documents({}) == 3

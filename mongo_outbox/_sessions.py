@@ -1,0 +1,42 @@
+"""The caller's sessions while the outbox runs a transaction of its own on one.
+
+A save given a session outside a transaction starts one on it (collection mode), and a save given
+a session inside a transaction joins it. A session serves one task at a time (PyMongo's rule), so
+a second save handed the same session meanwhile would join the first one's transaction: the first
+one's refusal would then abort the second's writes behind a returned ``Saved``. Such a save is
+refused instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from mongo_outbox.errors import UsageError
+
+_busy: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()  # the sync API's threads share sessions as wrongly as tasks do
+
+
+def check_free(session: Any) -> None:
+    """UsageError if a save runs a transaction of its own on ``session`` now."""
+    if session in _busy:
+        raise UsageError(
+            "this session is running another save's transaction: a session serves one task or "
+            "thread at a time; give each concurrent save its own session (or none)"
+        )
+
+
+@contextmanager
+def lent(session: Any) -> Iterator[None]:
+    """While a save runs a transaction of its own on the caller's ``session``."""
+    with _lock:
+        check_free(session)
+        _busy.add(session)
+    try:
+        yield
+    finally:
+        _busy.discard(session)
