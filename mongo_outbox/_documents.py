@@ -63,11 +63,14 @@ _REFUSED_UPDATE = frozenset(
         56,  # EmptyFieldName
         57,  # DottedFieldName
         66,  # ImmutableField
+        168,  # InvalidPipelineOperator: an unknown expression operator
         241,  # ConversionFailure
+        16410,  # a field path starting with "$"
         16554,  # $add of a value that is not a number or date
         16555,  # $multiply of a value that is not a number
         16556,  # $subtract of values that do not subtract
         16702,  # $concat of a value that is not a string
+        17276,  # an undefined $$variable
         40324,  # an unknown pipeline stage
     }
 )

@@ -3,15 +3,16 @@ both the async ``Outbox`` and ``mongo_outbox.sync.Outbox``.
 
 A ``Plan`` is a write that passed them: the collection of the outbox's own client and database
 (and, in embedded mode, one its relay scans), the aggregate's ``_id``, its events stamped with
-``aggregate_type`` and ``aggregate_id``, a document, filter or update MongoDB will take, and
-sizes within MongoDB's limits. What only the server can find (an update that does not apply to
-the stored document, a document grown too large) fails the one write that would have stored it.
+``aggregate_type`` and ``aggregate_id`` (``_stamping.py``), a document, filter or update MongoDB
+will take, and sizes within MongoDB's limits. What only the server can find (an update that
+does not apply to the stored document, a document grown too large) fails the one write that
+would have stored it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,16 +20,14 @@ import bson
 from bson import ObjectId
 from bson.errors import InvalidDocument
 
-from mongo_outbox._aggregates import aggregate_id, check_size, encoded_size, type_of
-from mongo_outbox._codec import encode
+from mongo_outbox._aggregates import encoded_size
+from mongo_outbox._stamping import entries_of, stamped_events
 from mongo_outbox._updates import Update, check_update, check_upsert_filter, id_of
-from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
+from mongo_outbox.errors import InvalidAggregateError, UsageError
 from mongo_outbox.events import Event
-from mongo_outbox.tracing import stamped
 
 Kind = Literal["save", "update", "delete", "add"]
 
-_ENTRY_OVERHEAD = 32  # bytes an entry gains when stored: its sequence, its array index
 _INT64 = 2**63
 
 
@@ -105,10 +104,10 @@ class Rules:
                 )
             document["_id"] = ObjectId()  # as insert_one does
         doc_id = document["_id"]
-        checked, stamp, given = self._stamp(events, name, doc_id)
+        checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
         body = {k: v for k, v in document.items() if k not in self.owned}
         size = encoded_size(body, collection, "the document")
-        entries = self._entries(collection, checked, stamp, size)
+        entries = entries_of(collection, checked, stamp, size, self.mode)
         return Plan(
             "save",
             collection,
@@ -149,8 +148,8 @@ class Rules:
             check_upsert_filter(query, self.owned, name)
         change = check_update(update, self.owned, name)
         _check_encodable({"q": query, "u": change}, collection, "the filter or update")
-        checked, stamp, given = self._stamp(events, name, doc_id)
-        entries = self._entries(collection, checked, stamp, 0)
+        checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
+        entries = entries_of(collection, checked, stamp, 0, self.mode)
         return Plan(
             "update",
             collection,
@@ -189,8 +188,8 @@ class Rules:
             )
         doc_id = id_of(query, name)
         _check_encodable({"q": query}, collection, "the filter")
-        checked, stamp, _ = self._stamp(events, name, doc_id)
-        entries = self._entries(collection, checked, stamp, 0)
+        checked, stamp, _ = stamped_events(events, name, doc_id, self.aggregate_types)
+        entries = entries_of(collection, checked, stamp, 0, self.mode)
         return Plan(
             "delete",
             collection,
@@ -216,8 +215,8 @@ class Rules:
             )
         query = {"_id": doc_id}
         _check_encodable({"q": query}, collection, "the aggregate id")
-        checked, stamp, _ = self._stamp(events, name, doc_id)
-        entries = self._entries(collection, checked, stamp, 0)
+        checked, stamp, _ = stamped_events(events, name, doc_id, self.aggregate_types)
+        entries = entries_of(collection, checked, stamp, 0, self.mode)
         return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
 
     def check_registry_id(self, doc_id: Any, name: str) -> None:
@@ -272,56 +271,6 @@ class Rules:
             if session.has_ended:
                 raise UsageError("the session has ended: start a new one")
         return name
-
-    def _stamp(
-        self, events: Iterable[Event], name: str, doc_id: Any
-    ) -> tuple[list[Event], dict[str, Any], tuple[Event, ...]]:
-        """The events, checked and carrying the current trace context (``tracing.py``), the
-        stamp that makes them this aggregate's, and the caller's own Event objects."""
-        stamp: dict[str, Any] = {
-            "aggregate_type": type_of(self.aggregate_types, name),
-            "aggregate_id": aggregate_id(doc_id, name),
-        }
-        if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
-            raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
-        seen: set[str] = set()
-        checked = []
-        for event in events:
-            if not isinstance(event, Event):
-                raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
-            if event.id in seen:
-                raise InvalidEventError(f"event id {event.id} appears twice", event_id=event.id)
-            seen.add(event.id)
-            for key, value in stamp.items():
-                given = getattr(event, key)
-                if given is not None and given != value:
-                    raise InvalidEventError(
-                        f"event {event.id} has {key} {given!r}, but {name} {doc_id!r} "
-                        f"publishes as {value!r}",
-                        event_id=event.id,
-                    )
-            checked.append(event)
-        # Every write API passes here: the one place events take the current trace context.
-        return stamped(checked), stamp, tuple(checked)
-
-    def _entries(
-        self, collection: Any, events: list[Event], stamp: dict[str, Any], document_size: int
-    ) -> list[dict[str, Any]]:
-        """The events as stored entries; InvalidAggregateError for sizes beyond MongoDB's."""
-        name = collection.name
-        id_key = "id" if self.mode == "embedded" else "_id"
-        entries = [encode(e, id_key) | stamp for e in events]
-        sizes = [
-            encoded_size(entry, collection, f"event {e.id}") + _ENTRY_OVERHEAD
-            for e, entry in zip(events, entries, strict=True)
-        ]
-        if self.mode == "embedded":
-            check_size(document_size + sum(sizes), name, "the document with its new events")
-        else:
-            check_size(document_size, name, "the document")
-            for event, entry_size in zip(events, sizes, strict=True):
-                check_size(entry_size, name, f"event {event.id}")
-        return entries
 
 
 def _check_expected(expected_version: Any, name: str) -> None:

@@ -313,13 +313,16 @@ async def test_updates_mongodb_refuses_raise_an_outbox_error_and_write_nothing(
     )
     await writer.ensure_indexes()
     before = await contents(db)
-    for update in (
+    updates: tuple[Any, ...] = (
         {"$inc": {"name": 1}},
         {"$push": {"n": 2}},
         {"$set": {"n.deep": 1}},
         {"$set": {"a": 1}, "$inc": {"a": 1}},
         {"$pop": {"n": 2}},
-    ):
+        [{"$set": {"x": {"$nosuchop": 1}}}],  # 168 on the emulator and on MongoDB
+        [{"$set": {"x": "$$nosuchvar"}}],
+    )
+    for update in updates:
         with pytest.raises(InvalidAggregateError, match="MongoDB refused the update"):
             await writer.update_with_events(
                 None, db.orders, {"_id": 1}, update, [Event(type="b"), Event(type="c")]

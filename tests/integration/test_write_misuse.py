@@ -21,6 +21,7 @@ from mongo_outbox import (
     ConfigurationError,
     Event,
     InvalidAggregateError,
+    InvalidEventError,
     Outbox,
     PollingRelay,
     UsageError,
@@ -240,3 +241,34 @@ async def test_two_saves_sharing_one_session_at_once_are_refused_not_mixed(
         for doc_id in ("C", "D"):
             await outbox.save_with_events(session, db.orders, {"_id": doc_id}, [Event(type="c")])
     assert await db.orders.count_documents({}) == 3
+
+
+class OrderPlaced(Event):
+    order_no: int = 0
+
+
+class Shorthand(Event):
+    """A subclass without fields of its own: a helper method is all it adds."""
+
+    def total(self) -> int:
+        return int(self.payload.get("total", 0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_an_event_subclass_with_fields_of_its_own_is_refused(
+    api: str, db: Any, sync_client: MongoClient[Any]
+) -> None:
+    # The relay reads entries back as Event: order_no would be stored and never published.
+    writer = Writer(api, db, sync_client)
+    with pytest.raises(InvalidEventError, match="order_no") as caught:
+        await writer.save_with_events(
+            None, db.orders, {"_id": 1}, [OrderPlaced(type="placed", order_no=42)]
+        )
+    assert caught.value.event_id is not None
+    assert await contents(db) == {}
+    await writer.save_with_events(
+        None, db.orders, {"_id": 1}, [Shorthand(type="placed", payload={"total": 3})]
+    )
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
+    assert publisher.events[0].payload == {"total": 3}
