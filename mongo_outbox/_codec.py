@@ -52,6 +52,15 @@ def encode(event: Event, id_key: str) -> dict[str, Any]:
         data = {name: values[name] for name in _EVENT_FIELDS_IN_ORDER}
     else:
         data = event.model_dump()
+        if data.keys() != _EVENT_FIELDS:
+            # The relay reads entries back as Event: other keys would never be sent (computed
+            # fields, extras, a serializer of its own), and missing ones would not decode.
+            raise InvalidEventError(
+                f"{type(event).__name__} dumps {sorted(data.keys() ^ _EVENT_FIELDS)} beside or "
+                "instead of the fields of Event, which is what a broker receives: put such data "
+                "in the payload",
+                event_id=event.id,
+            )
     data[id_key] = data.pop("id")
     for key, default in _DEFAULTS.items():
         if data[key] == default:

@@ -105,9 +105,10 @@ class DocumentWriter:
             if error.code in _TOO_LARGE:
                 raise too_large(plan, error) from error
             transient = error.has_error_label("TransientTransactionError")
-            if plan.kind == "update" and error.code in _REFUSED_UPDATE and not transient:
+            if error.code in _REFUSED_UPDATE and not transient:
+                # An update's own content, or for any write counters it cannot add to.
                 raise InvalidAggregateError(
-                    f"MongoDB refused the update of {plan.collection.name} {plan.doc_id!r}: "
+                    f"MongoDB refused the {plan.kind} of {plan.collection.name} {plan.doc_id!r}: "
                     f"{error.details.get('errmsg') if error.details else error} "
                     f"(code {error.code})",
                     collection=plan.collection.name,

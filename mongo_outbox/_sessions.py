@@ -17,13 +17,15 @@ from typing import Any
 
 from mongo_outbox.errors import UsageError
 
-_busy: weakref.WeakSet[Any] = weakref.WeakSet()
+# By id: a Motor session cannot be hashed. Weak values: a session gone is no longer busy, so its
+# id, reused by another object, is not taken for it.
+_busy: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _lock = threading.Lock()  # the sync API's threads share sessions as wrongly as tasks do
 
 
 def check_free(session: Any) -> None:
     """UsageError if a save runs a transaction of its own on ``session`` now."""
-    if session in _busy:
+    if _busy.get(id(session)) is session:
         raise UsageError(
             "this session is running another save's transaction: a session serves one task or "
             "thread at a time; give each concurrent save its own session (or none)"
@@ -35,8 +37,8 @@ def lent(session: Any) -> Iterator[None]:
     """While a save runs a transaction of its own on the caller's ``session``."""
     with _lock:
         check_free(session)
-        _busy.add(session)
+        _busy[id(session)] = session
     try:
         yield
     finally:
-        _busy.discard(session)
+        _busy.pop(id(session), None)

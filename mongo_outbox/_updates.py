@@ -77,7 +77,7 @@ def check_upsert_filter(query: Mapping[Any, Any], owned: Iterable[str], collecti
     """An upsert inserts what its filter's conditions say (``$and`` and ``$or`` clauses too): none
     may name a field the outbox owns, or a new aggregate would start its counters there."""
     for key, value in query.items():
-        if key in ("$and", "$or", "$nor") and isinstance(value, (list, tuple)):
+        if key in ("$and", "$or") and isinstance(value, (list, tuple)):
             for clause in value:
                 if isinstance(clause, Mapping):
                     check_upsert_filter(clause, owned, collection)

@@ -154,7 +154,8 @@ class Outbox(OutboxCore):
             try:
                 return Saved(*await run_async(self._steps(plan, session)))
             except BaseException as error:
-                if joined and not isinstance(error, Exception):  # cancelled mid-write
+                # Cancelled mid-write (a coroutine closed unawaited cannot await the abort).
+                if joined and not isinstance(error, (Exception, GeneratorExit)):
                     await _abandon(session)
                 raise
 

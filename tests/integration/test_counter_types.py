@@ -17,6 +17,7 @@ from mongo_outbox import (
     ConcurrencyError,
     DuplicateEventError,
     Event,
+    InvalidAggregateError,
     InvalidCountersError,
     PollingRelay,
     Saved,
@@ -236,3 +237,17 @@ async def test_a_delete_refuses_counters_that_are_no_numbers(
 def test_counter_reads_whole_numbers_of_every_bson_number_type(stored: Any, whole: Any) -> None:
     assert counter(stored) == whole
     assert whole is None or type(counter(stored)) is int
+
+
+async def test_a_counter_mongodb_cannot_add_to_is_refused_by_it(writer: Writer, db: Any) -> None:
+    await db.orders.insert_one({"_id": 1, "_version": "three", "_sequence": 2})
+    before = await contents(db)
+    for write in ("save", "update"):
+        with pytest.raises(InvalidAggregateError, match=f"MongoDB refused the {write}"):
+            if write == "save":
+                await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+            else:
+                await writer.update_with_events(
+                    None, db.orders, {"_id": 1}, {"$set": {"x": 1}}, [Event(type="a")]
+                )
+    assert await contents(db) == before
