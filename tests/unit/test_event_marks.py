@@ -83,7 +83,7 @@ def test_a_write_whose_durability_is_in_doubt_keeps_the_object_pinned(outbox: Ou
 
 def test_a_refused_write_forgets_the_object(outbox: Outbox) -> None:
     event = Event(type="a")
-    drive(outbox, event, OperationFailure("refused", 2))
+    drive(outbox, event, OperationFailure("not authorized", 13))  # Unauthorized
     assert not event._given and event._home is None
 
 
