@@ -32,6 +32,7 @@ from mongo_outbox import (
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
+from tests.support.cancelling import CancelsAtCommand
 from tests.support.contents import contents
 from tests.support.outboxes import MODES, make_outbox, unsettled
 
@@ -383,23 +384,6 @@ def test_one_event_object_saved_to_two_documents_from_two_threads_goes_to_one(
         sync_client.drop_database(shop.name)
 
 
-class CancelsAtRegistryRead(monitoring.CommandListener):
-    """Cancels ``task`` as the registry's read starts: a save interrupted while it reserves."""
-
-    task: asyncio.Task[Any] | None = None
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if self.task and event.command_name == "find" and "_event_ids" in str(event.command):
-            self.task.cancel()
-            self.task = None
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
-
-
 async def test_a_save_cancelled_while_reserving_forgets_then_not_later(mongo: Any) -> None:
     # The cancelled save's cleanup (the object is free again) must run when it is cancelled: run
     # when its generator is collected, it would undo the marks of the retry that saved it since.
@@ -407,7 +391,7 @@ async def test_a_save_cancelled_while_reserving_forgets_then_not_later(mongo: An
 
     from pymongo import AsyncMongoClient
 
-    canceller = CancelsAtRegistryRead()
+    canceller = CancelsAtCommand("find", naming="_event_ids")  # the registry's read
     client: Any = AsyncMongoClient(mongo.uri, event_listeners=[canceller])
     db = client[f"t_{uuid.uuid4().hex[:12]}"]
     try:

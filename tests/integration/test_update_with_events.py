@@ -19,6 +19,7 @@ from mongo_outbox import (
     InvalidEventError,
     Outbox,
     PollingRelay,
+    Saved,
 )
 from mongo_outbox._store import store_for
 from mongo_outbox.publishers import MemoryPublisher
@@ -497,8 +498,8 @@ async def test_an_upsert_with_a_stored_version_to_match_inserts_nothing(
 ) -> None:
     # expected_version=3 says the aggregate exists at version 3: a missing one is a conflict, not
     # a new aggregate inserted at version 4.
-    with pytest.raises(ConcurrencyError):
-        await writer.update_with_events(
+    async def upsert_at_version_3() -> Saved:
+        return await writer.update_with_events(
             None,
             db.orders,
             {"_id": "o1"},
@@ -507,17 +508,12 @@ async def test_an_upsert_with_a_stored_version_to_match_inserts_nothing(
             upsert=True,
             expected_version=3,
         )
+
+    with pytest.raises(ConcurrencyError):
+        await upsert_at_version_3()
     assert await contents(db) == {}
     await db.orders.insert_one({"_id": "o1", "_version": 3, "_sequence": 2})
-    saved = await writer.update_with_events(
-        None,
-        db.orders,
-        {"_id": "o1"},
-        {"$set": {"a": 1}},
-        [Event(type="x")],
-        upsert=True,
-        expected_version=3,
-    )
+    saved = await upsert_at_version_3()
     assert (saved.version, saved.events[0].sequence) == (4, 3)
 
 

@@ -14,7 +14,7 @@ from bson.codec_options import CodecOptions
 from bson.errors import InvalidDocument
 from bson.raw_bson import RawBSONDocument
 from pydantic import ConfigDict, computed_field
-from pymongo import AsyncMongoClient, MongoClient, WriteConcern, monitoring
+from pymongo import AsyncMongoClient, MongoClient, WriteConcern
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.synchronous.collection import Collection
 
@@ -30,6 +30,7 @@ from mongo_outbox import (
 from mongo_outbox.publishers import MemoryPublisher
 from mongo_outbox.sync import Outbox as SyncOutbox
 from tests.support.apis import APIS, Writer
+from tests.support.cancelling import CancelsAtCommand
 from tests.support.contents import contents
 
 EMBEDDED = {"mode": "embedded", "collections": ["orders"]}
@@ -170,25 +171,6 @@ async def test_a_uuid_id_needs_its_representation_on_the_database_in_embedded_mo
     else:
         writer.outbox.save_with_events(None, orders, {"_id": fresh}, [Event(type="a")])
     assert await db.orders.count_documents({}) == 1
-
-
-class CancelsAtCommand(monitoring.CommandListener):
-    """Cancels ``task`` as a ``name`` command starts: a save interrupted mid-write."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.task: asyncio.Task[Any] | None = None
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if self.task and event.command_name == self.name:
-            self.task.cancel()
-            self.task = None
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
 
 
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
