@@ -252,7 +252,15 @@ class OutboxCore:
             try:
                 yield from self._registry.release(reserved, name, plan.doc_id, session)
             except PyMongoError as error:  # e.g. the transaction the refusal aborted
-                log.warning("event ids %s stay reserved until they expire: %s", reserved, error)
+                # A pending reservation has no expiry: the ids stay this document's (a retry of
+                # the save goes on with them), unless the aborted transaction took them along.
+                log.warning(
+                    "event ids %s stay reserved for %s %r unless their transaction was aborted: %s",
+                    reserved,
+                    name,
+                    plan.doc_id,
+                    error,
+                )
             raise refused
 
     def _write(self, plan: Plan, session: Any) -> Steps[Written]:
