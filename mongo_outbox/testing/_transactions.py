@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
-from mongoeco.engines.memory import MemoryCollection
+from mongoeco.engines._memory_collection import MemoryCollection
 from mongoeco.engines.virtual_indexes import document_in_virtual_index
 from mongoeco.errors import OperationFailure
 from mongoeco.wire._session_identity import wire_session_key
+from mongoeco.wire.executor import WireCommandExecutor
 
 PINNED = "4.11.0"
 WRITE_CONFLICT = 112
@@ -129,7 +130,9 @@ class Transactions:
                 return 0  # a server's TTL monitor deletes outside any transaction
             self.applying = True
             try:
-                return int(originals["_purge_expired_documents_locked"](db_name, coll_name, **options))
+                return int(
+                    originals["_purge_expired_documents_locked"](db_name, coll_name, **options)
+                )
             finally:
                 self.applying = False
 
@@ -305,12 +308,11 @@ class Transactions:
         if indexes is not None and not engine._indexes.get(db_name, {}).get(coll_name):
             engine._indexes.setdefault(db_name, {})[coll_name] = list(indexes)
 
-    def _apply_document(
-        self, db_name: str, coll_name: str, live: Any, mine: Any, key: Any
-    ) -> None:
+    def _apply_document(self, db_name: str, coll_name: str, live: Any, mine: Any, key: Any) -> None:
         engine = self.engine
-        before = live[key] if key in live else None
-        after = mine[key] if key in mine else None
+        # Not .get(): MemoryCollection keeps its rows outside the dict it subclasses.
+        before = live[key] if key in live else None  # noqa: SIM401
+        after = mine[key] if key in mine else None  # noqa: SIM401
         if before is None and after is None:
             return
         if before is not None:
@@ -354,9 +356,14 @@ class TransactionsOverWire:
 
     def refuse(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """The reply to a transaction command that must not reach mongoeco, or None."""
-        if body.get("autocommit") is not False or "lsid" not in body:
+        if "lsid" not in body:
             return None
         key = wire_session_key(body["lsid"])
+        if body.get("autocommit") is not False:
+            # A command outside a transaction ends the session's open one (a server aborts it
+            # for a newer txnNumber); mongoeco would run the command inside it.
+            self._abandon(key)
+            return None
         number = _number(body)
         name = next(iter(body))
         if body.get("startTransaction"):
@@ -385,7 +392,12 @@ class TransactionsOverWire:
         self._reap()
         in_transaction = body.get("autocommit") is False and "lsid" in body
         while True:
-            reply: dict[str, Any] = await execute()
+            try:
+                reply: dict[str, Any] = await execute()
+            except OperationFailure as error:  # some commands raise where others reply
+                if CONFLICT_MARK not in str(error) and WAIT_MARK not in str(error):
+                    raise
+                reply = WireCommandExecutor.error_document(error)
             text = _error_text(reply)
             if in_transaction:
                 return self._after_transaction_command(body, reply, text)
@@ -417,15 +429,21 @@ class TransactionsOverWire:
                 "errorLabels": [TRANSIENT],
             }
         if name in ("commitTransaction", "abortTransaction") and self.running.get(key) == number:
-            self.running.pop(key, None)
             if name == "commitTransaction" and reply.get("ok"):
+                self.running.pop(key, None)
                 self.committed[key] = number
+            else:
+                self._abandon(key)  # whatever failed, mongoeco must not keep it open
         return reply
 
     def _reap(self) -> None:
         for txn in self.rules.expired(time.monotonic()):
             key = next(
-                (key for key, context in self.sessions._sessions.items() if context.session is txn.session),
+                (
+                    key
+                    for key, context in self.sessions._sessions.items()
+                    if context.session is txn.session
+                ),
                 None,
             )
             if key is not None:

@@ -58,8 +58,10 @@ async def test_the_second_writer_of_a_document_conflicts_at_its_write_and_the_fi
     await second.start_transaction()
     await db.c.update_one({"_id": 1}, {"$push": {"by": "first"}}, session=first)
     with pytest.raises(OperationFailure) as raised:
-        await db.c.update_one({"_id": 1}, {"$push": {"by": "second"}}, session=second)
+        await db.c.find_one_and_update({"_id": 1}, {"$push": {"by": "second"}}, session=second)
     assert raised.value.code == WRITE_CONFLICT
+    assert raised.value.details is not None
+    assert raised.value.details["codeName"] == "WriteConflict"
     assert is_transient(raised.value)
     # The conflicted transaction is aborted: its next command, and its commit, are refused.
     with pytest.raises(OperationFailure) as refused:
@@ -290,7 +292,9 @@ async def _one_schedule(db: Any, client: AsyncMongoClient[Any], seed: int) -> No
                     break
 
     await asyncio.gather(*(actor(name) for name in range(rng.randint(2, 4))))
-    counters = {d["_id"]: d.get("n") for d in await collection.find({"n": {"$exists": True}}).to_list()}
+    counters = {
+        d["_id"]: d.get("n") for d in await collection.find({"n": {"$exists": True}}).to_list()
+    }
     assert counters == {f"c{i}": expected[i] for i in range(COUNTERS)}, f"seed {seed}"
     others = {d["_id"] for d in await collection.find({"n": {"$exists": False}}).to_list()}
     assert others == inserted, f"seed {seed}"
