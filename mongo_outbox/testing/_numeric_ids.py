@@ -26,7 +26,7 @@ def _scalar_number(value: Any) -> bool:
 def install(engine: Any) -> None:
     """Key ``engine``'s ``_id``\\ s this way (before it holds any document)."""
     typed_key = engine._storage_key
-    contains_number = memory.id_contains_numeric_value
+    contains_number = memory.id_contains_numeric_value  # type: ignore[attr-defined]
     ensure_unique = engine._ensure_unique_indexes
     other_numbers = [False]  # an _id only a scan can compare was keyed
 
@@ -50,4 +50,4 @@ def install(engine: Any) -> None:
 
     engine._storage_key = storage_key
     engine._ensure_unique_indexes = ensure_unique_indexes
-    memory.id_contains_numeric_value = needs_scan
+    memory.id_contains_numeric_value = needs_scan  # type: ignore[attr-defined]
