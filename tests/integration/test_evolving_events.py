@@ -3,7 +3,8 @@
 and its upcasters, through redeliveries and replays, each effect once and seen as version 3;
 a consumer without the step it needs, or too old for a version, dead-letters the event with
 nothing lost, and handles it once a reader that knows it is deployed and the dead letter is
-requeued."""
+requeued. A FastStream subscriber with ``payload=Model`` gets the payload at its model's
+version."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+from faststream.nats import ConsumerConfig, JStream, NatsBroker
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
@@ -27,6 +29,7 @@ from mongo_outbox import (
     inbox_guard,
 )
 from mongo_outbox.consumers import consume_nats
+from mongo_outbox.faststream import inbox_handler
 from mongo_outbox.publishers import NatsPublisher
 from tests.support.cli import cli
 from tests.support.servers import NATS_URL, MongoServer
@@ -250,3 +253,48 @@ async def test_a_handler_reading_an_event_newer_than_its_model_dead_letters_it_a
     assert await inbox.requeue([event.id]) == 1
     assert (await upgraded.handle(event)).outcome is Outcome.HANDLED
     assert ran == [1, 1]
+
+
+async def test_a_faststream_subscriber_gets_the_payload_at_its_models_version(
+    db: Any, nats_client: Any, unique: str
+) -> None:
+    js = nats_client.jetstream()
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"])
+    try:
+        old = await save(db, PlacedV1(order="o-1", euros=4))
+        future = Event(type="order.placed", version=4, payload={"order": "o-2", "v4": True})
+        await Outbox(db).save_with_events(None, db.orders, {"_id": "o-2"}, [future])
+        await relay(db, unique)
+        got: list[Any] = []
+        full = Upcasters().register("order.placed", {1: v1_to_v2, 2: v2_to_v3})
+
+        broker = NatsBroker(NATS_URL)
+
+        @broker.subscriber(
+            f"{unique}.>",
+            stream=JStream(unique, declare=False),
+            queue="billing",
+            config=ConsumerConfig(ack_wait=30),
+        )
+        @inbox_handler(
+            Inbox(db, consumer="billing", transactional=True),
+            payload=PlacedV3,
+            upcasters=full,
+            backoff=FAST,
+        )
+        async def bill(placed: PlacedV3, session: Any) -> None:
+            got.append(placed)
+
+        async with broker:
+            await broker.start()
+            await until(drained(js, unique, "billing"), 30)
+        assert got == [PlacedV3(order="o-1", cents=400, currency="EUR")]
+        [record] = await Inbox(db, consumer="billing").failed()
+        assert (
+            record["message_id"] == future.id
+            and "newer than the version 3" in (record["last_error"])
+        )
+        assert record["event"]["version"] == 4 and record["event"]["payload"]["v4"] is True
+        assert old.version == 1
+    finally:
+        await js.delete_stream(unique)
