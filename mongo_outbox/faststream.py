@@ -178,7 +178,8 @@ def inbox_handler(
     dead-lettered at once (it would never fit).
 
     ``max_attempts``, ``backoff``, ``dead_letter`` and ``upcasters`` are ``inbox_guard``'s (with
-    ``payload=Model``, an event is brought to the model's ``event_version``); ``source`` and
+    ``payload=Model``, events are brought to the model's ``event_version`` instead of their
+    type's latest); ``source`` and
     ``rejected`` those of ``mongo_outbox.consumers``. ``delivery_limit`` is the subscription's
     ``max_deliver`` (NATS) or the quorum queue's ``x-delivery-limit`` (RabbitMQ): on the last
     delivery a failure is dead-lettered instead of lost. Setting ``stop`` (say, in the app's
@@ -199,7 +200,9 @@ def inbox_handler(
         max_attempts=max_attempts,
         backoff=backoff,
         dead_letter=dead_letter,
-        upcasters=upcasters,
+        # With a model, _typed upcasts to the model's version, which may be before the chain's
+        # latest; the guard would take it to the latest, past what the model reads.
+        upcasters=upcasters if payload is None else None,
     )
 
     def decorate(handler: _Handler) -> Callable[..., Awaitable[None]]:
@@ -232,8 +235,7 @@ def _typed(handler: _Handler, model: type[BaseModel], upcasters: Upcasters | Non
     @functools.wraps(handler)
     async def typed(event: Event, session: Any, **keywords: Any) -> None:
         try:
-            # The guard brought the event to its type's latest version; the model may want an
-            # earlier one of the chain. IncompatibleEventError goes on to the guard's verdict.
+            # An IncompatibleEventError goes on to the guard, which dead-letters it at once.
             value = event.payload_as(model, upcasters)
         except InvalidEventError as error:
             raise PoisonMessage(str(error)) from error

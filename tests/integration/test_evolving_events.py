@@ -298,3 +298,23 @@ async def test_a_faststream_subscriber_gets_the_payload_at_its_models_version(
         assert old.version == 1
     finally:
         await js.delete_stream(unique)
+
+
+async def test_inbox_handler_brings_an_event_to_its_models_version_not_past_it(db: Any) -> None:
+    got: list[Any] = []
+    full = Upcasters().register("order.placed", {1: v1_to_v2, 2: v2_to_v3})
+
+    @inbox_handler(
+        Inbox(db, consumer="mailer", transactional=False), payload=PlacedV2, upcasters=full
+    )
+    async def mail(placed: PlacedV2, session: Any) -> None:
+        got.append(placed)
+
+    guarded = mail.inbox.guarded  # type: ignore[attr-defined]
+    v1 = Event(type="order.placed", payload={"order": "o-1", "euros": 2})
+    assert (await guarded.handle(v1)).outcome is Outcome.HANDLED
+    assert got == [PlacedV2(order="o-1", cents=200)]  # v2, though the chain goes on to v3
+    v3 = Event.of(PlacedV3(order="o-2", cents=1, currency="EUR"), type="order.placed")
+    result = await guarded.handle(v3)
+    assert result.outcome is Outcome.DEAD_LETTERED and result.attempt == 1
+    assert "newer than the version 2 the model PlacedV2 reads" in (result.error or "")
