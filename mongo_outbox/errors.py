@@ -99,7 +99,7 @@ class IncompatibleEventError(OutboxError):
         cls, event: Event, supported: int, missing: int, reader: str
     ) -> IncompatibleEventError:
         return cls(
-            f"event {event.id} ({event.type}) is version {event.version} and {reader} reads "
+            f"event {event.id} ({event.type}) is version {event.version}; {reader} reads "
             f"version {supported}, and no upcaster from v{missing} is registered: register one",
             event_id=event.id,
             event_type=event.type,

@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+import pytest
 from faststream.nats import ConsumerConfig, JStream, NatsBroker
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
 from mongo_outbox import (
     Backoff,
+    ConfigurationError,
     Event,
     Inbox,
     Outbox,
@@ -318,3 +320,9 @@ async def test_inbox_handler_brings_an_event_to_its_models_version_not_past_it(d
     result = await guarded.handle(v3)
     assert result.outcome is Outcome.DEAD_LETTERED and result.attempt == 1
     assert "newer than the version 2 the model PlacedV2 reads" in (result.error or "")
+
+
+def test_the_guard_takes_an_upcasters_registry_and_nothing_else(db: Any) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        inbox_guard(Inbox(db, consumer="c"), upcasters={1: v1_to_v2})  # type: ignore[arg-type]
+    assert refused.value.setting == "inbox_guard.upcasters"
