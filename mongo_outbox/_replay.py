@@ -11,6 +11,7 @@ Nothing is written to MongoDB.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,8 @@ class Replayed:
     skipped: int = 0
     """Events not sent because an earlier event of their aggregate failed."""
     aggregates: int = 0
+    versions: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """How many of the events found are of each (type, version): what consumers will read."""
 
 
 async def replay(
@@ -80,6 +83,7 @@ async def replay(
         async for event in events:
             key = (event.aggregate_type, event.aggregate_id)
             result.found += 1
+            result.versions[(event.type, event.version)] += 1
             seen.add(key)
             if key in broken:
                 result.skipped += 1
