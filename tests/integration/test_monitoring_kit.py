@@ -34,7 +34,7 @@ SERIES = re.compile(r"\bmongo_outbox_[a-z_]+\b")
 GROUPED = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 MATCHED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
 # Only a relay group's members carry ``partition`` (metrics.relay_labels); the relay here is
-# not one. Grafana's own variables are not labels.
+# not one.
 GROUP_ONLY = {"partition"}
 
 CONSUMER = """
