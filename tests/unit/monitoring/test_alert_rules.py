@@ -9,30 +9,15 @@ on a developer's machine.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from mongo_outbox.monitoring import ALERTS
 
 UNIT_TESTS = Path(__file__).with_name("alerts_test.yml")
-INSTALL = "apt-get install -y --no-install-recommends prometheus"
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        message = f"promtool is not installed: {INSTALL} (Debian), as .ci/run does"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
