@@ -25,6 +25,7 @@ from mongo_outbox.cli.common import (
     target_options,
     to_json,
 )
+from mongo_outbox.cli.progress import progress
 
 
 @click.group()
@@ -132,7 +133,9 @@ async def _requeue(
         missing = sorted(set(event_ids) - set(chosen))
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
-        requeued = await store.requeue(chosen)
+        async with progress("requeue", "events", total=len(chosen)) as shown:
+            requeued = await store.requeue(chosen)
+            shown.add(requeued)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (

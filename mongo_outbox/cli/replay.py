@@ -23,6 +23,7 @@ from mongo_outbox.cli.common import (
     table,
     target_options,
 )
+from mongo_outbox.cli.progress import progress
 from mongo_outbox.publishers import Publisher
 
 
@@ -92,11 +93,13 @@ async def _replay(
         async def connect() -> Publisher:
             return await broker.connect(sample_event(target.collections))
 
-        return await replay(
-            conn.outbox,
-            None if dry_run else connect,
-            since=since,
-            until=until,
-            types=types,
-            aggregates=aggregates,
-        )
+        async with progress("replay", "events") as shown:
+            return await replay(
+                conn.outbox,
+                None if dry_run else connect,
+                since=since,
+                until=until,
+                types=types,
+                aggregates=aggregates,
+                progress=shown.add,
+            )
