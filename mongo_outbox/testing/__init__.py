@@ -20,17 +20,20 @@ unique indexes raise ``DuplicateKeyError``, TTL indexes delete expired documents
 pipelines work, and ``watch()`` works from any process (so ``ChangeStreamRelay`` does), which can
 be SIGKILLed and resume from its token.
 
-What the emulator cannot prove (measured with mongoeco 4.11); run those tests against a real
-replica set (a ``mongod --replSet`` in Docker, or your CI's):
+Its transactions behave as MongoDB's (mongoeco's own commit rules are replaced, see
+``docs/testing.md``): snapshot reads, write conflicts per document at the write (code 112,
+``TransientTransactionError``, so ``with_transaction`` retries), plain writes that wait for the
+transaction holding their document, and commits that apply exactly their own changes. So your
+tests may run transactions side by side. A transaction open longer than
+``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60) is aborted, as a server does.
 
-- It detects write conflicts per collection at commit, not per document at write time.
-- A conflicted commit may leave its writes behind, for a while or for good, and it also undoes
-  the writes other sessions made while the transaction was open (a checkpoint upsert in another
-  database vanished). Tests that run a relay beside a writer should save in embedded mode or
-  before the relay starts, or treat such saves as uncertain.
-- Its conflicts carry neither code 112 nor the ``TransientTransactionError`` label, so
-  ``with_transaction`` does not retry them.
-- Its writes cost O(collection size): keep data sets small.
+What the emulator cannot prove; run those tests against a real replica set (a
+``mongod --replSet`` in Docker, or your CI's):
+
+- A multi-document plain write that waited for a transaction runs again from its start (MongoDB
+  resumes where it waited): a non-idempotent ``update_many`` beside open transactions may change
+  some documents twice.
+- It reports itself standalone, so ``Inbox(transactional=None)`` picks the leased mode.
 - Its change streams are its own: a replica set's oplog, elections and a real
   ``ChangeStreamHistoryLost`` are not exercised.
 """
