@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -118,11 +119,14 @@ def test_the_demo_runs_from_a_fresh_virtualenv_with_no_broker_reachable(tmp_path
     print(f"installed in {installed:.1f} s, the demo ran in {ran:.1f} s")
     # It said, in one line and without the password, that it started a server of its own.
     [said] = [line for line in result.stderr.splitlines() if line.startswith("no broker")]
-    assert re.fullmatch(
+    started_here = re.fullmatch(
         r"no broker answered at nats://127\.0\.0\.1:1 or amqp://g:\*\*\*@127\.0\.0\.1:1/: "
-        r"started nats-server [\d.]+ with JetStream on port \d+ for this run",
+        r"started nats-server [\d.]+ with JetStream on port (\d+) for this run",
         said,
     )
+    assert started_here
+    with socket.socket() as probe:  # and stopped it at the end
+        assert probe.connect_ex(("127.0.0.1", int(started_here[1]))) != 0
     assert "s3cret-pw" not in result.stderr + result.stdout
     assert summary_of(result.stdout)["broker"].startswith("NATS JetStream (nats-server ")
     assert_every_event_arrived_once_in_order(result)
