@@ -176,7 +176,7 @@ async def find_broker(
         return broker, ""
     shown = f"no broker answered at {NATS_URL} or {redact_url(RABBITMQ_URL)}"
     try:
-        embedded: NatsServer = stack.enter_context(start_nats())
+        embedded: NatsServer = stack.enter_context(await asyncio.to_thread(start_nats))
     except ConfigurationError as error:
         return None, f"{shown}, and {error}: start NATS or RabbitMQ"
     print(f"{shown}: started {embedded.description} for this run", file=sys.stderr, flush=True)

@@ -4,11 +4,12 @@ JetStream server of its own.
 ::
 
     from pymongo import AsyncMongoClient
+    from mongo_outbox.publishers import NatsPublisher
     from mongo_outbox.testing import start_emulator, start_nats
 
     with start_emulator() as mongo, start_nats() as broker:
         client = AsyncMongoClient(mongo.uri, tz_aware=True)
-        publisher = NatsPublisher(broker.url)
+        publisher = await NatsPublisher.connect(broker.url, subject="orders.{type}")
         ...
 
 ``start_emulator()`` runs ``python -m mongo_outbox.testing.emulator`` in a subprocess: mongoeco's
