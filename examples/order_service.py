@@ -17,10 +17,8 @@ commit to the broker (p50 and max). Every tenth order is also saved a second tim
 (``expected_version=0``), which is refused: that save's event must never be published. Then the
 relay is stopped with SIGTERM, and ``mongo-outbox status`` shows the outbox as an operator would.
 
-Embedded mode is the default for now: the emulator cannot yet run collection mode's
-transactions beside a relay's writes (docs/testing.md); against a replica set (MONGODB_URI),
-``--mode collection`` works as well. Collection mode, the library's default, becomes the demo's
-with DEFAULT_MODE below.
+It runs the library's defaults: collection mode (each save in its own transaction, beside the
+relay's writes) and the relay's default settings. ``--mode embedded`` runs the other mode.
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ from mongo_outbox.testing import NatsServer, start_emulator, start_nats
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 RELAY = "demo-relay"
-# The mode the demo runs without --mode. "collection" (the library's default) once the emulator
-# runs its transactions beside a relay's writes; today a conflicted commit there fails the save.
-DEFAULT_MODE = "embedded"
+# The mode the demo runs without --mode: the library's default.
+DEFAULT_MODE = "collection"
 
 Arrived = Callable[[Event], None]
 """Called with each event as it arrives from the broker."""
