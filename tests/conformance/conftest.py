@@ -14,14 +14,17 @@ from typing import Any
 
 import pytest
 
+from tests.conformance.specs import NOTES
+
 OUTCOMES: dict[str, tuple[str, str]] = {}  # test key -> (outcome, reason)
-NOTES: set[str] = set()
+SECONDS = [0.0]  # setup, call and teardown of every spec test
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if "test_transaction_specs.py::test_spec[" not in report.nodeid:
         return
     key = report.nodeid.split("[", 1)[1].rsplit("]", 1)[0]
+    SECONDS[0] += report.duration
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if hasattr(report, "wasxfail"):
             outcome = "xfailed" if report.skipped else "XPASS"
@@ -39,7 +42,8 @@ def report_lines() -> list[str]:
         tally[outcome] += 1
     lines = [
         "MongoDB transactions specification tests: "
-        + ", ".join(f"{count} {outcome}" for outcome, count in sorted(tally.items())),
+        + ", ".join(f"{count} {outcome}" for outcome, count in sorted(tally.items()))
+        + f" ({SECONDS[0]:.1f} s)",
     ]
     lines += [f"note: {note}" for note in sorted(NOTES)]
     by_file: dict[str, list[tuple[str, str, str]]] = defaultdict(list)

@@ -24,6 +24,9 @@ FOLDERS = {
     "test/transactions-convenient-api/unified": "transactions-convenient-api",
 }
 DOWNLOAD_TIMEOUT = 300.0
+# What the report says about this run besides outcomes (the server under test, and how its
+# topology was evaluated); filled by the test module, printed by conftest.py.
+NOTES: set[str] = set()
 
 
 class SpecsUnavailable(Exception):

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from tests.conformance.specs import SpecsUnavailable, spec_files
+from tests.conformance.specs import NOTES, SpecsUnavailable, spec_files
 from tests.conformance.unified import (
     SCHEMA_VERSION,
     Entities,
@@ -36,7 +36,35 @@ pytestmark = pytest.mark.conformance
 
 # Tests the emulator fails for a reason understood and outside what our tests rely on; strict
 # xfails on the emulator, so a fix shows up. Keyed "folder/file.json: test description".
-EMULATOR_DIFFERENCES: dict[str, str] = {}
+STANDALONE_HELLO = "the emulator's hello reports a standalone (no setName), so PyMongo "
+EMULATOR_DIFFERENCES: dict[str, str] = {
+    "transactions/commit.json: write concern error on commit": (
+        "mongoeco accepts any write concern: commitTransaction with w: 10 on one node succeeds "
+        "where a server answers UnsatisfiableWriteConcern (100)"
+    ),
+    **{
+        f"transactions/read-pref.json: {mode} readPreference": (
+            STANDALONE_HELLO + "sends every read as primary (Server Selection: no read "
+            "preference to a standalone) and never raises 'read preference in a transaction "
+            "must be primary'"
+        )
+        for mode in ("secondary", "primaryPreferred", "nearest")
+    },
+    **{
+        f"transactions/run-command.json: {name}": (
+            STANDALONE_HELLO + "sends every read as primary and never raises 'read preference "
+            "in a transaction must be primary'"
+        )
+        for name in (
+            "run command fails with explicit secondary read preference",
+            "run command fails with secondary read preference from transaction options",
+        )
+    },
+    "transactions/retryable-writes.json: increment txnNumber": (
+        STANDALONE_HELLO + "does not make writes outside a transaction retryable (no txnNumber "
+        "on them): retryable writes need a replica set member or mongos"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,10 @@ def server(mongo: MongoServer) -> Server:
             "the emulator's hello reports a standalone (no setName); it is evaluated as the "
             "single-node replica set it stands in for"
         )
+    NOTES.add(
+        f"server: {mongo.description}, version {'.'.join(map(str, version))}, "
+        f"evaluated as topology {topology}" + (f" ({note})" if note else "")
+    )
     return Server(version, topology, mongo.kind, auth, note)
 
 

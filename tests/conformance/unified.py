@@ -573,6 +573,8 @@ class Runner:
 
     def _collection_aggregate(self, collection: Any, arguments: dict[str, Any]) -> Any:
         kwargs = self._kwargs(arguments, "pipeline", "session", "batchSize")
+        if "batch_size" in kwargs:  # aggregate() passes its keywords on as the command's
+            kwargs["batchSize"] = kwargs.pop("batch_size")
         return list(collection.aggregate(**kwargs))
 
     def _collection_bulkWrite(self, collection: Any, arguments: dict[str, Any]) -> Any:
