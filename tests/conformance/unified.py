@@ -119,8 +119,9 @@ class Matcher:
         if isinstance(expected, list):
             if not isinstance(actual, list) or len(actual) != len(expected):
                 raise Mismatch(f"{path or '<root>'}: expected {expected!r}, got {actual!r}")
+            # The documents of a root-level array (find's, aggregate's) are root-level too.
             for index, (value, got) in enumerate(zip(expected, actual, strict=True)):
-                self.match(value, got, f"{path}[{index}]", root=False)
+                self.match(value, got, f"{path}[{index}]", root=root)
             return
         if _is_number(expected) and _is_number(actual):
             if expected != actual:
