@@ -14,6 +14,7 @@ the run prints the tally and every skip; ``CONFORMANCE_REPORT=path`` writes it t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,16 @@ def server(mongo: MongoServer) -> Server:
     return Server(version, topology, mongo.kind, auth, note)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def drop_spec_databases(mongo: MongoServer) -> Iterator[set[str]]:
+    """The spec files name their databases ("transaction-tests"...): dropped after the run."""
+    names: set[str] = set()
+    yield names
+    with MongoClient(mongo.uri) as client:
+        for name in names:
+            client.drop_database(name)
+
+
 def _version(text: str) -> tuple[int, ...]:
     parts = [int(part) for part in text.split(".")]
     return tuple(parts + [0] * (3 - len(parts)))
@@ -198,7 +209,11 @@ def skip_reason(case: Case, server: Server) -> str | None:
 
 @pytest.mark.parametrize("case", _cases())
 def test_spec(
-    case: Case, mongo: MongoServer, server: Server, request: pytest.FixtureRequest
+    case: Case,
+    mongo: MongoServer,
+    server: Server,
+    drop_spec_databases: set[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     reason = skip_reason(case, server)
     if reason is not None:
@@ -206,6 +221,7 @@ def test_spec(
     if server.kind == "emulator" and case.key in EMULATOR_DIFFERENCES:
         reason = f"emulator: {EMULATOR_DIFFERENCES[case.key]}"
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    drop_spec_databases.update(entry["databaseName"] for entry in case.spec.get("initialData", []))
     entities = Entities(mongo.uri)
     with MongoClient(mongo.uri) as internal:
         runner = Runner(entities, internal)
