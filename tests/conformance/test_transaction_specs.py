@@ -137,7 +137,7 @@ def server(mongo: MongoServer) -> Server:
         )
     NOTES.add(
         f"server: {mongo.description}, version {'.'.join(map(str, version))}, "
-        f"evaluated as topology {topology}" + (f" ({note})" if note else "")
+        f"evaluated as topology {topology}" + (f": {note}" if note else "")
     )
     return Server(version, topology, mongo.kind, auth, note)
 
