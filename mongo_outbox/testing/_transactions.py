@@ -18,6 +18,12 @@ conflict and commit rules and keeps mongoeco's snapshots:
 - **Transaction numbers are checked** the way a server does: a command of a transaction that
   was aborted (by a conflict, or because it outlived ``TRANSACTION_LIFETIME``) gets
   ``NoSuchTransaction`` (251), never runs outside the transaction.
+- **A failed command ends its transaction**, as on a server: after a duplicate key (or any
+  other error) inside a transaction, its next command gets ``NoSuchTransaction``. A command a
+  server does not run in a transaction (``count``, ``listCollections``...) is refused with
+  ``OperationNotSupportedInTransaction`` (263) and aborts it too.
+- **A collection or index a transaction creates** (``create``, ``createIndexes`` on a new
+  collection) exists from its commit on, even when the transaction wrote no document.
 
 Everything here reaches into mongoeco's engine, so it is pinned to the version it was written
 for (``PINNED``); ``install`` refuses another one rather than guess.
@@ -42,6 +48,16 @@ from mongoeco.wire.executor import WireCommandExecutor
 PINNED = "4.11.0"
 WRITE_CONFLICT = 112
 NO_SUCH_TRANSACTION = 251
+OPERATION_NOT_SUPPORTED_IN_TRANSACTION = 263
+# The commands a server runs inside a multi-document transaction (MongoDB 7.0's allow list,
+# less its internal cluster* and prepare commands); any other is refused with code 263.
+ALLOWED_IN_TRANSACTION = frozenset(
+    {
+        "abortTransaction", "aggregate", "bulkWrite", "commitTransaction", "create",
+        "createIndexes", "delete", "distinct", "find", "findAndModify", "findandmodify",
+        "getMore", "insert", "killCursors", "update",
+    }
+)  # fmt: skip
 TRANSIENT = "TransientTransactionError"
 # A server aborts a transaction that stays open longer than transactionLifetimeLimitSeconds
 # (60 s by default); a client SIGKILLed mid-transaction would otherwise hold its documents forever.
@@ -290,7 +306,12 @@ class Transactions:
         """A collection the transaction created exists live from its commit on."""
         engine = self.engine
         state = txn.state
-        if coll_name not in state.storage.get(db_name, {}):
+        created = (
+            coll_name in state.storage.get(db_name, {})
+            or coll_name in state.collections.get(db_name, set())
+            or bool(state.indexes.get(db_name, {}).get(coll_name))
+        )  # createIndexes on a new collection registers it and its indexes, stores nothing
+        if not created:
             return
         if coll_name in engine._storage.get(db_name, {}):
             return
@@ -368,10 +389,15 @@ class TransactionsOverWire:
         name = next(iter(body))
         if body.get("startTransaction"):
             self._abandon(key)  # a new number aborts the session's older transaction
+            if name not in ALLOWED_IN_TRANSACTION:
+                return _not_in_transaction(name)
             self.running[key] = number
             return None
         if self.running.get(key) == number:
-            return None
+            if name in ALLOWED_IN_TRANSACTION:
+                return None
+            self._abandon(key)
+            return _not_in_transaction(name)
         if name == "commitTransaction" and self.committed.get(key) == number:
             return {"ok": 1.0}  # a retried commit of a committed transaction
         return {
@@ -428,6 +454,10 @@ class TransactionsOverWire:
                 "errmsg": text.split(CONFLICT_MARK, 1)[0].strip(),
                 "errorLabels": [TRANSIENT],
             }
+        failed = not reply.get("ok") or bool(reply.get("writeErrors"))
+        if failed and name not in ("commitTransaction", "abortTransaction"):
+            self._abandon(key)  # a server aborts a transaction whose command failed
+            return reply
         if name in ("commitTransaction", "abortTransaction") and self.running.get(key) == number:
             if name == "commitTransaction" and reply.get("ok"):
                 self.running.pop(key, None)
@@ -450,6 +480,15 @@ class TransactionsOverWire:
                 self._abandon(key)
             elif txn.session.transaction_active:
                 txn.session.abort_transaction()
+
+
+def _not_in_transaction(name: str) -> dict[str, Any]:
+    return {
+        "ok": 0.0,
+        "code": OPERATION_NOT_SUPPORTED_IN_TRANSACTION,
+        "codeName": "OperationNotSupportedInTransaction",
+        "errmsg": f"Cannot run '{name}' in a multi-document transaction.",
+    }
 
 
 def _error_text(reply: dict[str, Any]) -> str:
