@@ -83,12 +83,12 @@ class BeanieOutbox:
         settings = document.get_settings()
         if settings.use_revision:
             document.revision_id = uuid4()
-        body = self._body(document, _new_id(document))
-        body["_id"] = document.id
+        doc_id = _new_id(document)
+        body = {"_id": doc_id, **self._body(document)}
         saved = await self.outbox.save_with_events(
             session, _collection(document), body, events, expected_version=0
         )
-        _after_write(document, saved)
+        _after_write(document, doc_id, saved)
         await _actions(document, EventTypes.INSERT, ActionDirections.AFTER, skip_actions)
         return saved
 
@@ -108,11 +108,12 @@ class BeanieOutbox:
         await _actions(document, EventTypes.UPDATE, ActionDirections.BEFORE, skip_actions)
         doc_id = _new_id(document)
         settings = document.get_settings()
-        update: dict[str, Any] = {"$set": self._body(document, doc_id)}
+        update: dict[str, Any] = {"$set": self._body(document)}
         if not settings.keep_nulls:
-            nones = get_top_level_nones(document)
+            owned = self.outbox._reserved
+            nones = {key: "" for key in get_top_level_nones(document) if key not in owned}
             if nones:
-                update["$unset"] = {key: "" for key in nones}
+                update["$unset"] = nones
         saved = await self._update(
             document,
             doc_id,
@@ -123,7 +124,7 @@ class BeanieOutbox:
             ignore_revision=ignore_revision,
             upsert=True,
         )
-        _after_write(document, saved)
+        _after_write(document, doc_id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         await _actions(document, EventTypes.SAVE, ActionDirections.AFTER, skip_actions)
         return saved
@@ -173,7 +174,7 @@ class BeanieOutbox:
         stored = await _collection(document).find_one({"_id": document.id}, session=session)
         if stored is not None:
             merge_models(document, type(document).model_validate(stored))
-        _after_write(document, saved)
+        _after_write(document, document.id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         return saved
 
@@ -212,13 +213,12 @@ class BeanieOutbox:
         await _actions(document, EventTypes.DELETE, ActionDirections.AFTER, skip_actions)
         return saved
 
-    def _body(self, document: Document, doc_id: Any) -> dict[str, Any]:
+    def _body(self, document: Document) -> dict[str, Any]:
         """The model's fields as Beanie stores them, without ``_id`` and the outbox's fields.
 
         The ``_id`` goes to the outbox as it is, a UUID too: Beanie would encode it as a BSON
         Binary, which the outbox does not take for an aggregate id; it encodes the UUID by the
         client's ``uuidRepresentation``, which must then be ``"standard"``, as Beanie's is."""
-        document.id = doc_id
         settings = document.get_settings()
         body: dict[str, Any] = get_dict(document, to_db=True, keep_nulls=settings.keep_nulls)
         owned = self.outbox._reserved
@@ -287,9 +287,11 @@ def _new_id(document: Document) -> Any:
     )
 
 
-def _after_write(document: Document, saved: Saved) -> None:
-    """What Beanie does after its own write: the saved state (state management), and here the
-    outbox's version in a field aliased ``_version``."""
+def _after_write(document: Document, doc_id: Any, saved: Saved) -> None:
+    """What Beanie does after its own write: the id (a new one is the document's only once it
+    is stored), the saved state (state management), and here the outbox's version in a field
+    aliased ``_version``."""
+    document.id = doc_id
     for name, field in type(document).model_fields.items():
         if field.alias == "_version":
             setattr(document, name, saved.version)

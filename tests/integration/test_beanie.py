@@ -149,6 +149,17 @@ async def test_an_invalid_document_writes_nothing(models: Any, mode: str) -> Non
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_refused_save_leaves_a_new_document_without_an_id(models: Any, mode: str) -> None:
+    orders = outbox_of(models, mode)
+    order = Order(customer="ada", total=1)
+    with pytest.raises(ConcurrencyError):
+        await orders.save(order, [Event(type="order.placed")], expected_version=3)
+    assert order.id is None and order.version == 0
+    await orders.save(order, [Event(type="order.placed")])
+    assert order.id is not None and order.version == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_updates_with_beanie_operators_refresh_the_document(models: Any, mode: str) -> None:
     orders = outbox_of(models, mode)
     order = Order(customer="ada", total=1)
