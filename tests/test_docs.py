@@ -68,8 +68,14 @@ async def test_block_runs(
         "RABBITMQ_URL": RABBITMQ_URL,
     }
     try:
+        # dont_inherit: a block runs as written, without this module's __future__ annotations
+        # (pydantic models in a block resolve their annotations where they are defined).
         code = compile(
-            "\n" * (line - 1) + source, str(path), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+            "\n" * (line - 1) + source,
+            str(path),
+            "exec",
+            flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+            dont_inherit=True,
         )
         result = eval(code, namespace)
         if inspect.iscoroutine(result):

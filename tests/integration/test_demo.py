@@ -159,3 +159,28 @@ def test_the_cart_example_rebuilds_every_total_from_its_typed_events(
     assert summary["abandoned carts left"] == "0"
     assert summary["totals rebuilt from events match the carts"] == "True"
     assert summary["sequences gap-free per cart"] == "True"
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+def test_the_beanie_example_rebuilds_every_total_from_its_typed_events(
+    mongo: MongoServer, mode: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "examples/beanie_service.py", "--orders", "20", "--mode", mode],
+        cwd=ROOT,
+        env=os.environ | {"MONGODB_URI": mongo.uri},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line.split("  ", 1) for line in result.stdout.splitlines() if "  " in line]
+    summary = {key.strip(): value.strip() for key, value in lines}
+    # 20 orders placed, every third repriced (7), every second a line added (10), all but every
+    # fifth paid (16).
+    assert summary["events published"] == str(20 + 7 + 10 + 16)
+    assert summary["orders paid"] == "16"
+    assert summary["names tidied by the action"] == "True"
+    assert summary["totals rebuilt from events match the orders"] == "True"
+    assert summary["sequences gap-free per order"] == "True"

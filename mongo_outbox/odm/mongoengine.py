@@ -1,0 +1,225 @@
+"""MongoEngine documents saved with their events: ``MongoEngineOutbox(outbox)``, on the sync API.
+
+MongoEngine writes with its own commands on PyMongo's ``MongoClient``, which an outbox cannot
+join with the events' write. So ``MongoEngineOutbox`` makes the write itself through a
+``mongo_outbox.sync.Outbox`` (the same rules and storage as ``save_with_events``) and does around
+it what MongoEngine's method of the same name does around its own:
+
+- ``save`` as ``Document.save``: ``pre_save``, validation (``clean`` included),
+  ``pre_save_post_validation`` and ``post_save`` with ``created``. A new document is inserted,
+  or replaced by ``_id`` (``save_with_events``); a loaded one gets the ``$set``/``$unset`` of its
+  changed fields, guarded by ``save_condition`` as MongoEngine guards it. Unlike MongoEngine, a
+  loaded document deleted meanwhile is not re-created from its changed fields alone: the save
+  raises ``AggregateNotFoundError``.
+- ``modify`` as ``Document.modify``: Django-style update keywords (``set__status="paid"``,
+  ``inc__total=5``, ``push__lines="pen"``) and a ``query`` that must hold too, then the document
+  reloaded from what was stored. MongoEngine sends no signal for it, nor does this.
+- ``delete`` as ``Document.delete``: ``pre_delete`` and ``post_delete`` (collection mode only, as
+  for ``delete_with_events``).
+
+Each takes ``events``, ``session`` (a PyMongo ``ClientSession`` of MongoEngine's connection, or
+None) and ``expected_version`` as the outbox does, and returns its ``Saved``. The fields the
+outbox owns are never sent from the model, and a model needs ``meta = {"strict": False}`` to load
+a document that holds them (MongoEngine refuses undeclared fields otherwise). A field stored as
+``_version`` (``version = IntField(db_field="_version", default=0)``) is loaded by MongoEngine
+and kept up to date here, for ``expected_version``. A failed ``save_condition`` raises
+``SaveConditionConflictError``: MongoEngine's ``SaveConditionError`` and an ``OutboxError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from bson import ObjectId
+from mongoengine import Document, ObjectIdField, signals
+from mongoengine.errors import InvalidDocumentError, SaveConditionError
+from mongoengine.queryset import transform
+
+from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError, OutboxError
+from mongo_outbox.events import Event
+from mongo_outbox.outbox import Saved
+from mongo_outbox.sync import Outbox
+
+__all__ = ["MongoEngineOutbox", "SaveConditionConflictError"]
+
+D = TypeVar("D", bound=Document)
+
+
+class SaveConditionConflictError(OutboxError, SaveConditionError):  # type: ignore[misc]
+    """The stored document does not satisfy ``save_condition`` (or ``modify``'s ``query``): it
+    changed meanwhile. Nothing was written. Caught as MongoEngine's ``SaveConditionError`` too."""
+
+    def __init__(self, message: str, *, collection: str, aggregate_id: Any) -> None:
+        super().__init__(message)
+        self.collection = collection
+        self.aggregate_id = aggregate_id
+
+
+class MongoEngineOutbox:
+    """Saves MongoEngine documents with their events through ``outbox``.
+
+    Parameters:
+        outbox: a ``mongo_outbox.sync.Outbox`` over MongoEngine's database
+            (``mongoengine.get_db(alias)``, the same client): the documents' collections must be
+            its own.
+    """
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def save(
+        self,
+        document: D,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+        validate: bool = True,
+        clean: bool = True,
+        save_condition: Mapping[str, Any] | None = None,
+        signal_kwargs: Mapping[str, Any] | None = None,
+    ) -> Saved:
+        """Insert or update ``document`` with ``events``, as ``Document.save`` writes it."""
+        kwargs = dict(signal_kwargs or {})
+        cls = type(document)
+        if document._meta.get("abstract"):
+            raise InvalidDocumentError("Cannot save an abstract document.")
+        signals.pre_save.send(cls, document=document, **kwargs)
+        if validate:
+            document.validate(clean=clean)
+        doc_id = document.to_mongo(fields=[document._meta["id_field"]])
+        created = "_id" not in doc_id or document._created
+        signals.pre_save_post_validation.send(cls, document=document, created=created, **kwargs)
+        body = self._body(document.to_mongo())
+        collection = cls._get_collection()
+        if created:
+            if "_id" not in body:
+                body["_id"] = _new_id(document, collection)
+            saved = self.outbox.save_with_events(
+                session, collection, body, events, expected_version=expected_version
+            )
+        else:
+            updates, removals = document._delta()
+            update: dict[str, Any] = {}
+            if updates := self._body(updates):
+                update["$set"] = updates
+            if removals := self._body(removals):
+                update["$unset"] = removals
+            query: dict[str, Any] = {}
+            if save_condition is not None:
+                query = transform.query(cls, **save_condition)
+            query["_id"] = body["_id"]
+            if not update:
+                # Nothing changed, and the events still go: the fields set as they are.
+                update = {"$set": {key: value for key, value in body.items() if key != "_id"}}
+            saved = self._update(document, query, update, events, session, expected_version)
+        document[document._meta["id_field"]] = document._fields[
+            document._meta["id_field"]
+        ].to_python(saved.id)
+        _set_version(document, saved)
+        signals.post_save.send(cls, document=document, created=created, **kwargs)
+        document._clear_changed_fields()
+        document._created = False
+        return saved
+
+    def modify(
+        self,
+        document: D,
+        events: Sequence[Event],
+        *,
+        query: Mapping[str, Any] | None = None,
+        session: Any = None,
+        expected_version: int | None = None,
+        **update: Any,
+    ) -> Saved:
+        """Apply Django-style ``update`` keywords to the stored ``document`` with ``events``,
+        only while ``query`` holds too, then reload ``document`` from what was stored."""
+        cls = type(document)
+        if document.pk is None:
+            raise InvalidDocumentError("The document does not have a primary key.")
+        condition: dict[str, Any] = transform.query(cls, **dict(query or {}))
+        condition["_id"] = document.to_mongo(fields=[document._meta["id_field"]])["_id"]
+        raw = transform.update(cls, **update)
+        saved = self._update(document, condition, raw, events, session, expected_version)
+        stored = cls._get_collection().find_one({"_id": condition["_id"]}, session=session)
+        if stored is not None:
+            fresh = cls._from_son(stored)
+            for field in document._fields_ordered:
+                setattr(document, field, document._reload(field, fresh[field]))
+        _set_version(document, saved)
+        document._clear_changed_fields()
+        document._created = False
+        return saved
+
+    def delete(
+        self,
+        document: D,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+        signal_kwargs: Mapping[str, Any] | None = None,
+    ) -> Saved:
+        """Delete ``document`` with ``events`` (collection mode), as ``Document.delete``."""
+        kwargs = dict(signal_kwargs or {})
+        cls = type(document)
+        signals.pre_delete.send(cls, document=document, **kwargs)
+        doc_id = document.to_mongo(fields=[document._meta["id_field"]])["_id"]
+        saved = self.outbox.delete_with_events(
+            session,
+            cls._get_collection(),
+            {"_id": doc_id},
+            events,
+            expected_version=expected_version,
+        )
+        signals.post_delete.send(cls, document=document, **kwargs)
+        return saved
+
+    def _body(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """``fields`` without the outbox's own: they are never taken from the model."""
+        owned = self.outbox._reserved
+        return {key: value for key, value in fields.items() if key.split(".")[0] not in owned}
+
+    def _update(
+        self,
+        document: Document,
+        query: dict[str, Any],
+        update: dict[str, Any],
+        events: Sequence[Event],
+        session: Any,
+        expected_version: int | None,
+    ) -> Saved:
+        collection = type(document)._get_collection()
+        try:
+            return self.outbox.update_with_events(
+                session, collection, query, update, events, expected_version=expected_version
+            )
+        except AggregateNotFoundError as error:
+            if len(query) > 1 and collection.count_documents(
+                {"_id": query["_id"]}, session=session
+            ):
+                raise SaveConditionConflictError(
+                    f"{collection.name} {query['_id']!r} does not satisfy the condition {query!r}",
+                    collection=collection.name,
+                    aggregate_id=query["_id"],
+                ) from error
+            raise
+
+
+def _new_id(document: Document, collection: Any) -> Any:
+    """A new ObjectId for a model whose primary key is MongoEngine's default ``ObjectIdField``."""
+    if isinstance(document._fields[document._meta["id_field"]], ObjectIdField):
+        return ObjectId()
+    raise InvalidAggregateError(
+        f"{type(document).__name__} has no primary key, and its type is not an ObjectId the "
+        "outbox can make: set it before saving",
+        collection=collection.name,
+    )
+
+
+def _set_version(document: Document, saved: Saved) -> None:
+    """The outbox's version in the field stored as ``_version``, if the model has one."""
+    for name, field in document._fields.items():
+        if field.db_field == "_version":
+            document._data[name] = saved.version

@@ -1,0 +1,92 @@
+"""ODMantic instances saved with their events: ``ODManticOutbox(engine, outbox)``.
+
+ODMantic's ``AIOEngine.save`` writes an instance with its own command (on Motor), which an
+outbox cannot join with the events' write. So ``ODManticOutbox.save`` makes the same write
+through the ``Outbox``: the ``$set`` of the fields ODMantic would send (those modified since the
+last save, and the mutable ones; all of them for an instance with none to send, since its events
+still go), upserted by the primary key, with the counters and entries of ``update_with_events``.
+``delete`` is ``delete_with_events`` (collection mode only).
+
+ODMantic has no event hooks and no revision field; its validation is pydantic's, at construction
+and assignment, so an invalid instance never reaches a save. It ignores fields a model does not
+declare, so it loads documents holding the outbox's fields, and its own ``save`` (a ``$set``)
+leaves them where they are. Referenced instances are not saved here: save them first, with the
+engine, in the same session if they must commit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from odmantic import AIOEngine, Model
+
+from mongo_outbox.events import Event
+from mongo_outbox.outbox import Outbox, Saved
+
+__all__ = ["ODManticOutbox"]
+
+
+class ODManticOutbox:
+    """Saves ODMantic instances with their events through ``outbox``.
+
+    Parameters:
+        engine: the application's ``AIOEngine``: its database names the instances' collections.
+        outbox: a ``mongo_outbox.Outbox`` over ``engine.database`` (the engine's Motor client):
+            the collections must be its own.
+    """
+
+    def __init__(self, engine: AIOEngine, outbox: Outbox) -> None:
+        self.engine = engine
+        self.outbox = outbox
+
+    async def save(
+        self,
+        instance: Model,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+    ) -> Saved:
+        """Insert or update ``instance`` with ``events``, as ``AIOEngine.save`` writes it.
+        ``session``: an ODMantic ``AIOSession``/``AIOTransaction`` or a Motor session."""
+        fields = instance.__fields_modified__ | instance.__mutable_fields__
+        owned = self.outbox._reserved
+        primary = instance.__primary_field__
+        body = instance.model_dump_doc(include=fields or None)
+        key = instance.model_dump_doc(include={primary})
+        changed = {k: v for k, v in body.items() if k != "_id" and k not in owned}
+        saved = await self.outbox.update_with_events(
+            _driver_session(session),
+            self.engine.get_collection(type(instance)),
+            key,
+            {"$set": changed},
+            events,
+            upsert=True,
+            expected_version=expected_version,
+        )
+        object.__setattr__(instance, "__fields_modified__", set())
+        return saved
+
+    async def delete(
+        self,
+        instance: Model,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+    ) -> Saved:
+        """Delete ``instance`` with ``events`` (collection mode), as ``AIOEngine.delete``."""
+        return await self.outbox.delete_with_events(
+            _driver_session(session),
+            self.engine.get_collection(type(instance)),
+            instance.model_dump_doc(include={instance.__primary_field__}),
+            events,
+            expected_version=expected_version,
+        )
+
+
+def _driver_session(session: Any) -> Any:
+    """ODMantic's session objects hold the Motor session the outbox joins."""
+    driver = getattr(session, "get_driver_session", None)
+    return driver() if driver is not None else session

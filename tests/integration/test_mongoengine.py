@@ -1,0 +1,203 @@
+"""MongoEngine documents saved with their events through ``MongoEngineOutbox`` and the sync
+outbox, on the real MongoEngine, in both modes: the document and its events in one write,
+MongoEngine's validation, signals and save_condition kept, the outbox's fields loadable."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import mongoengine as me
+import pytest
+from bson import ObjectId
+from mongoengine import signals
+from pydantic import BaseModel
+
+from mongo_outbox import ConcurrencyError, Event, Outbox, PollingRelay
+from mongo_outbox.odm.mongoengine import MongoEngineOutbox, SaveConditionConflictError
+from mongo_outbox.publishers import MemoryPublisher
+from mongo_outbox.sync import Outbox as SyncOutbox
+from tests.support.servers import MongoServer
+
+MODES = ["collection", "embedded"]
+SIGNALS: list[str] = []
+
+
+class OrderPlaced(BaseModel):
+    """An ODM-free payload: what consumers read back with payload_as."""
+
+    total: int
+
+
+class Order(me.Document):
+    customer = me.StringField(required=True, min_length=1)
+    total = me.IntField(min_value=0, required=True)
+    lines = me.ListField(me.StringField())
+    placed_by = me.StringField(db_field="placedBy")
+    version = me.IntField(db_field="_version", default=0)
+    meta = {"collection": "orders", "strict": False}  # noqa: RUF012
+
+    def clean(self) -> None:
+        self.customer = self.customer.strip()
+
+
+class Ticket(me.Document):
+    """A custom _id type."""
+
+    id = me.UUIDField(primary_key=True, binary=True, default=uuid.uuid4)
+    title = me.StringField()
+    meta = {"collection": "tickets", "strict": False}  # noqa: RUF012
+
+
+def record(name: str) -> Any:
+    def receiver(sender: Any, document: Any, **kwargs: Any) -> None:
+        created = kwargs.get("created")
+        SIGNALS.append(name if created is None else f"{name} created={created}")
+
+    return receiver
+
+
+RECEIVERS = {
+    signals.pre_save: record("pre_save"),
+    signals.pre_save_post_validation: record("pre_save_post_validation"),
+    signals.post_save: record("post_save"),
+    signals.pre_delete: record("pre_delete"),
+    signals.post_delete: record("post_delete"),
+}
+
+
+@pytest.fixture
+def engine(db: Any, mongo: MongoServer) -> Iterator[Any]:
+    """MongoEngine connected to the test's database; its classes forget the last one's."""
+    me.connect(db=db.name, host=mongo.uri, tz_aware=True, uuidRepresentation="standard")
+    for model in (Order, Ticket):
+        model._collection = None
+    for signal, receiver in RECEIVERS.items():
+        signal.connect(receiver, sender=Order)
+    SIGNALS.clear()
+    yield me.get_db()
+    for signal, receiver in RECEIVERS.items():
+        signal.disconnect(receiver, sender=Order)
+    me.disconnect()
+
+
+def outbox_of(database: Any, mode: str) -> MongoEngineOutbox:
+    outbox = SyncOutbox(database, mode=mode, collections=["orders", "tickets"])  # type: ignore[arg-type]
+    return MongoEngineOutbox(outbox)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_saved_document_and_its_events_load_back_in_mongoengine(
+    engine: Any, db: Any, mode: str
+) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer=" ada ", total=10, placed_by="web")
+    saved = orders.save(order, [Event.of(OrderPlaced(total=10), type="order.placed")])
+    assert isinstance(order.id, ObjectId) and saved.id == order.id and saved.version == 1
+    assert order.version == 1 and order.customer == "ada"  # clean() ran before the write
+    stored = engine.orders.find_one({"_id": order.id})
+    assert stored["placedBy"] == "web" and stored["_version"] == 1
+    loaded = Order.objects.get(id=order.id)
+    assert (loaded.total, loaded.version) == (10, 1)
+    loaded.total = 12
+    orders.save(loaded, [Event(type="order.repriced")], expected_version=1)
+    loaded.lines = ["book"]
+    loaded.save()  # MongoEngine's own save keeps the outbox's fields
+    again = engine.orders.find_one({"_id": order.id})
+    assert (again["_version"], again["total"], again["lines"]) == (2, 12, ["book"])
+    if mode == "embedded":
+        assert [e["type"] for e in again["_outbox"]] == ["order.placed", "order.repriced"]
+    publisher = MemoryPublisher()
+    relay_outbox = Outbox(db, mode=mode, collections=["orders", "tickets"])  # type: ignore[arg-type]
+    assert await PollingRelay(relay_outbox, publisher).drain() == 2
+    first = publisher.events[0]
+    assert (first.aggregate_id, first.sequence) == (str(order.id), 1)  # an ObjectId as JSON
+    assert first.payload_as(OrderPlaced) == OrderPlaced(total=10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_signals_fire_as_mongoengine_fires_them(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    order.total = 2
+    orders.save(order, [Event(type="order.repriced")])
+    assert SIGNALS == [
+        "pre_save",
+        "pre_save_post_validation created=True",
+        "post_save created=True",
+        "pre_save",
+        "pre_save_post_validation created=False",
+        "post_save created=False",
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_invalid_document_writes_nothing(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    with pytest.raises(me.ValidationError):
+        orders.save(Order(customer="ada", total=-1), [Event(type="order.placed")])
+    assert engine.orders.count_documents({}) == 0
+    assert engine.outbox.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modify_with_django_style_keywords_reloads_the_document(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    saved = orders.modify(order, [Event(type="added")], push__lines="book", inc__total=4)
+    assert saved.version == 2 and order.version == 2
+    assert (order.lines, order.total) == (["book"], 5)
+    with pytest.raises(SaveConditionConflictError):
+        orders.modify(order, [Event(type="x")], query={"total": 1}, set__total=0)
+    with pytest.raises(ConcurrencyError):
+        orders.modify(order, [Event(type="x")], expected_version=1, set__total=0)
+    assert Order.objects.get(id=order.id).total == 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_condition_and_expected_version_guard_a_save(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    stale = Order.objects.get(id=order.id)
+    order.total = 2
+    orders.save(order, [Event(type="order.repriced")], save_condition={"total": 1})
+    stale.total = 3
+    with pytest.raises(me.errors.SaveConditionError):  # MongoEngine's own error, too
+        orders.save(stale, [Event(type="order.repriced")], save_condition={"total": 1})
+    with pytest.raises(ConcurrencyError):
+        orders.save(stale, [Event(type="order.repriced")], expected_version=stale.version)
+    assert Order.objects.get(id=order.id).total == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_uuid_primary_key_is_the_aggregate_id(engine: Any, mode: str) -> None:
+    tickets = outbox_of(engine, mode)
+    ticket = Ticket(title="printer")
+    saved = tickets.save(ticket, [Event(type="ticket.opened")])
+    assert isinstance(saved.id, uuid.UUID) and saved.id == ticket.id
+    assert saved.events[0].aggregate_id == str(ticket.id)
+    assert Ticket.objects.get(id=ticket.id).title == "printer"
+
+
+def test_delete_records_its_event_in_collection_mode(engine: Any) -> None:
+    orders = outbox_of(engine, "collection")
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    deleted = orders.delete(order, [Event(type="order.deleted")], expected_version=1)
+    assert deleted.version == 2 and Order.objects(id=order.id).count() == 0
+    assert engine.outbox.count_documents({"aggregate_id": str(order.id)}) == 2
+    assert SIGNALS[-2:] == ["pre_delete", "post_delete"]
+
+
+def test_a_save_joins_the_callers_transaction(engine: Any) -> None:
+    orders = outbox_of(engine, "collection")
+    with me.get_connection().start_session() as session:
+        with session.start_transaction():
+            orders.save(Order(customer="ada", total=1), [Event(type="x")], session=session)
+            session.abort_transaction()
+    assert engine.orders.count_documents({}) == 0
+    assert engine.outbox.count_documents({}) == 0
