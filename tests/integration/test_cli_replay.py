@@ -11,7 +11,7 @@ import pytest
 
 from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import MemoryPublisher
-from tests.support.cli import cli
+from tests.support.cli import cli, environment
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 
 
@@ -154,3 +154,24 @@ async def test_replay_refuses_a_time_it_cannot_read(
     ran = await cli("replay", f"--uri={mongo.uri}", "--nats=nats://x:4222", f"--since={since}")
     assert ran.code == 1 and "--since" in ran.err and len(ran.err.splitlines()) == 1
     assert json.dumps(ran.out) == '""'
+
+
+async def test_the_dry_run_twin_in_the_environment_sends_nothing(
+    mongo: MongoServer, db: Any, channel: Any, unique: str
+) -> None:
+    await published_history(db)
+    queue = await rabbitmq_queue(channel, unique, "#")
+    twins = environment(
+        MONGO_OUTBOX_URI=mongo.uri,
+        MONGO_OUTBOX_DB=db.name,
+        MONGO_OUTBOX_RABBITMQ=RABBITMQ_URL,
+        MONGO_OUTBOX_EXCHANGE=unique,
+        MONGO_OUTBOX_SINCE="1h",
+        MONGO_OUTBOX_DRY_RUN="1",
+    )
+
+    ran = await cli("replay", env=twins)
+
+    assert ran.code == 0, ran.output
+    assert ran.out.strip() == "would republish 9 events of 3 aggregates", ran.output
+    assert await drain_queue(queue) == []
