@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 import signal
 from typing import Any
@@ -48,6 +49,17 @@ log = logging.getLogger("mongo_outbox.cli")
 Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 
 
+def _default(relay: type, parameter: str) -> float:
+    """A relay's own default, so that the command line's cannot drift from the library's."""
+    return float(inspect.signature(relay).parameters[parameter].default)
+
+
+# The change-stream relay's leader lease and a group member's lease are defaults of their own:
+# a member's must leave room for a publish within it (at least 2.5 times the publish timeout).
+LEADER_LEASE = _default(ChangeStreamRelay, "leader_lease")
+MEMBER_LEASE = _default(RelayGroup, "lease")
+
+
 @click.command()
 @target_options
 @broker_options
@@ -65,7 +77,12 @@ Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 @option("--publish-timeout", type=float, default=10.0, show_default=True, help="Seconds per ack.")
 @option("--interval", type=float, default=1.0, show_default=True, help="Polling: idle seconds.")
 @option("--max-wait", type=float, default=0.05, show_default=True, help="Seconds a batch waits.")
-@option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
+@option(
+    "--leader-lease",
+    type=float,
+    help=f"Seconds a lease lasts without renewal [default: {LEADER_LEASE:g}; a group member's: "
+    f"{MEMBER_LEASE:g}].",
+)
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
 @option(
@@ -129,11 +146,14 @@ class _Plan:
         )
         self.interval = seconds(given["interval"], "--interval")
         self.max_wait = seconds(given["max_wait"], "--max-wait")
-        self.leader_lease = seconds(given["leader_lease"], "--leader-lease")
+        self.partitions: int | None = given.get("partitions")
+        lease = given["leader_lease"]
+        if lease is None:
+            lease = LEADER_LEASE if self.partitions is None else MEMBER_LEASE
+        self.leader_lease = seconds(lease, "--leader-lease")
         self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
         self.linger = seconds(given["metrics_linger"], "--metrics-linger", zero=True)
-        self.partitions: int | None = given.get("partitions")
         if self.partitions is not None:
             count(self.partitions, "--partitions")
             if self.leader_lease < 2.5 * self.settings.timeout:
