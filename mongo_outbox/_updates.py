@@ -112,8 +112,7 @@ def check_array_filters(
         array_filters, (list, tuple)
     ):
         raise InvalidAggregateError(
-            f"array_filters must be a list of filter documents, not "
-            f"{type(array_filters).__name__}",
+            f"array_filters must be a list of filter documents, not {type(array_filters).__name__}",
             collection=collection,
         )
     if not isinstance(update, dict):

@@ -268,11 +268,14 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
     task = asyncio.ensure_future(relay.run())
     stopping: list[signal.Signals] = []
     lingering = asyncio.Event()
+    # Why the relay was cancelled, and its state then (what it held), for the last line.
+    forced: list[tuple[str, str]] = []
     if endpoint is not None:
         endpoint.state = lambda: _state(relay, task)
 
-    def force() -> None:
+    def force(why: str) -> None:
         if not task.done():
+            forced.append((why, relay.state))
             task.cancel()
 
     def on_signal(received: signal.Signals) -> None:
@@ -281,12 +284,12 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
             return
         if stopping:
             log.warning("relay %s: %s again: cancelling", name, received.name)
-            force()
+            force(f"a second signal ({received.name}) came before it stopped")
             return
         stopping.append(received)
         log.info("relay %s: %s received: stopping and giving the lease up", name, received.name)
         relay.stop()
-        loop.call_later(stop_timeout, force)
+        loop.call_later(stop_timeout, force, f"it did not stop within {stop_timeout:g}s")
 
     signals = (signal.SIGTERM, signal.SIGINT)
     for received in signals:
@@ -305,16 +308,23 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
         for received in signals:
             loop.remove_signal_handler(received)
     if task.cancelled():
-        raise Failure(
-            f"relay {name} did not stop within {stop_timeout:g}s and was cancelled; "
-            "its lease runs out"
-        )
+        why, state = forced[0] if forced else ("it was cancelled", relay.state)
+        raise Failure(f"relay {name} was cancelled: {why}; {_left_behind(relay, state)}")
     error = task.exception()
     if isinstance(error, (ChangeStreamError, ConfigurationError)):
         raise Failure(f"relay {name} failed: {one_line(error)}")
     if error is not None:
         raise error
     log.info("relay %s: stopped", name)
+
+
+def _left_behind(relay: Relay, state: str) -> str:
+    """What a cancelled relay leaves for others to wait out, by what it held when cancelled."""
+    if isinstance(relay, PollingRelay):
+        return "the events it had claimed are published again once their claims run out"
+    if state == "active":
+        return "its lease runs out, then a standby takes over"
+    return f"it held no lease ({state})"
 
 
 def _state(relay: Relay, task: asyncio.Future[None]) -> str:

@@ -46,6 +46,11 @@ def replay_command(
     new consumer, say). Consumers' inboxes skip what they already handled."""
     start = moment(since, "--since")
     end = moment(until, "--until") if until else None
+    if end is not None and end <= start:
+        raise Failure(
+            f"--until {until} ({end.isoformat()}) is not after --since {since} "
+            f"({start.isoformat()}): no event occurred in between"
+        )
     sample = sample_event(target.collections)
     broker.check(sample)
     result = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))

@@ -145,3 +145,29 @@ async def test_a_bad_configuration_exits_non_zero_in_one_line_before_relaying(
     assert "Secret-pw" not in ran.err
     assert await db.outbox.count_documents({"status": "pending"}) == 1
     assert await lease_of(db, "never") == {}
+
+
+async def test_two_quick_sigints_say_the_second_one_cancelled_the_relay(
+    mongo: MongoServer, db: Any, nats_stream: str
+) -> None:
+    await Outbox(db).ensure_indexes()
+    relay = await Service(
+        "relay",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        "--name=twice",
+        f"--nats={NATS_URL}",
+        f"--subject={nats_stream}.{{type}}",
+    ).start()
+    try:
+        await until_active(db, "twice", relay)
+        assert relay.process is not None
+        relay.process.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.05)  # the gap of a double Ctrl-C
+        ran = await relay.stop(signal.SIGINT, timeout=15)
+    finally:
+        relay.kill()
+    assert "did not stop within" not in ran.err, ran.output
+    if ran.code != 0:  # the first one may have stopped it already
+        assert ran.code == 1, ran.output
+        assert "was cancelled: a second signal (SIGINT) came before it stopped" in ran.err

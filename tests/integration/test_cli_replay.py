@@ -175,3 +175,14 @@ async def test_the_dry_run_twin_in_the_environment_sends_nothing(
     assert ran.code == 0, ran.output
     assert ran.out.strip() == "would republish 9 events of 3 aggregates", ran.output
     assert await drain_queue(queue) == []
+
+
+async def test_an_until_before_the_since_is_refused(mongo: MongoServer, db: Any) -> None:
+    await published_history(db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--rabbitmq={RABBITMQ_URL}"]
+
+    ran = await cli("replay", *where, "--since=1h", "--until=2h", "--dry-run")
+
+    assert ran.code == 1, ran.output
+    assert "--until 2h" in ran.err and "is not after --since 1h" in ran.err
+    assert ran.out == ""
