@@ -65,16 +65,17 @@ class Broker:
                 "event's fields: {type}, {aggregate_type}, {aggregate_id}, {sequence}, {id}...)"
             ) from None
 
-    async def connect(self, sample: Event) -> Publisher:
+    async def connect(self, sample: Event, *, waits: bool = True) -> Publisher:
         """Connect (a one-line failure if the broker does not answer), and warn when no
-        JetStream stream takes the sample's subject."""
+        JetStream stream takes the sample's subject: saying that its events wait for one
+        (a relay, which ``waits``) or fail (a replay)."""
         try:
             if self.kind == "nats":
                 from mongo_outbox.publishers.nats import NatsPublisher
 
                 await _probe_nats(self.url)
                 nats = await NatsPublisher.connect(self.url, subject=self.naming)
-                await _warn_without_stream(nats, self.check(sample))
+                await _warn_without_stream(nats, self.check(sample), waits)
                 return nats
             from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
@@ -122,15 +123,17 @@ async def _probe_nats(url: str) -> None:
     raise ConnectionError(f"NATS at {hide(url)}: {reason}")
 
 
-async def _warn_without_stream(publisher: Any, subject: str) -> None:
+async def _warn_without_stream(publisher: Any, subject: str, waits: bool) -> None:
     try:
         await publisher.js.find_stream_name_by_subject(subject)
     except Exception:  # noqa: BLE001 - nats-py's NotFoundError, or no answer: only a warning
-        log.warning(
-            "no JetStream stream takes %s (a sample subject): events wait, without counting "
-            "attempts, until a stream does",
-            subject,
+        # The relay's events wait for a stream; a replay does not wait, and counts them failed.
+        then = (
+            "events wait, without counting attempts, until a stream does"
+            if waits
+            else "the replay fails the events no stream takes, and does not wait for one"
         )
+        log.warning("no JetStream stream takes %s (a sample subject): %s", subject, then)
 
 
 def broker_options(function: F) -> F:

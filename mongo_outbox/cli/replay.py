@@ -88,7 +88,7 @@ async def _replay(
     async with connected(target) as conn:
 
         async def connect() -> Publisher:
-            return await broker.connect(sample_event(target.collections))
+            return await broker.connect(sample_event(target.collections), waits=False)
 
         return await replay(
             conn.outbox,

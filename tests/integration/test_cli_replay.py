@@ -186,3 +186,17 @@ async def test_an_until_before_the_since_is_refused(mongo: MongoServer, db: Any)
     assert ran.code == 1, ran.output
     assert "--until 2h" in ran.err and "is not after --since 1h" in ran.err
     assert ran.out == ""
+
+
+async def test_a_replay_to_a_subject_no_stream_takes_says_it_fails_them(
+    mongo: MongoServer, db: Any, unique: str
+) -> None:
+    await published_history(db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--nats={NATS_URL}"]
+
+    ran = await cli("replay", *where, f"--subject={unique}.{{type}}", "--since=1h")
+
+    assert ran.code == 1, ran.output
+    assert "until a stream does" not in ran.err
+    assert "the replay fails the events no stream takes, and does not wait for one" in ran.err
+    assert "events failed" in ran.err
