@@ -31,9 +31,13 @@ from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import redact_url, url_secrets
 
+log = logging.getLogger("mongo_outbox.cli")
+
 ENV = "MONGO_OUTBOX_"
 CHECK_TIMEOUT_MS = 3000
 """How long the first contact with MongoDB may take before a command gives up on it."""
+CLOSE_TIMEOUT_S = 2.0
+"""How long a command that is done waits for its MongoDB connections to close."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -234,7 +238,12 @@ async def connected(target: Target, *, service: bool = False) -> AsyncIterator[C
             ) from None
         yield Connection(client, database, target.outbox(database))
     finally:
-        await client.close()
+        # A MongoDB that stopped answering holds close() up until the driver's monitor gives
+        # up on it (connectTimeoutMS, 20 s): the command is done, so it waits no longer.
+        try:
+            await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.debug("MongoDB did not answer the close within %gs", CLOSE_TIMEOUT_S)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
