@@ -182,13 +182,16 @@ _NEXT_URL = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.\-]*://)")
 # tlsCertificateKeyFilePassword and authMechanismProperties (AWS_SESSION_TOKEN:...), Redis's
 # password, a NATS token, and any client's secret, key or signature. Its value runs to the next
 # parameter, fragment, or URL of a list.
+_SECRET_WORDS = (
+    r"pass(?=word|wd|phrase|[=_:]|$)|pwd|secret|token|credential|signature|apikey|api_key"
+    r"|accesskey|access_key|privatekey|private_key"
+)
 _SECRET_PARAMETER = re.compile(
-    r"(?P<name>(?<=[?&;])[^=&;#?]*?"
-    r"(?:pass|pwd|secret|token|credential|authmechanismproperties|signature|apikey|api_key"
-    r"|accesskey|access_key|privatekey|private_key)[^=&;#]*)"
+    rf"(?P<name>(?<=[?&;])[^=&;#?]*?(?:{_SECRET_WORDS}|authmechanismproperties)[^=&;#]*)"
     r"=(?P<value>(?:[^&;#,]|,(?!\s*[A-Za-z][A-Za-z0-9+.\-]*://))*)",
     re.IGNORECASE,
 )
+_SECRET_NAME = re.compile(_SECRET_WORDS, re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
@@ -215,8 +218,12 @@ def url_secrets(url: str) -> set[str]:
         value = match["value"]
         found.append(value)
         if match["name"].lower() == "authmechanismproperties":
-            # SERVICE_NAME:x,AWS_SESSION_TOKEN:y: each value alone too.
-            found += [part.partition(":")[2] for part in value.split(",")]
+            # SERVICE_NAME:mongodb,AWS_SESSION_TOKEN:y: the token alone too, but not the
+            # service name, whose every other occurrence would be garbled.
+            for part in value.split(","):
+                key, _, secret = part.partition(":")
+                if _SECRET_NAME.search(key):
+                    found.append(secret)
     url = _SECRET_PARAMETER.sub(lambda m: f"{m['name']}=***", url)
     servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
     for server in servers:

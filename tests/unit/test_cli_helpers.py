@@ -116,3 +116,13 @@ def test_every_credential_of_a_url_is_redacted_in_its_userinfo_and_query(
     given = [s for s in secrets if s in url]
     leaked = f"the client said: {url} / {', '.join(given)}"
     assert given and not [s for s in given if s in scrub(leaked)]
+
+
+def test_only_credentials_are_hidden_so_other_text_is_not_garbled() -> None:
+    shown = hide(
+        "mongodb://db/?authMechanism=GSSAPI&authMechanismProperties=SERVICE_NAME:mongodb,"
+        "AWS_SESSION_TOKEN:t0k3n-value&passive=true&heartbeat=30"
+    )
+    assert shown.endswith("authMechanismProperties=***&passive=true&heartbeat=30")
+    text = "mongodb://db2 answered true after 30 s; token t0k3n-value"
+    assert scrub(text) == "mongodb://db2 answered true after 30 s; token ***"
