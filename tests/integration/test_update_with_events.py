@@ -587,3 +587,19 @@ async def test_bad_array_filters_are_refused_before_anything_is_written(
         )
     assert await db.orders.find_one({"_id": "o1"}) == before
     assert await pending(writer) == []
+
+
+async def test_an_array_filter_no_identifier_uses_is_mongodbs_refusal(
+    writer: Writer, db: Any
+) -> None:
+    await writer.save_with_events(None, db.orders, {"_id": "o1", "items": [{"sku": "a"}]}, [])
+    with pytest.raises(InvalidAggregateError):
+        await writer.update_with_events(
+            None,
+            db.orders,
+            {"_id": "o1"},
+            {"$set": {"items.$[i].qty": 0}},
+            [Event(type="x")],
+            array_filters=[{"i.sku": "a"}, {"unused.sku": "b"}],
+        )
+    assert await pending(writer) == []
