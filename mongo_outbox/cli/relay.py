@@ -127,6 +127,10 @@ def relay(
     try:
         run(_serve(plan, endpoint))
     finally:
+        # The relay has ended and the process exits: a late signal (the second of a double
+        # Ctrl-C) has nothing left to stop, and must not kill the exit half-way.
+        for received in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(received, signal.SIG_IGN)
         if endpoint is not None:
             endpoint.close()
 
@@ -305,8 +309,11 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(lingering.wait(), plan.linger)
     finally:
+        # The relay has ended; closing its connections follows, briefly. A signal now (the
+        # second of a double Ctrl-C) has nothing left to stop: it must not interrupt the
+        # shutdown with a KeyboardInterrupt. The handlers go with the event loop.
         for received in signals:
-            loop.remove_signal_handler(received)
+            loop.add_signal_handler(received, _ignored, name, received)
     if task.cancelled():
         why, state = forced[0] if forced else ("it was cancelled", relay.state)
         raise Failure(f"relay {name} was cancelled: {why}; {_left_behind(relay, state)}")
@@ -316,6 +323,10 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
     if error is not None:
         raise error
     log.info("relay %s: stopped", name)
+
+
+def _ignored(name: str, received: signal.Signals) -> None:
+    log.info("relay %s: %s received while exiting: already stopped", name, received.name)
 
 
 def _left_behind(relay: Relay, state: str) -> str:
