@@ -5,7 +5,8 @@ told in one line with a non-zero exit: the settings, the template (rendered agai
 event), MongoDB and the broker (each must answer within seconds), and for the change-stream
 relay whether the server serves change streams. SIGTERM or SIGINT stops it cleanly: it
 finishes its round, gives its lease up and exits 0; a second signal, or a stop that takes
-longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1.
+longer than ``--stop-timeout``, cancels it (an active relay's lease then runs out) and exits 1,
+saying which. A signal once the relay has ended is ignored: it only closes its connections.
 
 ``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
 that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
