@@ -227,6 +227,8 @@ class DocumentWriter:
     def _find_and_modify(
         self, plan: Plan, query: dict[str, Any], update: Any, upsert: bool, session: Any
     ) -> Steps[tuple[int, int] | None]:
+        # Only an update of operators has array filters (the caller's $[identifier]s).
+        extra = {"array_filters": plan.array_filters} if plan.array_filters is not None else {}
         try:
             stored = yield call(
                 plan.collection,
@@ -237,6 +239,7 @@ class DocumentWriter:
                 projection=_COUNTERS,
                 return_document=ReturnDocument.AFTER,
                 session=session,
+                **extra,
             )
         except DuplicateKeyError as error:
             if not on_id(error):

@@ -21,6 +21,8 @@ from mongo_outbox.stats import RelayStatus, State
 log = logging.getLogger("mongo_outbox.metrics")
 
 STATES: tuple[State, ...] = get_args(State)
+FIRST_READ_TIMEOUT = 2.0
+"""Seconds a starting relay waits for its first backlog read (an outage must not hold it)."""
 
 
 def relay_labels(name: str, database: str, partition: int | None = None) -> dict[str, str]:
@@ -66,12 +68,17 @@ class RelayGauges:
     @contextlib.asynccontextmanager
     async def refreshing(self, status: Callable[[], Awaitable[RelayStatus]]) -> AsyncIterator[None]:
         """While the block runs, refresh the backlog from ``status()`` every ``REFRESH_EVERY``
-        seconds once a gauge was observed; never without a metrics SDK that collects."""
+        seconds once a gauge was observed. The block starts after a first read (within
+        ``FIRST_READ_TIMEOUT``), so that the first scrape of a relay that just started already
+        has its backlog: an alert on a gauge's absence would fire at every restart otherwise.
+        Without a metrics SDK nothing is read."""
         # metrics owns the instruments (and REFRESH_EVERY, which tests tune): the gauges exist
         # from now on, also if nothing is ever published.
         from mongo_outbox import metrics
 
-        metrics._instruments()
+        instruments = metrics._instruments()
+        if instruments is not None and _collected(instruments.gauges[0]):
+            await self._first_read(status)
         with _lock:
             _relays.add(self)
         task = asyncio.ensure_future(self._refresh(status))
@@ -83,10 +90,17 @@ class RelayGauges:
                 await task
             self.backlog = None
 
+    async def _first_read(self, status: Callable[[], Awaitable[RelayStatus]]) -> None:
+        try:
+            self.update(await asyncio.wait_for(status(), FIRST_READ_TIMEOUT))
+        except Exception as error:  # noqa: BLE001 - an outage: the relay itself reports it
+            log.debug("relay %s: gauges not read at start: %s", self.name, error)
+
     async def _refresh(self, status: Callable[[], Awaitable[RelayStatus]]) -> None:
         from mongo_outbox import metrics
 
-        refreshed = float("-inf")
+        # Read at start already (_first_read): the next read is due REFRESH_EVERY later.
+        refreshed = time.monotonic() if self.backlog is not None else float("-inf")
         while True:
             now = time.monotonic()
             every = metrics.REFRESH_EVERY
@@ -102,6 +116,14 @@ class RelayGauges:
 _relays: weakref.WeakSet[RelayGauges] = weakref.WeakSet()
 _lock = threading.Lock()  # relays are added in the event loop, read in the exporter's thread
 _observed = False  # a gauge was collected: someone reads them, so relays refresh them
+
+
+def _collected(gauge: Any) -> bool:
+    """Whether a metrics SDK stands behind ``gauge``: the API's own instruments (its no-op, or
+    a proxy for which no provider was set yet) never call back."""
+    while gauge is not None and type(gauge).__module__.startswith("opentelemetry.metrics"):
+        gauge = getattr(gauge, "_real_instrument", None)
+    return gauge is not None
 
 
 def unobserved() -> None:

@@ -22,7 +22,13 @@ from bson.errors import InvalidDocument
 
 from mongo_outbox._aggregates import encoded_size
 from mongo_outbox._stamping import entries_of, stamped_events
-from mongo_outbox._updates import Update, check_update, check_upsert_filter, id_of
+from mongo_outbox._updates import (
+    Update,
+    check_array_filters,
+    check_update,
+    check_upsert_filter,
+    id_of,
+)
 from mongo_outbox.errors import InvalidAggregateError, UsageError
 from mongo_outbox.events import Event
 
@@ -51,6 +57,8 @@ class Plan:
     """update, delete, add: the caller's filter (it names ``_id``)."""
     update: Update | None = None
     upsert: bool = False
+    array_filters: list[dict[str, Any]] | None = None
+    """update: the filters of the ``$[identifier]`` positions its operators use."""
     partition: int | None = None
     """The aggregate's partition, stored with its entries when the outbox has more than one."""
     may_be_stored: tuple[str, ...] = ()
@@ -129,6 +137,7 @@ class Rules:
         events: Sequence[Event],
         upsert: bool,
         expected_version: int | None,
+        array_filters: Any = None,
     ) -> Plan:
         name = self._check_collection(collection, session)
         _check_expected(expected_version, name)
@@ -147,7 +156,12 @@ class Rules:
         if upsert:
             check_upsert_filter(query, self.owned, name)
         change = check_update(update, self.owned, name)
-        _check_encodable({"q": query, "u": change}, collection, "the filter or update")
+        filters = None
+        if array_filters is not None:
+            filters = check_array_filters(array_filters, change, name)
+        _check_encodable(
+            {"q": query, "u": change, "f": filters or []}, collection, "the filter or update"
+        )
         checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
         entries = entries_of(collection, checked, stamp, 0, self.mode)
         return Plan(
@@ -161,6 +175,7 @@ class Rules:
             query=dict(query),
             update=change,
             upsert=upsert,
+            array_filters=filters,
             given=given,
         )
 

@@ -46,6 +46,8 @@ WAKE_EVERY = 1.0
 """Seconds between two looks for entries that wait for the broker, once it confirms again."""
 PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
+OUTAGE_LOG_EVERY = 60.0
+"""Seconds between two warnings of one outage: each probe's failure needs no line of its own."""
 
 
 class Rounds:
@@ -74,6 +76,7 @@ class Rounds:
         self._wake_due = False  # a wake was skipped inside WAKE_EVERY: do it at the next probe
         self._woke_at = float("-inf")
         self._probed_at = float("-inf")
+        self._warned_at = float("-inf")
         self._busy = False
 
     @contextlib.contextmanager
@@ -198,6 +201,7 @@ class Rounds:
         waits = [f for f in failed if f.kind == "wait"]
         if published:
             self.outage = False
+            self._warned_at = float("-inf")  # the next outage is told at once
             now = asyncio.get_running_loop().time()
             if now - self._woke_at >= WAKE_EVERY:
                 await self._wake(now)
@@ -206,14 +210,38 @@ class Rounds:
         elif any(f.wake for f in waits):
             self.outage = True
         if waits:
+            self._warn(waits)
+        return len(published), parked + left
+
+    def _warn(self, waits: list[Failure]) -> None:
+        """Tell that events wait for the broker, as the relay then behaves: during an outage it
+        probes with one event every PROBE_EVERY (each failed probe is a round of its own), so
+        one line starts the outage and one more per OUTAGE_LOG_EVERY says it goes on."""
+        retry = max((min(f.retry_at for f in waits) - utc_now()).total_seconds(), 0.0)
+        if not self.outage:
             log.warning(
-                "broker unavailable for %d events (%s); retrying in %.1fs or as soon as it "
-                "confirms again",
+                "broker unavailable for %d events (%s); retrying them in %.1fs",
                 len(waits),
                 waits[0].error,
-                max((min(f.retry_at for f in waits) - utc_now()).total_seconds(), 0.0),
+                retry,
             )
-        return len(published), parked + left
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._warned_at < OUTAGE_LOG_EVERY:
+            log.debug("broker still unavailable (%s)", waits[0].error)
+            return
+        self._warned_at = now
+        log.warning(
+            "broker unavailable (%s): %d events wait; probing it with one event every %.0fs "
+            "(a probe may take up to the publish timeout, %gs), retrying them in %.1fs or as "
+            "soon as it confirms again; repeated every %.0fs while it stays down",
+            waits[0].error,
+            len(waits),
+            PROBE_EVERY,
+            self.settings.timeout,
+            retry,
+            OUTAGE_LOG_EVERY,
+        )
 
     async def publish_claim(
         self, claim: Claim, deadline: float = math.inf, lost: asyncio.Event | None = None

@@ -103,6 +103,35 @@ def check_update(update: Any, owned: Iterable[str], collection: str) -> Update:
     )
 
 
+def check_array_filters(
+    array_filters: Any, update: Update, collection: str
+) -> list[dict[str, Any]]:
+    """A copy of ``array_filters``: a list of filter documents, one per ``$[identifier]`` the
+    update uses. MongoDB takes them for an update of operators only, not for a pipeline."""
+    if isinstance(array_filters, (str, bytes, Mapping)) or not isinstance(
+        array_filters, (list, tuple)
+    ):
+        raise InvalidAggregateError(
+            f"array_filters must be a list of filter documents, not {type(array_filters).__name__}",
+            collection=collection,
+        )
+    if not isinstance(update, dict):
+        raise InvalidAggregateError(
+            "array_filters apply to an update of operators ($set with $[identifier]), "
+            "not to a pipeline",
+            collection=collection,
+        )
+    checked: list[dict[str, Any]] = []
+    for one in array_filters:
+        if not isinstance(one, Mapping) or not one:
+            raise InvalidAggregateError(
+                f"each of array_filters must be a non-empty filter document, not {one!r}",
+                collection=collection,
+            )
+        checked.append(dict(one))
+    return checked
+
+
 def _check_operators(update: Mapping[Any, Any], forbidden: set[str], name: str) -> dict[str, Any]:
     if not update:
         raise InvalidAggregateError("the update is empty", collection=name)

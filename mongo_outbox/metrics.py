@@ -9,8 +9,9 @@ Prometheus.
 
 Counters and the handler histogram are recorded where things happen (one call per relay round,
 per failed publish, per inbox delivery). Gauges are observable: their callbacks read values
-cached in memory, which a running relay refreshes from its ``status()`` every
-``REFRESH_EVERY`` seconds once any gauge was observed, so a scrape never waits for MongoDB.
+cached in memory, which a running relay reads from its ``status()`` as it starts (when an SDK
+collects: the first scrape has them) and then every ``REFRESH_EVERY`` seconds once any gauge
+was observed, so a scrape never waits for MongoDB.
 Ages are computed at observation time from cached moments (the oldest pending event's, the
 last checkpoint's), so they keep growing when a relay is stuck.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,7 @@ class Outbox(OutboxCore):
         *,
         upsert: bool = False,
         expected_version: int | None = None,
+        array_filters: Sequence[Mapping[str, Any]] | None = None,
     ) -> Saved:
         """Apply ``update`` (update operators, or a pipeline of ``$set``/``$unset`` stages) to
         the aggregate ``filter`` selects and record ``events``, atomically.
@@ -116,9 +117,12 @@ class Outbox(OutboxCore):
         too. No match raises ``AggregateNotFoundError`` (unless ``upsert``), a stored version
         other than ``expected_version`` raises ``ConcurrencyError`` (``0``: must not exist yet,
         with ``upsert=True``). An update that writes a field the outbox owns is refused.
+        ``array_filters`` are the filters of the ``$[identifier]`` positions an update of
+        operators uses (``{"$set": {"items.$[i].qty": 2}}`` with ``[{"i.sku": "a"}]``), as
+        PyMongo's ``update_one`` takes them.
         """
         plan = self._rules.update(
-            session, collection, filter, update, events, upsert, expected_version
+            session, collection, filter, update, events, upsert, expected_version, array_filters
         )
         return await self._run(plan, session)
 

@@ -76,9 +76,10 @@ class PollingRelay:
         """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation.
         Database errors are logged and retried with backoff."""
         with self._rounds.exclusive("run()"):
-            self._enter("active", "run() started")
             try:
+                # Active once its gauges were read: a probe that sees it active can scrape them.
                 async with self._gauges.refreshing(self.status):
+                    self._enter("active", "run() started")
                     await self._relay()
             except asyncio.CancelledError:
                 self._enter("stopped", "cancelled")

@@ -10,7 +10,7 @@ database. The relays and the inbox stay async.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pymongo.errors import PyMongoError
@@ -66,11 +66,12 @@ class Outbox(OutboxCore):
         *,
         upsert: bool = False,
         expected_version: int | None = None,
+        array_filters: Sequence[Mapping[str, Any]] | None = None,
     ) -> Saved:
         """Apply ``update`` to the aggregate ``filter`` selects (by ``_id``) and record
         ``events``, atomically. See ``mongo_outbox.Outbox.update_with_events``."""
         plan = self._rules.update(
-            session, collection, filter, update, events, upsert, expected_version
+            session, collection, filter, update, events, upsert, expected_version, array_filters
         )
         return self._run(plan, session)
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pymongo.errors import PyMongoError
+from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
 
 from mongo_outbox import metrics
 from mongo_outbox._rounds import Rounds, pause
@@ -43,6 +43,10 @@ from mongo_outbox.settings import name as check_name
 from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
+
+RELEASE_WAIT = 2.0
+"""Seconds a stopping relay tries to give up a lease it may hold without knowing (the answer to
+its last attempt was lost) before it leaves it to run out."""
 
 
 class ChangeStreamRelay:
@@ -101,6 +105,10 @@ class ChangeStreamRelay:
         self._saved_at = float("-inf")
         self._stopping = asyncio.Event()
         self._lost = asyncio.Event()
+        # Whether the lease in the database may be this object's: only then does a stop give it
+        # up, so that a standby stops at once during a MongoDB outage instead of waiting on a
+        # release it does not need.
+        self._may_hold = False
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -127,8 +135,7 @@ class ChangeStreamRelay:
                 raise
             finally:
                 if not cancelled:
-                    with contextlib.suppress(PyMongoError):
-                        await self.checkpoint.release()
+                    await self._release()
             self._stopping.clear()  # a stop is consumed by the run it ended
             self._enter("stopped", "stop() was called")
 
@@ -164,11 +171,60 @@ class ChangeStreamRelay:
 
     # -- leadership ---------------------------------------------------------------------------
 
+    async def _acquire(self) -> bool | None:
+        """Take (or renew) the lease; None when ``stop()`` came first. Only a relay that holds
+        no lease is interrupted: it has nothing to finish."""
+        self._may_hold = True  # until the server's answer says otherwise
+        if self.checkpoint.fence is not None:
+            held = await self.checkpoint.acquire()
+        else:
+            attempt = asyncio.ensure_future(self.checkpoint.acquire())
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            try:
+                await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, PyMongoError):
+                    await attempt
+                # Still choosing a server (none is writable): the write was never sent.
+                self._may_hold = self._writable()
+                return None
+            try:
+                held = attempt.result()
+            except ServerSelectionTimeoutError:
+                self._may_hold = False  # no server was chosen: nothing was sent
+                raise
+        self._may_hold = held
+        return held
+
+    def _writable(self) -> bool:
+        client = self.checkpoint.coll.database.client
+        try:
+            return bool(client.topology_description.has_writable_server())
+        except Exception:  # noqa: BLE001 - a client without a topology to ask: assume sent
+            return True
+
+    async def _release(self) -> None:
+        """Give the lease up if this relay may hold it. One that holds it waits for MongoDB as
+        long as the stop allows; one that only may (its last attempt's answer was lost) tries
+        for RELEASE_WAIT, then lets it run out."""
+        if not self._may_hold:
+            return
+        holds = self.checkpoint.fence is not None
+        with contextlib.suppress(PyMongoError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.checkpoint.release(), None if holds else RELEASE_WAIT)
+            self._may_hold = False
+
     async def _relay(self) -> None:
         failures = 0
         while not self._stopping.is_set():
             try:
-                if not await self.checkpoint.acquire():
+                held = await self._acquire()
+                if held is None:
+                    break
+                if not held:
                     self._enter("standby", "another process holds the lease")
                     await pause(self._stopping, self.leader_lease.total_seconds() / 4)
                     continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from mongo_outbox.cli.common import env
 from mongo_outbox.cli.inbox import inbox
 from mongo_outbox.cli.indexes import ensure_indexes
 from mongo_outbox.cli.parked import parked
@@ -25,3 +26,21 @@ def cli() -> None:
 
 for command in (relay, status, parked, inbox, replay_command, ensure_indexes):
     cli.add_command(command)
+
+
+def _twin(command: click.Command) -> None:
+    """Give every option of ``command`` and its subcommands its environment twin, derived in
+    one place from the option's longest name (``--dry-run`` is ``MONGO_OUTBOX_DRY_RUN``), so a
+    new option cannot be added without one. ``--help`` and ``--version`` act at once and have
+    none."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name not in ("help", "version"):
+            flag = max(param.opts, key=len)
+            param.envvar = env(flag)
+            param.show_envvar = True
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _twin(sub)
+
+
+_twin(cli)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mongo_outbox.cli.common import Failure, hide, one_line, option
-from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.errors import ConfigurationError, InvalidEventError
 from mongo_outbox.events import Event
 from mongo_outbox.publishers import Publisher
 
@@ -37,6 +37,8 @@ class Broker:
     url: str
     naming: str
     exchange: str = EXCHANGE
+    declare: bool = True
+    """RabbitMQ: declare the exchange (the default one, or --declare-exchange), or require it."""
 
     @property
     def flag(self) -> str:
@@ -65,22 +67,29 @@ class Broker:
                 "event's fields: {type}, {aggregate_type}, {aggregate_id}, {sequence}, {id}...)"
             ) from None
 
-    async def connect(self, sample: Event) -> Publisher:
+    async def connect(self, sample: Event, *, waits: bool = True) -> Publisher:
         """Connect (a one-line failure if the broker does not answer), and warn when no
-        JetStream stream takes the sample's subject."""
+        JetStream stream takes the sample's subject: saying that its events wait for one
+        (a relay, which ``waits``) or fail (a replay)."""
         try:
             if self.kind == "nats":
                 from mongo_outbox.publishers.nats import NatsPublisher
 
                 await _probe_nats(self.url)
                 nats = await NatsPublisher.connect(self.url, subject=self.naming)
-                await _warn_without_stream(nats, self.check(sample))
+                await _warn_without_stream(nats, self.check(sample), waits)
                 return nats
             from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
 
-            return await RabbitMQPublisher.connect(
-                self.url, exchange=self.exchange, routing_key=self.naming
-            )
+            try:
+                return await RabbitMQPublisher.connect(
+                    self.url, exchange=self.exchange, routing_key=self.naming, declare=self.declare
+                )
+            except ConfigurationError as error:
+                raise Failure(
+                    f"{one_line(error)}: a misspelling? Create it, or pass --declare-exchange "
+                    "to have it declared as a durable topic exchange"
+                ) from None
         except (ConnectionError, OSError, TimeoutError) as error:
             raise Failure(f"broker unreachable: {one_line(error)}") from None
 
@@ -122,15 +131,17 @@ async def _probe_nats(url: str) -> None:
     raise ConnectionError(f"NATS at {hide(url)}: {reason}")
 
 
-async def _warn_without_stream(publisher: Any, subject: str) -> None:
+async def _warn_without_stream(publisher: Any, subject: str, waits: bool) -> None:
     try:
         await publisher.js.find_stream_name_by_subject(subject)
     except Exception:  # noqa: BLE001 - nats-py's NotFoundError, or no answer: only a warning
-        log.warning(
-            "no JetStream stream takes %s (a sample subject): events wait, without counting "
-            "attempts, until a stream does",
-            subject,
+        # The relay's events wait for a stream; a replay does not wait, and counts them failed.
+        then = (
+            "events wait, without counting attempts, until a stream does"
+            if waits
+            else "the replay fails the events no stream takes, and does not wait for one"
         )
+        log.warning("no JetStream stream takes %s (a sample subject): %s", subject, then)
 
 
 def broker_options(function: F) -> F:
@@ -143,20 +154,28 @@ def broker_options(function: F) -> F:
         rabbitmq: str | None,
         exchange: str | None,
         routing_key: str | None,
+        declare_exchange: bool,
         **rest: Any,
     ) -> Any:
         if bool(nats) == bool(rabbitmq):
             raise Failure("name one broker: --nats URL or --rabbitmq URL")
         if nats:
-            if exchange or routing_key:
-                raise Failure("--exchange and --routing-key are for --rabbitmq; use --subject")
+            if exchange or routing_key or declare_exchange:
+                raise Failure(
+                    "--exchange, --routing-key and --declare-exchange are for --rabbitmq; "
+                    "use --subject"
+                )
             hide(nats)
             return function(broker=Broker("nats", nats, subject or SUBJECT), **rest)
         assert rabbitmq is not None
         if subject:
             raise Failure("--subject is for --nats; use --routing-key")
         hide(rabbitmq)
-        broker = Broker("rabbitmq", rabbitmq, routing_key or ROUTING_KEY, exchange or EXCHANGE)
+        # The default exchange is declared; one the user names must exist, unless they ask
+        # for it to be declared: a misspelled name would otherwise be a new, unbound exchange.
+        declare = declare_exchange or exchange is None
+        naming = routing_key or ROUTING_KEY
+        broker = Broker("rabbitmq", rabbitmq, naming, exchange or EXCHANGE, declare)
         return function(broker=broker, **rest)
 
     options = [
@@ -172,6 +191,12 @@ def broker_options(function: F) -> F:
             "--routing-key",
             metavar="TEMPLATE",
             help=f"RabbitMQ routing key [default: {ROUTING_KEY}].",
+        ),
+        option(
+            "--declare-exchange",
+            is_flag=True,
+            help=f"Declare --exchange (a durable topic exchange) if it does not exist; without "
+            f"it, a named exchange must exist (the default, {EXCHANGE}, is always declared).",
         ),
     ]
     for add in reversed(options):

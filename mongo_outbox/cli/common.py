@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import click
 from pymongo import AsyncMongoClient
@@ -30,11 +29,15 @@ from pymongo.errors import PyMongoError
 from mongo_outbox.errors import OutboxError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import redact_url
+from mongo_outbox.publishers.base import redact_url, url_secrets
+
+log = logging.getLogger("mongo_outbox.cli")
 
 ENV = "MONGO_OUTBOX_"
 CHECK_TIMEOUT_MS = 3000
 """How long the first contact with MongoDB may take before a command gives up on it."""
+CLOSE_TIMEOUT_S = 2.0
+"""How long a command that is done waits for its MongoDB connections to close."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -47,24 +50,14 @@ class Failure(click.ClickException):
 # -- secrets ----------------------------------------------------------------------------------
 
 _SECRETS: set[str] = set()
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
-_NEXT_URL = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.\-]*://)")
 
 
 def hide(url: str) -> str:
-    """Register the credentials in ``url`` (a password, or a NATS token) as secrets, and return
-    ``url`` as it may be shown."""
-    for server in _NEXT_URL.split(url):
-        scheme = _SCHEME.search(server)
-        rest = server[scheme.end() :] if scheme else server
-        userinfo, at, _ = rest.rpartition("@")
-        if not at:
-            continue
-        user, colon, password = userinfo.partition(":")
-        secret = password if colon else user
-        # Very short secrets would garble every line they happen to occur in; the URL itself
-        # is still shown redacted.
-        _SECRETS.update(s for s in (secret, unquote(secret)) if len(s) >= 4)
+    """Register the credentials in ``url`` (a password, a NATS token, or a query parameter
+    that holds one: ``redact_url``) as secrets, and return ``url`` as it may be shown."""
+    # Very short secrets would garble every line they happen to occur in; the URL itself
+    # is still shown redacted.
+    _SECRETS.update(s for s in url_secrets(url) if len(s) >= 4)
     return redact_url(url)
 
 
@@ -225,7 +218,9 @@ async def connected(target: Target, *, service: bool = False) -> AsyncIterator[C
         client: Any = AsyncMongoClient(
             target.uri, tz_aware=True, serverSelectionTimeoutMS=CHECK_TIMEOUT_MS
         )
-    except PyMongoError as error:
+    except (PyMongoError, ValueError, OSError) as error:
+        # PyMongo checks some options as it parses them: a TLS key file that cannot be read
+        # is an OSError, not one of its own errors.
         raise Failure(f"bad MongoDB URI {shown}: {one_line(error)}") from None
     try:
         try:
@@ -243,7 +238,12 @@ async def connected(target: Target, *, service: bool = False) -> AsyncIterator[C
             ) from None
         yield Connection(client, database, target.outbox(database))
     finally:
-        await client.close()
+        # A MongoDB that stopped answering holds close() up until the driver's monitor gives
+        # up on it (connectTimeoutMS, 20 s): the command is done, so it waits no longer.
+        try:
+            await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.debug("MongoDB did not answer the close within %gs", CLOSE_TIMEOUT_S)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

@@ -14,6 +14,7 @@ import click
 
 from mongo_outbox._inbox_store import failures
 from mongo_outbox.cli.common import (
+    Failure,
     Target,
     connected,
     moment,
@@ -133,6 +134,36 @@ async def _requeue(
     event_type: str | None,
     everything: bool,
 ) -> int:
+    """Requeue, or fail as ``parked requeue`` does: an id that is not a failed message of the
+    consumer fails the whole requeue before anything changes, and a requeue that found nothing
+    to requeue (a misspelled ``--consumer``, say) fails too, saying who has failures."""
     async with connected(target) as conn:
         box = Inbox(conn.db, consumer=consumer, collection=collection)
-        return await box.requeue(ids, event_type=event_type, all_failed=everything)
+        if ids is not None:
+            failed = {r.get("message_id") for r in await box.failed(event_type=event_type)}
+            missing = [i for i in dict.fromkeys(ids) if i not in failed]
+            if missing:
+                kind = f" of type {event_type}" if event_type else ""
+                raise Failure(
+                    f"not a failed message{kind} of {consumer}: {', '.join(missing)} "
+                    f"(nothing was requeued){await _who(conn.db[collection], consumer)}"
+                )
+        requeued = await box.requeue(ids, event_type=event_type, all_failed=everything)
+        if not requeued:
+            kind = f" of type {event_type}" if event_type else ""
+            raise Failure(
+                f"no failed messages{kind} of {consumer} to requeue"
+                f"{await _who(conn.db[collection], consumer)}"
+            )
+        return requeued
+
+
+async def _who(coll: Any, consumer: str) -> str:
+    """Which consumers have failed messages, when ``consumer`` has none (a misspelling?)."""
+    counts = await failures(coll)
+    if consumer in counts:
+        return ""
+    if not counts:
+        return f"; {coll.database.name}.{coll.name} holds no failed message of any consumer"
+    named = ", ".join(f"{name} ({n})" for name, n in counts.items())
+    return f"; {consumer} has none, these consumers have failed messages: {named}"

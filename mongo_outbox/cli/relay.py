@@ -5,7 +5,8 @@ told in one line with a non-zero exit: the settings, the template (rendered agai
 event), MongoDB and the broker (each must answer within seconds), and for the change-stream
 relay whether the server serves change streams. SIGTERM or SIGINT stops it cleanly: it
 finishes its round, gives its lease up and exits 0; a second signal, or a stop that takes
-longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1.
+longer than ``--stop-timeout``, cancels it (an active relay's lease then runs out) and exits 1,
+saying which. A signal once the relay has ended is ignored: it only closes its connections.
 
 ``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
 that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 import signal
 from typing import Any
@@ -55,6 +57,17 @@ log = logging.getLogger("mongo_outbox.cli")
 Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 
 
+def _default(relay: type, parameter: str) -> float:
+    """A relay's own default, so that the command line's cannot drift from the library's."""
+    return float(inspect.signature(relay).parameters[parameter].default)
+
+
+# The change-stream relay's leader lease and a group member's lease are defaults of their own:
+# a member's must leave room for a publish within it (at least 2.5 times the publish timeout).
+LEADER_LEASE = _default(ChangeStreamRelay, "leader_lease")
+MEMBER_LEASE = _default(RelayGroup, "lease")
+
+
 @click.command()
 @target_options
 @broker_options
@@ -72,7 +85,12 @@ Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 @option("--publish-timeout", type=float, default=10.0, show_default=True, help="Seconds per ack.")
 @option("--interval", type=float, default=1.0, show_default=True, help="Polling: idle seconds.")
 @option("--max-wait", type=float, default=0.05, show_default=True, help="Seconds a batch waits.")
-@option("--leader-lease", type=float, default=15.0, show_default=True, help="Seconds.")
+@option(
+    "--leader-lease",
+    type=float,
+    help=f"Seconds a lease lasts without renewal [default: {LEADER_LEASE:g}; a group member's: "
+    f"{MEMBER_LEASE:g}].",
+)
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
 @option(
@@ -129,6 +147,10 @@ def relay(
     try:
         run(_serve(plan, endpoint))
     finally:
+        # The relay has ended and the process exits: a late signal (the second of a double
+        # Ctrl-C) has nothing left to stop, and must not kill the exit half-way.
+        for received in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(received, signal.SIG_IGN)
         if endpoint is not None:
             endpoint.close()
 
@@ -148,11 +170,14 @@ class _Plan:
         )
         self.interval = seconds(given["interval"], "--interval")
         self.max_wait = seconds(given["max_wait"], "--max-wait")
-        self.leader_lease = seconds(given["leader_lease"], "--leader-lease")
+        self.partitions: int | None = given.get("partitions")
+        lease = given["leader_lease"]
+        if lease is None:
+            lease = LEADER_LEASE if self.partitions is None else MEMBER_LEASE
+        self.leader_lease = seconds(lease, "--leader-lease")
         self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
         self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
         self.linger = seconds(given["metrics_linger"], "--metrics-linger", zero=True)
-        self.partitions: int | None = given.get("partitions")
         if self.partitions is not None:
             count(self.partitions, "--partitions")
             if self.leader_lease < 2.5 * self.settings.timeout:
@@ -289,11 +314,14 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
     task = asyncio.ensure_future(relay.run())
     stopping: list[signal.Signals] = []
     lingering = asyncio.Event()
+    # Why the relay was cancelled, and its state then (what it held), for the last line.
+    forced: list[tuple[str, str]] = []
     if endpoint is not None:
         endpoint.state = lambda: _state(relay, task)
 
-    def force() -> None:
+    def force(why: str) -> None:
         if not task.done():
+            forced.append((why, relay.state))
             task.cancel()
 
     def on_signal(received: signal.Signals) -> None:
@@ -302,12 +330,12 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
             return
         if stopping:
             log.warning("relay %s: %s again: cancelling", name, received.name)
-            force()
+            force(f"a second signal ({received.name}) came before it stopped")
             return
         stopping.append(received)
         log.info("relay %s: %s received: stopping and giving the lease up", name, received.name)
         relay.stop()
-        loop.call_later(stop_timeout, force)
+        loop.call_later(stop_timeout, force, f"it did not stop within {stop_timeout:g}s")
 
     signals = (signal.SIGTERM, signal.SIGINT)
     for received in signals:
@@ -323,19 +351,33 @@ async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> No
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(lingering.wait(), plan.linger)
     finally:
+        # The relay has ended; closing its connections follows, briefly. A signal now (the
+        # second of a double Ctrl-C) has nothing left to stop: it must not interrupt the
+        # shutdown with a KeyboardInterrupt. The handlers go with the event loop.
         for received in signals:
-            loop.remove_signal_handler(received)
+            loop.add_signal_handler(received, _ignored, name, received)
     if task.cancelled():
-        raise Failure(
-            f"relay {name} did not stop within {stop_timeout:g}s and was cancelled; "
-            "its lease runs out"
-        )
+        why, state = forced[0] if forced else ("it was cancelled", relay.state)
+        raise Failure(f"relay {name} was cancelled: {why}; {_left_behind(relay, state)}")
     error = task.exception()
     if isinstance(error, (ChangeStreamError, ConfigurationError)):
         raise Failure(f"relay {name} failed: {one_line(error)}")
     if error is not None:
         raise error
     log.info("relay %s: stopped", name)
+
+
+def _ignored(name: str, received: signal.Signals) -> None:
+    log.info("relay %s: %s received while exiting: already stopped", name, received.name)
+
+
+def _left_behind(relay: Relay, state: str) -> str:
+    """What a cancelled relay leaves for others to wait out, by what it held when cancelled."""
+    if isinstance(relay, PollingRelay):
+        return "the events it had claimed are published again once their claims run out"
+    if state == "active":
+        return "its lease runs out, then a standby takes over"
+    return f"it held no lease ({state})"
 
 
 def _state(relay: Relay, task: asyncio.Future[None]) -> str:

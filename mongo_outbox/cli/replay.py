@@ -50,6 +50,11 @@ def replay_command(
     new consumer, say). Consumers' inboxes skip what they already handled."""
     start = moment(since, "--since")
     end = moment(until, "--until") if until else None
+    if end is not None and end <= start:
+        raise Failure(
+            f"--until {until} ({end.isoformat()}) is not after --since {since} "
+            f"({start.isoformat()}): no event occurred in between"
+        )
     sample = sample_event(target.collections)
     broker.check(sample)
     result = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
@@ -91,7 +96,7 @@ async def _replay(
     async with connected(target) as conn:
 
         async def connect() -> Publisher:
-            return await broker.connect(sample_event(target.collections))
+            return await broker.connect(sample_event(target.collections), waits=False)
 
         async with progress("replay", "events") as shown:
             return await replay(

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
+from urllib.parse import unquote, unquote_plus
 
 from mongo_outbox._callables import is_async_callable
 from mongo_outbox.errors import (
@@ -177,17 +178,62 @@ async def client_call(
 _SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://")
 # A comma that starts the next URL of a list; other commas may be in a password.
 _NEXT_URL = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.\-]*://)")
+# A query parameter whose value is a credential, by a word in its name: MongoDB's
+# tlsCertificateKeyFilePassword and authMechanismProperties (AWS_SESSION_TOKEN:...), Redis's
+# password, a NATS token, and any client's secret, key or signature. Its value runs to the next
+# parameter, fragment, or URL of a list.
+_SECRET_WORDS = (
+    r"pass(?=word|wd|phrase|[=_:]|$)|pwd|secret|token|credential|signature|apikey|api_key"
+    r"|accesskey|access_key|privatekey|private_key"
+)
+_SECRET_PARAMETER = re.compile(
+    rf"(?P<name>(?<=[?&;])[^=&;#?]*?(?:{_SECRET_WORDS}|authmechanismproperties)[^=&;#]*)"
+    r"=(?P<value>(?:[^&;#,]|,(?!\s*[A-Za-z][A-Za-z0-9+.\-]*://))*)",
+    re.IGNORECASE,
+)
+_SECRET_NAME = re.compile(_SECRET_WORDS, re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
     """``url`` as it may be logged or shown: ``nats://user:***@host:4222``.
 
     A password is replaced by ``***``, and so is a userinfo with no password, which NATS
-    reads as a token (``nats://***@host``). ``url`` may be a comma-separated list of URLs
-    (as NATS accepts), with or without schemes; everything but the credentials is kept.
+    reads as a token (``nats://***@host``), and the value of every query parameter that holds
+    a credential (``?tlsCertificateKeyFilePassword=***``, ``?authMechanismProperties=***``,
+    ``?password=***``). ``url`` may be a comma-separated list of URLs (as NATS accepts), with or
+    without schemes; everything but the credentials is kept.
     """
+    # The query first: a credential in it may hold an "@", which would otherwise read as the
+    # end of a userinfo.
+    url = _SECRET_PARAMETER.sub(lambda m: f"{m['name']}=***", url)
     servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
     return ",".join(_redact_server(server) for server in servers)
+
+
+def url_secrets(url: str) -> set[str]:
+    """The credentials in ``url`` (see ``redact_url``), as given and percent-decoded, for a
+    caller that must also keep them out of text it did not write (a client's error)."""
+    found: list[str] = []
+    for match in _SECRET_PARAMETER.finditer(url):
+        value = match["value"]
+        found.append(value)
+        if match["name"].lower() == "authmechanismproperties":
+            # SERVICE_NAME:mongodb,AWS_SESSION_TOKEN:y: the token alone too, but not the
+            # service name, whose every other occurrence would be garbled.
+            for part in value.split(","):
+                key, _, secret = part.partition(":")
+                if _SECRET_NAME.search(key):
+                    found.append(secret)
+    url = _SECRET_PARAMETER.sub(lambda m: f"{m['name']}=***", url)
+    servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
+    for server in servers:
+        scheme = _SCHEME.match(server)
+        userinfo, at, _ = server[scheme.end() if scheme else 0 :].rpartition("@")
+        if at:
+            user, colon, password = userinfo.partition(":")
+            found.append(password if colon else user)
+    decoded = [unquote_plus(s) for s in found] + [unquote(s) for s in found]
+    return {s for s in found + decoded if s and s != "***"}
 
 
 def _redact_server(server: str) -> str:

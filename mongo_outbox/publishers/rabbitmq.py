@@ -6,7 +6,13 @@ import asyncio
 import logging
 from typing import Any, cast
 
-from mongo_outbox.errors import BrokerUnavailableError, InvalidEventError, PublishError, describe
+from mongo_outbox.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    InvalidEventError,
+    PublishError,
+    describe,
+)
 from mongo_outbox.events import SHORT_STRING_BYTES, Event
 from mongo_outbox.publishers.base import (
     Naming,
@@ -106,8 +112,11 @@ class RabbitMQPublisher:
         exchange: str = "events",
         routing_key: Naming = "{type}",
         timeout: Duration = 5.0,
+        declare: bool = True,
     ) -> RabbitMQPublisher:
-        """Open a connection of its own and declare ``exchange`` as a durable topic exchange.
+        """Open a connection of its own and declare ``exchange`` as a durable topic exchange;
+        with ``declare=False`` the exchange must exist already (a misspelled name is refused
+        instead of declared): ``ConfigurationError`` otherwise.
 
         Raises ``ConnectionError`` when RabbitMQ cannot be reached; it shows ``url`` without
         its password."""
@@ -118,9 +127,19 @@ class RabbitMQPublisher:
             raise ConnectionError(f"RabbitMQ at {redact_url(url)}: {describe(error)}") from error
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            declared = await channel.declare_exchange(
-                exchange, aio_pika.ExchangeType.TOPIC, durable=True, timeout=wait
-            )
+            if declare:
+                declared = await channel.declare_exchange(
+                    exchange, aio_pika.ExchangeType.TOPIC, durable=True, timeout=wait
+                )
+            else:
+                # A passive declare: it only checks that the exchange is there.
+                declared = await channel.declare_exchange(exchange, passive=True, timeout=wait)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            await connection.close()
+            raise ConfigurationError(
+                f"RabbitMQ at {redact_url(url)} has no exchange {exchange!r}",
+                setting="RabbitMQPublisher.exchange",
+            ) from None
         except BaseException:
             await connection.close()
             raise

@@ -250,3 +250,36 @@ async def test_a_metrics_port_in_use_fails_in_one_line_before_relaying(
     assert line.startswith(f"mongo-outbox: cannot serve metrics on 127.0.0.1:{port}: ")
     assert await db.outbox.count_documents({"status": "pending"}) == 1
     assert await db.outbox_relays.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("kind", [[], ["--polling"]], ids=["changestream", "polling"])
+async def test_the_first_scrape_of_a_relay_that_just_started_has_its_backlog(
+    mongo: MongoServer, db: Any, nats_stream: str, kind: list[str]
+) -> None:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    await save_orders(outbox, db, 3)
+    port = free_port()
+    relay = await Service(
+        *relay_args(mongo, db, "fresh", f"{nats_stream}.{{type}}", port), *kind
+    ).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        async def healthy() -> bool:
+            answer = await scrape(relay, f"{base}/healthz")
+            return answer is not None and answer[0] == 200
+
+        await until(healthy, timeout=30, every=0.05)
+        answer = await scrape(relay, f"{base}/metrics")  # the first one
+        ran = await relay.stop(signal.SIGTERM, timeout=20)
+    finally:
+        relay.kill()
+    assert ran.code == 0, ran.output
+    assert answer is not None and answer[0] == 200
+    for gauge in (
+        "mongo_outbox_pending_events",
+        "mongo_outbox_oldest_pending_age_seconds",
+        "mongo_outbox_parked_events",
+    ):
+        assert value(answer[1], gauge, relay="fresh") is not None, gauge

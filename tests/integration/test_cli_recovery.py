@@ -176,3 +176,25 @@ async def test_ensure_indexes_creates_the_outbox_and_inbox_indexes(
     assert "failures" in await db.inbox.index_information()
     again = await cli("ensure-indexes", *target(mongo, db, mode), "--inbox")
     assert again.out == ran.out  # idempotent
+
+
+async def test_an_inbox_requeue_that_requeues_nothing_fails_and_changes_nothing(
+    mongo: MongoServer, db: Any
+) -> None:
+    placed, paid = Event(type="order.placed"), Event(type="order.paid")
+    await dead_letter(db, "billing", placed, paid)
+    where = target(mongo, db)
+
+    unknown = await cli("inbox", "requeue", *where, "--consumer=billing", placed.id, "no-such-id")
+    assert unknown.code == 1, unknown.output
+    assert "not a failed message of billing: no-such-id (nothing was requeued)" in unknown.err
+    misspelled = await cli("inbox", "requeue", *where, "--consumer=biling", "--all")
+    assert misspelled.code == 1, misspelled.output
+    assert "no failed messages of biling to requeue" in misspelled.err
+    assert "these consumers have failed messages: billing (2)" in misspelled.err
+    no_type = await cli("inbox", "requeue", *where, "--consumer=billing", "--type=order.paidd")
+    assert no_type.code == 1 and "of type order.paidd" in no_type.err, no_type.output
+
+    assert len(await Inbox(db, consumer="billing").failed()) == 2
+    ran = await cli("inbox", "requeue", *where, "--consumer=billing", placed.id)
+    assert ran.code == 0 and ran.out.startswith("requeued 1 failed messages of billing")

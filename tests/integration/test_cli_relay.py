@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Outbox
+from mongo_outbox import Outbox, PollingRelay
+from mongo_outbox.publishers import MemoryPublisher
 from tests.support.cli import (
     Service,
     cli,
@@ -22,6 +23,7 @@ from tests.support.cli import (
     until_active,
 )
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
+from tests.support.waiting import until
 
 NATS_PASSWORD = "n4ts-Secret-pw"  # the test NATS server takes any credentials
 SECRET_NATS = NATS_URL.replace("nats://", f"nats://relay:{NATS_PASSWORD}@")
@@ -145,3 +147,87 @@ async def test_a_bad_configuration_exits_non_zero_in_one_line_before_relaying(
     assert "Secret-pw" not in ran.err
     assert await db.outbox.count_documents({"status": "pending"}) == 1
     assert await lease_of(db, "never") == {}
+
+
+async def test_two_quick_sigints_say_the_second_one_cancelled_the_relay(
+    mongo: MongoServer, db: Any, nats_stream: str
+) -> None:
+    await Outbox(db).ensure_indexes()
+    relay = await Service(
+        "relay",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        "--name=twice",
+        f"--nats={NATS_URL}",
+        f"--subject={nats_stream}.{{type}}",
+    ).start()
+    try:
+        await until_active(db, "twice", relay)
+        assert relay.process is not None
+        relay.process.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.05)  # the gap of a double Ctrl-C
+        ran = await relay.stop(signal.SIGINT, timeout=15)
+    finally:
+        relay.kill()
+    assert "did not stop within" not in ran.err, ran.output
+    if ran.code != 0:  # the first one may have stopped it already
+        assert ran.code == 1, ran.output
+        assert "was cancelled: a second signal (SIGINT) came before it stopped" in ran.err
+
+
+async def exchange_exists(amqp_connection: Any, name: str) -> bool:
+    import aiormq
+
+    probe = await amqp_connection.channel()
+    try:
+        await probe.declare_exchange(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    await probe.close()
+    return True
+
+
+@pytest.mark.parametrize("command", [["relay", "--polling"], ["replay", "--since=1h"]])
+async def test_a_named_exchange_that_does_not_exist_is_refused_not_declared(
+    mongo: MongoServer, db: Any, amqp_connection: Any, channel: Any, unique: str, command: list[str]
+) -> None:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    await save_orders(outbox, db, 1)
+    if command[0] == "replay":  # published already, for the replay to find
+        assert await PollingRelay(outbox, MemoryPublisher()).drain() == 1
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--rabbitmq={RABBITMQ_URL}"]
+
+    ran = await cli(*command, *where, f"--exchange={unique}")
+
+    assert ran.code == 1, ran.output
+    assert f"has no exchange '{unique}': a misspelling?" in ran.err
+    assert "--declare-exchange" in ran.err and "Traceback" not in ran.err
+    assert not await exchange_exists(amqp_connection, unique)
+
+
+async def test_declare_exchange_declares_a_named_exchange(
+    mongo: MongoServer, db: Any, amqp_connection: Any, channel: Any, unique: str
+) -> None:
+    await Outbox(db).ensure_indexes()
+    relay = await Service(
+        "relay",
+        "--polling",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        f"--rabbitmq={RABBITMQ_URL}",
+        f"--exchange={unique}",
+        "--declare-exchange",
+        "--name=declarer",
+    ).start()
+    try:
+
+        async def declared() -> bool:
+            assert relay.process is not None and relay.process.returncode is None
+            return await exchange_exists(amqp_connection, unique)
+
+        await until(declared, timeout=20, every=0.1)
+        ran = await relay.stop(signal.SIGTERM, timeout=10)
+    finally:
+        relay.kill()
+    assert ran.code == 0, ran.output

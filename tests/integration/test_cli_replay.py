@@ -11,7 +11,7 @@ import pytest
 
 from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.publishers import MemoryPublisher
-from tests.support.cli import cli
+from tests.support.cli import cli, environment
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 
 
@@ -163,3 +163,49 @@ async def test_replay_refuses_a_time_it_cannot_read(
     ran = await cli("replay", f"--uri={mongo.uri}", "--nats=nats://x:4222", f"--since={since}")
     assert ran.code == 1 and "--since" in ran.err and len(ran.err.splitlines()) == 1
     assert json.dumps(ran.out) == '""'
+
+
+async def test_the_dry_run_twin_in_the_environment_sends_nothing(
+    mongo: MongoServer, db: Any, channel: Any, unique: str
+) -> None:
+    await published_history(db)
+    queue = await rabbitmq_queue(channel, unique, "#")
+    twins = environment(
+        MONGO_OUTBOX_URI=mongo.uri,
+        MONGO_OUTBOX_DB=db.name,
+        MONGO_OUTBOX_RABBITMQ=RABBITMQ_URL,
+        MONGO_OUTBOX_EXCHANGE=unique,
+        MONGO_OUTBOX_SINCE="1h",
+        MONGO_OUTBOX_DRY_RUN="1",
+    )
+
+    ran = await cli("replay", env=twins)
+
+    assert ran.code == 0, ran.output
+    assert ran.out.strip() == "would republish 9 events of 3 aggregates", ran.output
+    assert await drain_queue(queue) == []
+
+
+async def test_an_until_before_the_since_is_refused(mongo: MongoServer, db: Any) -> None:
+    await published_history(db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--rabbitmq={RABBITMQ_URL}"]
+
+    ran = await cli("replay", *where, "--since=1h", "--until=2h", "--dry-run")
+
+    assert ran.code == 1, ran.output
+    assert "--until 2h" in ran.err and "is not after --since 1h" in ran.err
+    assert ran.out == ""
+
+
+async def test_a_replay_to_a_subject_no_stream_takes_says_it_fails_them(
+    mongo: MongoServer, db: Any, unique: str
+) -> None:
+    await published_history(db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--nats={NATS_URL}"]
+
+    ran = await cli("replay", *where, f"--subject={unique}.{{type}}", "--since=1h")
+
+    assert ran.code == 1, ran.output
+    assert "until a stream does" not in ran.err
+    assert "the replay fails the events no stream takes, and does not wait for one" in ran.err
+    assert "events failed" in ran.err

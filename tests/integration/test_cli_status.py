@@ -89,3 +89,31 @@ async def test_status_of_an_empty_database_says_so(mongo: MongoServer, db: Any) 
     ran = await cli("status", f"--uri={mongo.uri}", f"--db={db.name}")
     assert ran.code == 0, ran.output
     assert "none recorded" in ran.out and "inbox failures\n  none" in ran.out
+
+
+CREDENTIALS = (
+    "?tlsCertificateKeyFilePassword=k3y-passw0rd&authMechanism=MONGODB-AWS"
+    "&authMechanismProperties=AWS_SESSION_TOKEN:s3ssion-t0ken"
+)
+
+
+async def test_a_failure_line_shows_no_credential_of_the_uri_query(mongo: MongoServer) -> None:
+    ran = await cli("status", f"--uri=mongodb://app:app-passw0rd@127.0.0.1:1/shop{CREDENTIALS}")
+
+    assert ran.code == 1, ran.output
+    assert "is unreachable" in ran.err
+    assert "tlsCertificateKeyFilePassword=***" in ran.err
+    for secret in ("app-passw0rd", "k3y-passw0rd", "s3ssion-t0ken"):
+        assert secret not in ran.output
+
+
+async def test_a_uri_the_driver_refuses_fails_in_one_line_without_its_credentials() -> None:
+    uri = "mongodb://127.0.0.1:1/shop?tls=true&tlsCertificateKeyFile=/no/such.pem" + CREDENTIALS
+
+    ran = await cli("status", f"--uri={uri}")
+
+    assert ran.code == 1, ran.output
+    assert ran.err.startswith("mongo-outbox: bad MongoDB URI"), ran.output
+    assert "Traceback" not in ran.err
+    for secret in ("k3y-passw0rd", "s3ssion-t0ken"):
+        assert secret not in ran.output

@@ -542,3 +542,64 @@ async def test_an_upsert_filter_may_not_name_an_owned_field(
         None, db.orders, {"_id": "o1", "_version": 5}, {"$set": {"a": 1}}, [Event(type="x")]
     )
     assert (saved.version, saved.events[0].sequence) == (6, 41)
+
+
+async def test_array_filters_update_the_elements_they_select(writer: Writer, db: Any) -> None:
+    items = [{"sku": "a", "qty": 1}, {"sku": "b", "qty": 1}, {"sku": "b", "qty": 7}]
+    await writer.save_with_events(None, db.orders, {"_id": "o1", "items": items}, [])
+    saved = await writer.update_with_events(
+        None,
+        db.orders,
+        {"_id": "o1"},
+        {"$set": {"items.$[line].qty": 0}},
+        [Event(type="sku.b.cancelled")],
+        array_filters=[{"line.sku": "b", "line.qty": {"$lt": 5}}],
+    )
+    assert saved.version == 2
+    stored = await db.orders.find_one({"_id": "o1"})
+    assert stored["items"] == [
+        {"sku": "a", "qty": 1},
+        {"sku": "b", "qty": 0},
+        {"sku": "b", "qty": 7},
+    ]
+    assert await pending(writer) == [("sku.b.cancelled", "o1", 1)]
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
+
+
+@pytest.mark.parametrize(
+    ("update", "array_filters", "reason"),
+    [
+        ([{"$set": {"x": 1}}], [{"i.sku": "a"}], "not to a pipeline"),
+        ({"$set": {"items.$[i].qty": 0}}, {"i.sku": "a"}, "must be a list"),
+        ({"$set": {"items.$[i].qty": 0}}, [{}], "non-empty filter document"),
+        ({"$set": {"items.$[i].qty": 0}}, ["i.sku"], "non-empty filter document"),
+    ],
+)
+async def test_bad_array_filters_are_refused_before_anything_is_written(
+    writer: Writer, db: Any, update: Any, array_filters: Any, reason: str
+) -> None:
+    await writer.save_with_events(None, db.orders, {"_id": "o1", "items": [{"sku": "a"}]}, [])
+    before = await db.orders.find_one({"_id": "o1"})
+    with pytest.raises(InvalidAggregateError, match=reason):
+        await writer.update_with_events(
+            None, db.orders, {"_id": "o1"}, update, [Event(type="x")], array_filters=array_filters
+        )
+    assert await db.orders.find_one({"_id": "o1"}) == before
+    assert await pending(writer) == []
+
+
+async def test_an_array_filter_no_identifier_uses_is_mongodbs_refusal(
+    writer: Writer, db: Any
+) -> None:
+    await writer.save_with_events(None, db.orders, {"_id": "o1", "items": [{"sku": "a"}]}, [])
+    with pytest.raises(InvalidAggregateError):
+        await writer.update_with_events(
+            None,
+            db.orders,
+            {"_id": "o1"},
+            {"$set": {"items.$[i].qty": 0}},
+            [Event(type="x")],
+            array_filters=[{"i.sku": "a"}, {"unused.sku": "b"}],
+        )
+    assert await pending(writer) == []

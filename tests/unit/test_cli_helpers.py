@@ -80,3 +80,49 @@ def test_the_installed_entry_point_runs_the_command_line() -> None:
         "mongo-outbox: Missing option '--uri' (env var: 'MONGO_OUTBOX_URI'). "
         "(see 'mongo-outbox status --help')"
     ]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "mongodb://app:pw0rd@db1,db2/shop?replicaSet=rs0&tls=true"
+            "&tlsCertificateKeyFilePassword=k3y-pass&authMechanism=MONGODB-AWS"
+            "&authMechanismProperties=SERVICE_NAME:x,AWS_SESSION_TOKEN:t0ken",
+            "mongodb://app:***@db1,db2/shop?replicaSet=rs0&tls=true"
+            "&tlsCertificateKeyFilePassword=***&authMechanism=MONGODB-AWS"
+            "&authMechanismProperties=***",
+        ),
+        (
+            "redis://:r3dis-pw@cache:6379/0?password=an0ther",
+            "redis://:***@cache:6379/0?password=***",
+        ),
+        (
+            "rediss://cache?ssl_keyfile=/k&ssl_password=s5l-pw",
+            "rediss://cache?ssl_keyfile=/k&ssl_password=***",
+        ),
+        (
+            "amqps://relay:mq-pw@mq/shop?certfile=/c&password=pem-pw",
+            "amqps://relay:***@mq/shop?certfile=/c&password=***",
+        ),
+        ("nats://t0ken@n1:4222,nats://u:pw@n2:4222", "nats://***@n1:4222,nats://u:***@n2:4222"),
+    ],
+)
+def test_every_credential_of_a_url_is_redacted_in_its_userinfo_and_query(
+    url: str, shown: str
+) -> None:
+    assert hide(url) == shown
+    secrets = ("pw0rd", "k3y-pass", "t0ken", "r3dis-pw", "an0ther", "s5l-pw", "mq-pw", "pem-pw")
+    given = [s for s in secrets if s in url]
+    leaked = f"the client said: {url} / {', '.join(given)}"
+    assert given and not [s for s in given if s in scrub(leaked)]
+
+
+def test_only_credentials_are_hidden_so_other_text_is_not_garbled() -> None:
+    shown = hide(
+        "mongodb://db/?authMechanism=GSSAPI&authMechanismProperties=SERVICE_NAME:mongodb,"
+        "AWS_SESSION_TOKEN:t0k3n-value&passive=true&heartbeat=30"
+    )
+    assert shown.endswith("authMechanismProperties=***&passive=true&heartbeat=30")
+    text = "mongodb://db2 answered true after 30 s; token t0k3n-value"
+    assert scrub(text) == "mongodb://db2 answered true after 30 s; token ***"
