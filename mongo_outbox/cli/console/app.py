@@ -17,6 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -35,6 +36,7 @@ from mongo_outbox.cli.common import Connection, Target, age, hide, one_line, scr
 from mongo_outbox.cli.console import data
 from mongo_outbox.cli.console.auth import COOKIE, SESSION_LIFETIME, Credentials, Session, Sessions
 from mongo_outbox.errors import OutboxError
+from mongo_outbox.events import as_utc
 
 log = logging.getLogger("mongo_outbox.cli")
 
@@ -97,6 +99,7 @@ class Console:
             undefined=jinja2.StrictUndefined,
         )
         self.templates.filters["age"] = _age
+        self.templates.filters["when"] = _when
         middleware = []
         if settings.host in LOOPBACK:
             # A site whose name was made to resolve to 127.0.0.1 (DNS rebinding) would be of
@@ -312,6 +315,10 @@ class Console:
 
 
 def _age(seconds: float | None) -> str:
-    from datetime import timedelta
-
     return age(None if seconds is None else timedelta(seconds=seconds))
+
+
+def _when(at: Any) -> str:
+    if not isinstance(at, datetime):
+        return "-" if at is None else str(at)
+    return as_utc(at).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -33,6 +33,14 @@ function draw(svg, samples) {
     label.textContent = String(value);
     svg.append(label);
   }
+  if (samples.length > 1) {
+    const span = (Date.parse(samples[samples.length - 1].at) - Date.parse(samples[0].at)) / 1000;
+    for (const [at, text, anchor] of [[x(0), "-" + age(span), "start"], [WIDTH - 5, "now", "end"]]) {
+      const label = element("text", { x: at, y: HEIGHT - 5, "text-anchor": anchor, class: "tick" });
+      label.textContent = text;
+      svg.append(label);
+    }
+  }
   for (const [field, name] of [["pending", "pending"], ["published", "published"]]) {
     const points = samples
       .map((s, i) => (s[field] === null ? null : x(i).toFixed(1) + "," + y(s[field]).toFixed(1)))
