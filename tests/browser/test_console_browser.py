@@ -52,6 +52,8 @@ async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
 ) -> None:
     from playwright.async_api import expect
 
+    # Generous deadlines for a loaded machine; each wait ends as soon as its condition holds.
+    expect.set_options(timeout=15_000)
     saved = await park(db)
     outbox = Outbox(db)
     for i in range(3):  # a backlog, for the numbers and the chart
@@ -63,6 +65,7 @@ async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
     env = {"MONGO_OUTBOX_CONSOLE_TOKEN": TOKEN}
     async with served(mongo, db, "--sample-interval=0.5", env=env) as (_, url):
         context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        context.set_default_timeout(15_000)
         page = await context.new_page()
         await page.goto(url)
 

@@ -70,10 +70,11 @@ async def test_the_filters_keep_the_parked_events_of_a_type_or_an_aggregate(
     assert "2 of 4 parked events" in of_c
 
 
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_the_chart_counts_what_was_published_between_two_samples(
-    client: Any, mongo: MongoServer, db: Any
+    client: Any, mongo: MongoServer, db: Any, mode: str
 ) -> None:
-    outbox = Outbox(db)
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
     await outbox.ensure_indexes()
     from mongo_outbox.cli.common import Connection
     from mongo_outbox.cli.console.data import Sampler
@@ -252,3 +253,50 @@ async def test_the_command_listens_on_localhost_and_says_it_is_read_only(
             assert rebound.status_code == 400
         ran = await service.stop(signal.SIGTERM)
     assert ran.code == 0, ran.output
+
+
+async def test_requeue_all_matching_takes_the_filters_of_the_page(
+    client: Any, mongo: MongoServer, db: Any
+) -> None:
+    saved = await park(db)
+    async with in_process(client, db, mongo, credentials=SIGNED) as http:
+        csrf = await sign_in(http)
+        page = (await http.get("/", params={"type": "poison", "aggregate": "c"})).text
+        assert "Requeue all 2 matching" in page
+        form = {"csrf": csrf, "matching": "1", "type": "poison", "aggregate": "c"}
+        assert (await http.post("/parked/requeue", data=form)).status_code == 303
+        assert "requeued 2 parked events" in (await http.get("/")).text
+    assert await parked_ids(db) == {saved["a"][0].id, saved["b"][0].id}
+
+
+async def test_the_console_of_several_databases_shows_each_backlog_and_acts_on_the_chosen_one(
+    client: Any, mongo: MongoServer, db: Any
+) -> None:
+    import httpx
+
+    other = client[f"{db.name}_b"]
+    try:
+        await park(db)
+        saved = await park(other)
+        await Outbox(other).save_with_events(None, other.orders, {"_id": "p"}, [Event(type="x")])
+        env = {"MONGO_OUTBOX_CONSOLE_TOKEN": TOKEN}
+        async with served(mongo, db, f"--databases={db.name},{other.name}", env=env) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                first = (await http.get("/")).text
+                assert f">{db.name}<" in first and f">{other.name}<" in first
+                assert 'id="pending">0<' in first  # the first database's details
+                chosen = (await http.get("/", params={"db": other.name})).text
+                assert 'id="pending">1<' in chosen and saved["b"][0].id in chosen
+                overview = (await http.get("/api/overview", params={"db": other.name})).json()
+                assert overview["database"] == other.name and overview["pending"] == 1
+                assert (await http.get("/", params={"db": "nope"})).status_code == 404
+                csrf = csrf_of(chosen)
+                await http.post("/login", data={"csrf": csrf, "token": TOKEN, "db": other.name})
+                csrf = csrf_of((await http.get("/", params={"db": other.name})).text)
+                form = {"csrf": csrf, "db": other.name, "event_id": saved["b"][0].id}
+                done = await http.post("/parked/requeue", data=form)
+                assert done.status_code == 303 and done.headers["location"] == f"/?db={other.name}"
+        assert saved["b"][0].id not in await parked_ids(other)
+        assert len(await parked_ids(db)) == 4
+    finally:
+        await client.drop_database(other.name)

@@ -105,7 +105,7 @@ async def in_process(
         credentials=credentials or Credentials(),
         sample_every=sample_every,
     )
-    console = Console(conn, settings)
+    console = Console([conn], settings)
     app = console.app
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -146,10 +146,11 @@ async def served(
     mongo: MongoServer, db: Any, *args: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[tuple[Service, str]]:
     """``mongo-outbox console`` on a free port: the service and the URL it printed."""
+    where = [] if any(a.startswith("--databases") for a in args) else [f"--db={db.name}"]
     service = Service(
         "console",
         f"--uri={mongo.uri}",
-        f"--db={db.name}",
+        *where,
         "--port=0",
         *args,
         env=environment(**(env or {})),

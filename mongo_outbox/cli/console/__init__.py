@@ -12,6 +12,8 @@ listens on 127.0.0.1 unless ``--host`` says otherwise. ``app.py`` is the web app
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -20,9 +22,21 @@ from typing import Any
 
 import click
 
-from mongo_outbox.cli.common import Failure, Target, connected, option, run, say, target_options
+from mongo_outbox.cli.common import (
+    Connection,
+    Failure,
+    Target,
+    connected,
+    option,
+    run,
+    say,
+    target_options,
+)
 from mongo_outbox.cli.console.auth import TOKEN, USER, Credentials, CredentialsError
+from mongo_outbox.cli.relay import _databases
 from mongo_outbox.settings import count, seconds
+
+log = logging.getLogger("mongo_outbox.cli")
 
 EXTRA = "the console needs pip install 'mongo-outbox[console]'"
 
@@ -41,6 +55,11 @@ def check_extra() -> None:
 @target_options
 @option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
 @option("--port", type=int, default=8600, show_default=True, help="The port to listen on (0: any).")
+@option(
+    "--databases",
+    help="Show the outbox of each of these databases (comma-separated; tenants), instead of "
+    "--db's.",
+)
 @option("--checkpoints", default="outbox_relays", show_default=True, help="Relays' checkpoints.")
 @option("--inbox-collection", default="inbox", show_default=True, help="The inbox collection.")
 @option(
@@ -61,6 +80,7 @@ def console(
     target: Target,
     host: str,
     port: int,
+    databases: str | None,
     checkpoints: str,
     inbox_collection: str,
     sample_interval: float,
@@ -77,6 +97,10 @@ def console(
     from mongo_outbox.cli.console.app import Settings
     from mongo_outbox.cli.console.data import Places
 
+    names = _databases(target, databases)
+    if names:  # connected() checks the first; the others are on the same server
+        target = dataclasses.replace(target, db=names[0])
+
     try:
         credentials = Credentials.from_env(os.environ)
         every = seconds(sample_interval, "--sample-interval")
@@ -91,10 +115,10 @@ def console(
         sample_every=every,
         samples_kept=keep,
     )
-    run(_serve(settings, port))
+    run(_serve(settings, port, names))
 
 
-async def _serve(settings: Any, port: int) -> None:
+async def _serve(settings: Any, port: int, databases: tuple[str, ...]) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -111,7 +135,7 @@ async def _serve(settings: Any, port: int) -> None:
                 for sig, handler in before.items():
                     signal.signal(sig, handler)
 
-    from mongo_outbox.cli.console.app import create_app
+    from mongo_outbox.cli.console.app import LOOPBACK, create_app
 
     try:
         listening = socket.create_server((settings.host, port))
@@ -119,7 +143,13 @@ async def _serve(settings: Any, port: int) -> None:
         raise Failure(f"cannot listen on {settings.host}:{port}: {error.strerror}") from None
     bound = listening.getsockname()[1]
     async with connected(settings.target) as conn:
-        app = create_app(conn, settings)
+        conns = [conn]
+        if databases:
+            conns = [
+                Connection(conn.client, db, settings.target.outbox(db))
+                for db in (conn.client[name] for name in databases)
+            ]
+        app = create_app(conns, settings)
         server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
         shown = f"[{settings.host}]" if ":" in settings.host else settings.host
         mode = (
@@ -128,4 +158,10 @@ async def _serve(settings: Any, port: int) -> None:
             else (f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)")
         )
         say(f"console at http://{shown}:{bound}/{mode}")
+        if settings.host not in LOOPBACK:
+            log.warning(
+                "console: listening on %s, beyond this machine, in plain HTTP: put a proxy that "
+                "terminates TLS in front of it (docs/console.md)",
+                settings.host,
+            )
         await server.serve(sockets=[listening])

@@ -54,8 +54,9 @@ async function poll() {
   const svg = document.getElementById("chart");
   const status = document.getElementById("chart-status");
   try {
+    const db = new URLSearchParams({ db: document.body.dataset.db || "" }).toString();
     const [history, overview] = await Promise.all(
-      ["/api/history", "/api/overview"].map((path) =>
+      ["/api/history?" + db, "/api/overview?" + db].map((path) =>
         fetch(path, { credentials: "same-origin" }).then((r) => r.json())),
     );
     if (svg) draw(svg, history.samples);
