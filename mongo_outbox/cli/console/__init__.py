@@ -54,7 +54,13 @@ def check_extra() -> None:
 @click.command()
 @target_options
 @option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
-@option("--port", type=int, default=8600, show_default=True, help="The port to listen on (0: any).")
+@option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8600,
+    show_default=True,
+    help="The port to listen on (0: any free one).",
+)
 @option(
     "--databases",
     help="Show the outbox of each of these databases (comma-separated; tenants), instead of "

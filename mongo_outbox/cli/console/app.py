@@ -16,6 +16,7 @@ secrets are replaced as well: no credential is ever rendered.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -46,6 +47,8 @@ log = logging.getLogger("mongo_outbox.cli")
 HERE = Path(__file__).parent
 MAX_FORM = 64 * 1024
 """Bytes a form may have: a requeue of every shown event fits many times over."""
+SIGN_IN_PAUSE = 1.0
+"""Seconds a wrong sign-in waits before its answer, one at a time: guesses are slow."""
 READ_ONLY = "the console is read-only: no credentials are configured"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -113,6 +116,7 @@ class Console:
         self.settings = settings
         self.credentials = settings.credentials
         self.sessions = Sessions()
+        self._signing_in = asyncio.Lock()
         self.samplers = {
             name: data.Sampler(conn, settings.sample_every, settings.samples_kept)
             for name, conn in self.conns.items()
@@ -281,7 +285,14 @@ class Console:
         return session, fields
 
     def _refused(self, request: Request, refused: Refused) -> Response:
-        log.warning("console: refused: %s", refused.reason)
+        client = request.client.host if request.client else "?"
+        log.warning(
+            "console: refused %s %s from %s: %s",
+            request.method,
+            request.url.path,
+            client,
+            refused.reason,
+        )
         html = self.templates.get_template("refused.html").render(reason=refused.reason)
         return self._finish(request, HTMLResponse(html, refused.status), None, False)
 
@@ -312,8 +323,10 @@ class Console:
             if not self.credentials.configured:
                 raise Refused(403, READ_ONLY)
             answers = (_field(fields, "token"), _field(fields, "user"), _field(fields, "password"))
-            if not self.credentials.accept(*answers):
-                raise Refused(401, "wrong credentials")
+            async with self._signing_in:
+                if not self.credentials.accept(*answers):
+                    await asyncio.sleep(SIGN_IN_PAUSE)
+                    raise Refused(401, "wrong credentials")
         except Refused as refused:
             return self._refused(request, refused)
         # A new id on signing in: an id someone planted before is worth nothing now.

@@ -26,6 +26,7 @@ from mongo_outbox._inbox_store import failures
 from mongo_outbox._store import store_for
 from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
+from mongo_outbox.errors import OutboxError
 from mongo_outbox.events import utc_now
 from mongo_outbox.inbox import Inbox
 
@@ -165,7 +166,7 @@ class Sampler:
             try:
                 await self.sample()
                 self.last_error = None
-            except PyMongoError as error:
+            except (OutboxError, PyMongoError) as error:
                 self.last_error = one_line(error)
                 log.warning("console: sampling failed: %s", self.last_error)
             await asyncio.sleep(self.every)
