@@ -300,3 +300,17 @@ async def test_the_console_of_several_databases_shows_each_backlog_and_acts_on_t
         assert len(await parked_ids(db)) == 4
     finally:
         await client.drop_database(other.name)
+
+
+async def test_weak_or_half_given_credentials_stop_the_command_in_one_line(
+    mongo: MongoServer, db: Any
+) -> None:
+    from tests.support.cli import cli, environment
+
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", "--port=0"]
+    weak = await cli("console", *where, env=environment(MONGO_OUTBOX_CONSOLE_TOKEN="short-tkn"))
+    assert weak.code == 1 and weak.err.strip() == (
+        "mongo-outbox: MONGO_OUTBOX_CONSOLE_TOKEN must be at least 12 characters long"
+    )
+    half = await cli("console", *where, env=environment(MONGO_OUTBOX_CONSOLE_USER="ops"))
+    assert half.code == 1 and "MONGO_OUTBOX_CONSOLE_PASSWORD" in half.err

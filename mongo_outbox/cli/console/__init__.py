@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -37,6 +37,9 @@ from mongo_outbox.cli.relay import _databases
 from mongo_outbox.settings import count, seconds
 
 log = logging.getLogger("mongo_outbox.cli")
+
+if TYPE_CHECKING:
+    from mongo_outbox.cli.console.app import Settings
 
 EXTRA = "the console needs pip install 'mongo-outbox[console]'"
 
@@ -124,7 +127,7 @@ def console(
     run(_serve(settings, port, names))
 
 
-async def _serve(settings: Any, port: int, databases: tuple[str, ...]) -> None:
+async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -143,31 +146,31 @@ async def _serve(settings: Any, port: int, databases: tuple[str, ...]) -> None:
 
     from mongo_outbox.cli.console.app import LOOPBACK, create_app
 
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
-        listening = socket.create_server((settings.host, port))
+        listening = socket.create_server((settings.host, port), family=family)
     except OSError as error:
         raise Failure(f"cannot listen on {settings.host}:{port}: {error.strerror}") from None
     bound = listening.getsockname()[1]
-    async with connected(settings.target) as conn:
-        conns = [conn]
-        if databases:
-            conns = [
-                Connection(conn.client, db, settings.target.outbox(db))
-                for db in (conn.client[name] for name in databases)
-            ]
-        app = create_app(conns, settings)
-        server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
-        shown = f"[{settings.host}]" if ":" in settings.host else settings.host
-        mode = (
-            ""
-            if settings.credentials.configured
-            else (f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)")
-        )
-        say(f"console at http://{shown}:{bound}/{mode}")
-        if settings.host not in LOOPBACK:
-            log.warning(
-                "console: listening on %s, beyond this machine, in plain HTTP: put a proxy that "
-                "terminates TLS in front of it (docs/console.md)",
-                settings.host,
-            )
-        await server.serve(sockets=[listening])
+    with listening:
+        async with connected(settings.target) as conn:
+            conns = [conn]
+            if databases:
+                conns = [
+                    Connection(conn.client, db, settings.target.outbox(db))
+                    for db in (conn.client[name] for name in databases)
+                ]
+            app = create_app(conns, settings)
+            server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+            shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+            mode = f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)"
+            if settings.credentials.configured:
+                mode = ""
+            say(f"console at http://{shown}:{bound}/{mode}")
+            if settings.host not in LOOPBACK:
+                log.warning(
+                    "console: listening on %s, beyond this machine, in plain HTTP: put a proxy "
+                    "that terminates TLS in front of it (docs/console.md)",
+                    settings.host,
+                )
+            await server.serve(sockets=[listening])
