@@ -53,6 +53,7 @@ async def test_the_page_shows_backlog_relays_partitions_parked_events_and_inbox_
     assert "cannot encode" in text
     assert ">orders<" in text and "host-a:1" in text  # the change-stream relay
     assert "Group shop" in text and ">m1<" in text and "no owner" in text  # partition 1
+    assert 'live members: <span class="member">m1</span> (0)</p>' in text  # m0 is dead
     assert ">billing<" in text and "the bug" in text
     assert 'id="read-only"' in text and 'action="/login"' not in text
 

@@ -65,7 +65,7 @@ async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
 
 async def leases(db: Any) -> None:
     """A change-stream relay ``orders`` holding its lease, and relay group ``shop`` of two
-    partitions: partition 0 held by member m1, partition 1 by nobody."""
+    partitions: partition 0 held by member m1, partition 1 by nobody (its member m0 died)."""
     now = utc_now()
     await db.outbox_config.insert_one({"_id": "partitions", "count": 2})
     await db.outbox_relays.insert_many(
@@ -77,6 +77,22 @@ async def leases(db: Any) -> None:
                 "checkpoint_at": now,
             },
             {"_id": "shop/0", "owner": "m1", "lease_until": now + timedelta(minutes=5)},
+        ]
+    )
+    await db.outbox_relay_members.insert_many(
+        [
+            {
+                "_id": "m1",
+                "group": "shop",
+                "alive_until": now + timedelta(minutes=5),
+                "partitions": [0],
+            },
+            {
+                "_id": "m0",
+                "group": "shop",
+                "alive_until": now - timedelta(minutes=5),
+                "partitions": [1],
+            },
         ]
     )
 

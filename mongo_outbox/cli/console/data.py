@@ -17,12 +17,13 @@ import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo.errors import PyMongoError
 
 from mongo_outbox._inbox_store import failures
+from mongo_outbox._members import Membership
 from mongo_outbox._store import store_for
 from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
@@ -43,6 +44,7 @@ class Places:
 
     checkpoints: str = "outbox_relays"
     inbox: str = "inbox"
+    members: str = "outbox_relay_members"
 
 
 async def overview(conn: Connection, target: Target, places: Places) -> dict[str, Any]:
@@ -67,10 +69,21 @@ async def overview(conn: Connection, target: Target, places: Places) -> dict[str
                 {"partition": k, **leases.get(k, {"state": "inactive", "lease_holder": None})}
                 for k in range(max(count, max(leases) + 1))
             ],
+            "members": await _members(conn, places, name),
         }
         for name, leases in sorted(groups.items())
     ]
     return report
+
+
+async def _members(conn: Connection, places: Places, group: str) -> list[dict[str, Any]]:
+    """The group's live members and the partitions each said it holds at its last beat, read
+    as the group's own ``status()`` reads them."""
+    beats = Membership(conn.db[places.members], group, me="", lease=timedelta(0))
+    return [
+        {"member": str(doc["_id"]), "partitions": list(doc.get("partitions") or ())}
+        for doc in await beats.live()
+    ]
 
 
 def matches(entry: dict[str, Any], types: list[str], aggregates: list[str]) -> bool:
