@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mongo_outbox.cli.common import env
+from mongo_outbox.cli.console import console
 from mongo_outbox.cli.inbox import inbox
 from mongo_outbox.cli.indexes import ensure_indexes
 from mongo_outbox.cli.parked import parked
@@ -24,7 +25,7 @@ def cli() -> None:
     """
 
 
-for command in (relay, status, parked, inbox, replay_command, ensure_indexes):
+for command in (relay, status, parked, inbox, replay_command, ensure_indexes, console):
     cli.add_command(command)
 
 

@@ -1,0 +1,176 @@
+"""``mongo-outbox console``: a small web page where an operator sees the outbox at a glance
+(backlog and its age, relays and group partitions, parked events, inbox failures, a live chart)
+and requeues parked events and failed inbox messages.
+
+It needs the ``console`` extra (Starlette, Jinja2, uvicorn): ``pip install
+'mongo-outbox[console]'``, checked before anything else, as ``--metrics-port`` checks its own.
+The page is read-only unless credentials are set in the environment (``auth.py``), and it
+listens on 127.0.0.1 unless ``--host`` says otherwise. ``app.py`` is the web application,
+``data.py`` what it reads, through the same functions as ``status``, ``parked`` and ``inbox``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import click
+
+from mongo_outbox.cli.common import (
+    Connection,
+    Failure,
+    Target,
+    connected,
+    option,
+    run,
+    say,
+    target_options,
+)
+from mongo_outbox.cli.console.auth import TOKEN, USER, Credentials, CredentialsError
+from mongo_outbox.cli.relay import _databases
+from mongo_outbox.settings import count, seconds
+
+log = logging.getLogger("mongo_outbox.cli")
+
+if TYPE_CHECKING:
+    from mongo_outbox.cli.console.app import Settings
+
+EXTRA = "the console needs pip install 'mongo-outbox[console]'"
+
+
+def check_extra() -> None:
+    """Fail in one line when the ``console`` extra is missing."""
+    try:
+        import jinja2  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise Failure(f"{EXTRA} (missing: {error.name})") from None
+
+
+@click.command()
+@target_options
+@option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
+@option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8600,
+    show_default=True,
+    help="The port to listen on (0: any free one).",
+)
+@option(
+    "--databases",
+    help="Show the outbox of each of these databases (comma-separated; tenants), instead of "
+    "--db's.",
+)
+@option("--checkpoints", default="outbox_relays", show_default=True, help="Relays' checkpoints.")
+@option("--inbox-collection", default="inbox", show_default=True, help="The inbox collection.")
+@option(
+    "--sample-interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds between two samples of the chart (and its page's polls).",
+)
+@option(
+    "--history",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Minutes of samples the chart shows.",
+)
+def console(
+    target: Target,
+    host: str,
+    port: int,
+    databases: str | None,
+    checkpoints: str,
+    inbox_collection: str,
+    sample_interval: float,
+    history: float,
+) -> None:
+    """Serve a web console: backlog, relays and partitions, parked events, inbox failures and
+    a live chart; requeue from it once signed in.
+
+    Signing in needs MONGO_OUTBOX_CONSOLE_TOKEN, or MONGO_OUTBOX_CONSOLE_USER and
+    MONGO_OUTBOX_CONSOLE_PASSWORD, in the environment (never on the command line); without
+    them the console is read-only.
+    """
+    check_extra()
+    from mongo_outbox.cli.console.app import Settings
+    from mongo_outbox.cli.console.data import Places
+
+    names = _databases(target, databases)
+    if names:  # connected() checks the first; the others are on the same server
+        target = dataclasses.replace(target, db=names[0])
+
+    try:
+        credentials = Credentials.from_env(os.environ)
+        every = seconds(sample_interval, "--sample-interval")
+        keep = count(max(1, round(seconds(history, "--history") * 60 / every)), "--history")
+    except (CredentialsError, ValueError) as error:
+        raise Failure(str(error)) from None
+    settings = Settings(
+        target=target,
+        places=Places(checkpoints, inbox_collection),
+        credentials=credentials,
+        host=host,
+        sample_every=every,
+        samples_kept=keep,
+    )
+    run(_serve(settings, port, names))
+
+
+async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn raises a SIGTERM or SIGINT again once it shut down, for the program
+            # around it; here it is the whole program, and a clean stop exits 0, as the
+            # relay's does.
+            stops = (signal.SIGINT, signal.SIGTERM)
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+    from mongo_outbox.cli.console.app import LOOPBACK, create_app
+
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    try:
+        listening = socket.create_server((settings.host, port), family=family)
+    except OSError as error:
+        raise Failure(f"cannot listen on {settings.host}:{port}: {error.strerror}") from None
+    bound = listening.getsockname()[1]
+    with listening:
+        async with connected(settings.target) as conn:
+            conns = [conn]
+            if databases:
+                conns = [
+                    Connection(conn.client, db, settings.target.outbox(db))
+                    for db in (conn.client[name] for name in databases)
+                ]
+            app = create_app(conns, settings)
+            server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+            shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+            mode = f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)"
+            if settings.credentials.configured:
+                mode = ""
+            say(f"console at http://{shown}:{bound}/{mode}")
+            if settings.host not in LOOPBACK:
+                log.warning(
+                    "console: listening on %s, beyond this machine, in plain HTTP: put a proxy "
+                    "that terminates TLS in front of it (docs/console.md)",
+                    settings.host,
+                )
+            await server.serve(sockets=[listening])

@@ -1,0 +1,132 @@
+"""The web console in a real browser: Debian's chromium (``.ci/run`` installs it), driven by
+Playwright through ``executable_path``, never a browser Playwright downloads. The real
+``mongo-outbox console`` command serves the test MongoDB's outbox.
+
+Every step waits for what it needs on the page (Playwright's auto-waiting selectors and
+``expect``), never for a time. With ``MONGO_OUTBOX_CONSOLE_SCREENSHOT=path`` the signed-in page
+is saved there (how docs/img/console.png is made).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from mongo_outbox import Event, Inbox, Outbox
+from mongo_outbox._store import store_for
+from tests.support.console import TOKEN, dead_letter, leases, park, served
+from tests.support.servers import MongoServer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="no chromium here (apt-get install chromium); CI installs it and never skips",
+)
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    from playwright.async_api import async_playwright
+
+    assert CHROMIUM is not None, "chromium is missing: apt-get install chromium"
+    async with async_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where chromium's sandbox cannot start.
+        launched = await playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
+        )
+        yield launched
+        await launched.close()
+
+
+async def parked_ids(db: Any) -> set[str]:
+    return {e["_id"] for e in await store_for(Outbox(db)).parked()}
+
+
+async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
+    browser: Any, mongo: MongoServer, db: Any
+) -> None:
+    from playwright.async_api import expect
+
+    # Generous deadlines for a loaded machine; each wait ends as soon as its condition holds.
+    expect.set_options(timeout=15_000)
+    saved = await park(db)
+    outbox = Outbox(db)
+    for i in range(3):  # a backlog, for the numbers and the chart
+        await outbox.save_with_events(None, db.orders, {"_id": f"p{i}"}, [Event(type="placed")])
+    await leases(db)
+    paid = Event(type="order.paid")
+    await dead_letter(db, "billing", paid)
+    bad = saved["b"][0].id
+    env = {"MONGO_OUTBOX_CONSOLE_TOKEN": TOKEN}
+    async with served(mongo, db, "--sample-interval=0.5", env=env) as (_, url):
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        context.set_default_timeout(15_000)
+        page = await context.new_page()
+        await page.goto(url)
+
+        # The page loads, and its script (allowed by the page's policy) polls and draws.
+        await expect(page).to_have_title("mongo-outbox console")
+        await expect(page.locator("#parked-count")).to_have_text("4")
+        await expect(page.locator("#pending")).to_have_text("3")
+        await expect(page.locator("#chart polyline.pending")).to_have_count(1)
+        await expect(page.locator("#chart-status")).to_have_text(re.compile(r"^\d+ samples$"))
+        await expect(page.locator("#relays")).to_contain_text("no owner")
+        await expect(page.locator("#inbox")).to_contain_text("the bug")
+
+        # The filter keeps one type.
+        await page.select_option("#filter-type", "bad")
+        await page.click("#filter button[type=submit]")
+        await expect(page.locator("#parked-shown")).to_have_text("1 of 4 parked events")
+        await expect(page.locator("tr.parked")).to_have_count(1)
+        await expect(page.locator(f'tr.parked[data-event-id="{bad}"]')).to_have_count(1)
+
+        # Not signed in: nothing to click, and a forged POST with the session's own CSRF
+        # token is refused.
+        await expect(page.locator("#requeue-chosen")).to_have_count(0)
+        csrf = await page.locator("#login input[name=csrf]").get_attribute("value")
+        refused = await page.request.post(
+            url + "parked/requeue", form={"csrf": csrf, "event_id": bad}
+        )
+        assert refused.status == 401
+        assert bad in await parked_ids(db)
+
+        # Wrong token: refused; the right one signs in.
+        await page.fill("#login input[name=token]", "not-the-token-at-all")
+        await page.click("#login button[type=submit]")
+        await expect(page.locator("#refused")).to_have_text("wrong credentials")
+        await page.goto(url)
+        await page.fill("#login input[name=token]", TOKEN)
+        await page.click("#login button[type=submit]")
+        await expect(page.locator("#notice")).to_have_text("signed in")
+
+        # Signed in, a POST without the page's CSRF token is still refused.
+        forged = await page.request.post(
+            url + "parked/requeue", form={"csrf": "forged", "event_id": bad}
+        )
+        assert forged.status == 403
+        assert bad in await parked_ids(db)
+
+        if os.environ.get("MONGO_OUTBOX_CONSOLE_SCREENSHOT"):
+            await expect(page.locator("#chart polyline.published")).to_have_count(1)
+            await page.screenshot(
+                path=os.environ["MONGO_OUTBOX_CONSOLE_SCREENSHOT"], full_page=True
+            )
+
+        # A requeue through the form changes the database.
+        await page.goto(url + "?type=bad")
+        await page.check(f'input[name=event_id][value="{bad}"]')
+        await page.click("#requeue-chosen")
+        await expect(page.locator("#notice")).to_have_text("requeued 1 parked events")
+        assert bad not in await parked_ids(db)
+        await expect(page.locator("#parked-count")).to_have_text("3")
+
+        await page.click(f'tr.failed[data-message-id="{paid.id}"] button')
+        await expect(page.locator("#notice")).to_contain_text("requeued 1 failed messages")
+        assert await Inbox(db, consumer="billing").failed() == []
+        await context.close()
