@@ -120,8 +120,12 @@ async def relay_exposition(mongo: MongoServer, db: Any, stream: str) -> str:
             text[:] = [answer[1]]
             names = exported(answer[1])
             published = [v for n, _, v in samples(answer[1]) if n == "mongo_outbox_published_total"]
-            # The backlog's gauges come with the relay's first background refresh.
-            refreshed = "mongo_outbox_pending_events" in names
+            # The backlog's gauges are there from the first scrape; the checkpoint's lag once
+            # the relay checkpointed.
+            refreshed = {
+                "mongo_outbox_pending_events",
+                "mongo_outbox_checkpoint_lag_seconds",
+            } <= names.keys()
             return published == [3] and "mongo_outbox_publish_failures_total" in names and refreshed
 
         await until(published_and_failed, timeout=60, every=0.25)

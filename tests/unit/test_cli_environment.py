@@ -45,6 +45,7 @@ ALL = list(commands())
 def test_the_walk_sees_every_command() -> None:
     names = {name for name, _ in ALL}
     assert names == {
+        "console",
         "ensure-indexes",
         "inbox failed",
         "inbox requeue",
