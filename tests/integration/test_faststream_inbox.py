@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 import aio_pika
 import pytest
 from faststream.nats import ConsumerConfig, JStream, NatsBroker
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from mongo_outbox import Backoff, Event, Inbox, PoisonMessage
 from mongo_outbox.faststream import inbox_handler
@@ -25,8 +26,12 @@ from tests.support.waiting import until
 FAST = Backoff(initial=0.05, maximum=0.1)
 
 
-class Order(BaseModel):
+class StrictOrder(BaseModel):
+    """Strict, with a field whose JSON form is a string: it must validate from the JSON payload."""
+
+    model_config = ConfigDict(strict=True)
     n: int
+    placed: datetime
 
 
 def billing(db: Any, *, flaky: set[str], poison: set[str], **options: Any) -> Any:
@@ -175,12 +180,15 @@ async def test_rabbitmq_relay_to_faststream_each_effect_once(
 async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
     db: Any, nats_client: Any, amqp_connection: Any, unique: str, transport: str
 ) -> None:
-    good = Event.of(Order(n=7), type="order.placed")
-    misfit = Event(type="order.placed", payload={"n": "seven"})
-    seen: list[Order] = []
+    placed = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    good = Event.of(StrictOrder(n=7, placed=placed), type="order.placed")
+    misfit = Event(type="order.placed", payload={"n": "seven", "placed": placed.isoformat()})
+    seen: list[StrictOrder] = []
 
-    @inbox_handler(Inbox(db, consumer="typed", transactional=True), payload=Order, backoff=FAST)
-    async def typed(order: Order, session: Any) -> None:
+    @inbox_handler(
+        Inbox(db, consumer="typed", transactional=True), payload=StrictOrder, backoff=FAST
+    )
+    async def typed(order: StrictOrder, session: Any) -> None:
         seen.append(order)
         await db.invoices.insert_one({"n": order.n}, session=session)
 
@@ -224,10 +232,10 @@ async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
         await channel.close()
     # A handler may run more than once (a transaction that failed to commit is retried); its
     # effect in MongoDB is there once.
-    assert seen and all(order == Order(n=7) for order in seen)
+    assert seen and all(order == StrictOrder(n=7, placed=placed) for order in seen)
     assert [i["n"] for i in await db.invoices.find().to_list(None)] == [7]
     failed = await Inbox(db, consumer="typed").failed()
-    assert failed[0]["message_id"] == misfit.id and "not a Order" in failed[0]["last_error"]
+    assert failed[0]["message_id"] == misfit.id and "not a StrictOrder" in failed[0]["last_error"]
 
 
 async def test_nats_last_delivery_is_dead_lettered_not_dropped(
