@@ -96,6 +96,11 @@ class Store(Protocol):
 
     async def backlog(self) -> Backlog: ...
 
+    async def assign_partitions(self, limit: int) -> int:
+        """Give up to ``limit`` pending entries that have no partition (saved before the
+        outbox had partitions, or by a writer that checked the record before it existed) their
+        aggregate's partition, so a relay group publishes them; return how many."""
+
     async def next_due(self) -> datetime | None:
         """When the earliest pending entry comes due (it may be in the past)."""
 
