@@ -19,7 +19,7 @@ from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, ours, shown
 from mongo_outbox._partitions import partition_of
-from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, scope
+from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, batches, scope
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -326,8 +326,14 @@ class CollectionStore:
         return int(await self.coll.count_documents({"status": "parked"}))
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
+        requeued = 0
+        for batch in batches(event_ids):
+            requeued += await self._requeue(batch)
+        return requeued
+
+    async def _requeue(self, event_ids: list[str]) -> int:
         asked = await self.coll.find(
-            {"_id": {"$in": list(event_ids)}, "status": "parked"},
+            {"_id": {"$in": event_ids}, "status": "parked"},
             projection={**_AGGREGATE, "sequence": 1},
         ).to_list(None)
         if not asked:

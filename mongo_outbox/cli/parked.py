@@ -9,11 +9,13 @@ change stream sees).
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from typing import Any
 
 import click
 
-from mongo_outbox._store import store_for
+from mongo_outbox._store import batches, store_for
 from mongo_outbox.cli.common import (
     Failure,
     Target,
@@ -132,7 +134,7 @@ async def _requeue(
         missing = sorted(set(event_ids) - set(chosen))
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
-        requeued = await store.requeue(chosen)
+        requeued = await _in_batches(store, chosen)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (
@@ -142,3 +144,29 @@ async def _requeue(
         )
     also = f", and {earlier} earlier parked events of their aggregates" if earlier > 0 else ""
     return f"requeued {len(chosen)} parked events{also}"
+
+
+async def _in_batches(store: Any, chosen: list[Any]) -> int:
+    """Requeue ``chosen`` a batch at a time, saying how far it got on stderr when it takes more
+    than one: one line, rewritten, on a terminal; a line per batch otherwise (logs, pipes)."""
+    slices = batches(chosen)
+    live = sys.stderr.isatty()
+    requeued = done = 0
+    try:
+        for batch in slices:
+            requeued += await store.requeue(batch)
+            done += len(batch)
+            if len(slices) > 1:
+                line = f"requeue: {done} of {len(chosen)} chosen parked events done"
+                click.echo(f"\r{line}" if live else line, err=True, nl=not live)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        # Each batch is requeued whole or not at all: what is left is still parked.
+        click.echo(
+            f"{chr(10) if live else ''}requeue interrupted after {done} of {len(chosen)} chosen "
+            "parked events: the rest are still parked; run the same command again for them",
+            err=True,
+        )
+        raise
+    if live and len(slices) > 1:
+        click.echo(err=True)
+    return requeued
