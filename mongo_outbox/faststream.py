@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FastStreamHandler", "inbox_handler"]
 
-log = logging.getLogger(__name__)
+_log = logging.getLogger(__name__)
 
 _Handler = Callable[..., Awaitable[None]]
 
@@ -142,7 +142,7 @@ class _Delivery:
             try:
                 await queues.send(self.message.raw_message, delay)
             except Exception as error:  # noqa: BLE001 - held in the process instead
-                log.warning(
+                _log.warning(
                     "could not send message %s to a retry queue, holding it for %.1fs: %s",
                     self.message_id,
                     delay,
@@ -222,7 +222,7 @@ class FastStreamHandler:
             try:
                 await queues.declare()
             except Exception as error:  # noqa: BLE001 - held in the process instead
-                log.error(
+                _log.error(
                     "inbox_handler: cannot declare the retry queues of %r, holding retries in "
                     "the process: %s",
                     name,
