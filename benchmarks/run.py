@@ -25,6 +25,7 @@ OPTIONAL = (
     "bench_redis",
     "bench_metrics",
     "bench_group",
+    "bench_tenants",
 )
 
 

@@ -37,6 +37,7 @@ from mongo_outbox._partitions import check_config
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox._steps import run_async
 from mongo_outbox._store import store_for
+from mongo_outbox._turns import Turns
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
@@ -124,6 +125,8 @@ class RelayGroup:
         self._checkpoints = checkpoints
         self._membership = Membership(outbox.db[members], self.name, self.member, self.lease)
         self._store = store_for(outbox)
+        self.turns: Turns | None = None
+        """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
         self._workers: dict[int, Worker] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -245,10 +248,12 @@ class RelayGroup:
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
+            relay._rounds.turns = self.turns
             return StreamWorker(relay)
         lease = Checkpoint(self._leases, name, self.lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k)
+        rounds.turns = self.turns
         return PollingWorker(self.name, k, lease, rounds, self.interval)
 
     async def status(self) -> GroupStatus:
