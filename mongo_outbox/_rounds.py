@@ -158,7 +158,7 @@ class Rounds:
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
             claim = await self.store.claim(limit, self.settings.lease, until)
-            published, freed = await self._round(claim, started, lost)
+        published, freed = await self._round(claim, started, lost)
         # A park frees what queued behind it at once, so more may be due as well.
         return published, claim.more or bool(published or freed), bool(freed)
 
@@ -170,7 +170,7 @@ class Rounds:
         async with self._turn():
             started = asyncio.get_running_loop().time()
             claim = await self.store.claim_changes(changes, self.settings.lease)
-            published, _ = await self._round(claim, started, lost)
+        published, _ = await self._round(claim, started, lost)
         return published, claim.more or claim.events > published
 
     async def probe(self) -> bool:
@@ -200,8 +200,11 @@ class Rounds:
         if not claim.groups and not claim.held:
             return 0, 0
         deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
+        # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
+        # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
-        await self.store.settle(claim, published, failed)
+        async with self._turn():
+            await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
         metrics.published(self.relay, len(published))
         self.stats.failed += len(failed)

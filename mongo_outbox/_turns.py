@@ -5,11 +5,13 @@ tenant with a backlog keeps MongoDB (its claims and settles) and a shared publis
 busy without a pause, and a tenant that has one event waits behind all of it: measured, the
 others' commit-to-broker p50 went from 0.6 s to 10-21 s while one tenant drained 5,000 events.
 
-With turns, one round runs at a time, and when it ends the next turn goes to the next tenant,
-in a fixed rotation, that has a round waiting: a tenant waits for at most one round of each
-other tenant, whatever their backlogs. And while several tenants are active, each round is
-smaller (``share``: an in-flight budget), so that a waiting round is a short one. A tenant
-alone, or the only one with work, takes full rounds, turn after turn, without waiting.
+With turns, one claim or settle (a round's MongoDB work) runs at a time, and when it ends the
+next turn goes to the next tenant, in a fixed rotation, that has one waiting: a tenant waits
+for at most one claim or settle of each other tenant, whatever their backlogs. Publishing takes
+no turn: it waits for the broker, and one tenant's hanging publish must not hold up the others.
+And while several tenants are active, each round is smaller (``share``: an in-flight budget),
+so that what another tenant waits for is short. A tenant alone, or the only one with work,
+takes full rounds, turn after turn, without waiting.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ RECENT = 2.0
 
 
 class Turns:
-    """A fair lock over tenants: ``turn(tenant)`` holds it for one round."""
+    """A fair lock over tenants: ``turn(tenant)`` holds it for one claim or settle."""
 
     def __init__(self) -> None:
         self._order: list[str] = []  # the rotation, in order of first appearance

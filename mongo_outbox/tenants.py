@@ -5,9 +5,9 @@ and checkpoint, in its own database), and each runs as its own task. What they s
 process, the event loop, MongoDB and, if the caller passes the same one to each, a publisher
 and its connection. Side by side, a database with a backlog ran round after round and the
 others' events waited behind its claims, waves and settles (a trickling tenant's p50 went from
-0.6 s to 10-21 s while another drained 5,000 events), so their rounds take turns
-(``_turns.py``): one round at a time, the next turn to the next database in rotation that has
-one waiting. A database waits for at most one round (``batch_size`` events) of each other.
+0.6 s to 10-21 s while another drained 5,000 events), so their rounds' claims and settles
+take turns (``_turns.py``): one at a time, the next turn to the next database in rotation that
+has one waiting, with smaller rounds while several databases are active.
 """
 
 from __future__ import annotations
