@@ -21,6 +21,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
+import bson
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._aggregates import type_of
@@ -346,7 +347,11 @@ class EmbeddedStore(ParkedEntries):
             kind = type_of(self.aggregate_types, name)
             ids: dict[int, list[Any]] = defaultdict(list)
             for doc in await docs.to_list(None):
-                ids[partition_of(kind, doc["_id"], self.partitions)].append(doc["_id"])
+                try:
+                    k = partition_of(kind, doc["_id"], self.partitions)
+                except (ValueError, bson.errors.BSONError):
+                    continue  # an _id BSON cannot encode without codec options, nor the writer
+                ids[k].append(doc["_id"])
             if not ids:
                 continue
             result = await coll.bulk_write(

@@ -158,6 +158,8 @@ class Rounds:
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
             claim = await self.store.claim(limit, self.settings.lease, until)
+            if self.turns is not None and claim.events:
+                self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
         # A park frees what queued behind it at once, so more may be due as well.
         return published, claim.more or bool(published or freed), bool(freed)
@@ -170,6 +172,8 @@ class Rounds:
         async with self._turn():
             started = asyncio.get_running_loop().time()
             claim = await self.store.claim_changes(changes, self.settings.lease)
+            if self.turns is not None and claim.events:
+                self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
         return published, claim.more or claim.events > published
 

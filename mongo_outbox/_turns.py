@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 RECENT = 2.0
-"""Seconds after its last turn a tenant still counts as active (a trickling one comes back)."""
+"""Seconds after its last claim of something a tenant still counts as active (a trickling one
+comes back)."""
 
 
 class Turns:
@@ -63,7 +64,7 @@ class Turns:
 
     def share(self, tenant: str, limit: int) -> int:
         """How many entries ``tenant``'s next round may claim (its in-flight budget): ``limit``
-        while no other tenant took a turn lately, else ``limit / n**2`` with ``n`` tenants
+        while no other tenant claimed anything lately, else ``limit / n**2`` with ``n`` tenants
         active. A round's claim and settle keep MongoDB busy for the others' change streams
         and claims too, not only for its turn, so a backlog's rounds must be short while others
         have events to send: measured (benchmarks/bench_tenants.py), with three tenants an
@@ -73,9 +74,13 @@ class Turns:
         others = sum(1 for t, at in self._seen.items() if t != tenant and now - at < RECENT)
         return max(1, limit // (others + 1) ** 2) if others else limit
 
+    def worked(self, tenant: str) -> None:
+        """``tenant``'s claim found something to send: it counts as active for ``RECENT`` s.
+        (An idle tenant's empty polls do not: they must not shrink a backlog's rounds.)"""
+        self._seen[tenant] = time.monotonic()
+
     def _grant(self, tenant: str) -> None:
         self._holder = self._last = tenant
-        self._seen[tenant] = time.monotonic()
         self.history.append(tenant)
 
     def _release(self) -> None:

@@ -36,7 +36,10 @@ async def test_while_others_are_active_a_round_claims_a_smaller_share() -> None:
     turns = Turns()
     for tenant in ("a", "b", "c"):
         async with turns.turn(tenant):
-            pass
+            pass  # empty polls: nobody is active
+    assert turns.share("a", 100) == 100
+    for tenant in ("a", "b", "c"):
+        turns.worked(tenant)
     assert turns.share("a", 100) == 100 // 9  # three active: 1/n² each
     assert turns.share("a", 5) == 1  # never nothing
 
