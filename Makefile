@@ -24,7 +24,7 @@ test: $(BIN)/.installed
 test-oldest: $(BIN)/.installed
 	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
 	test -x .venv-oldest/bin/python || $(OLDEST) -m venv .venv-oldest
-	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,otel,prometheus,faststream]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor \
+	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,otel,prometheus,faststream,testing]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor pyyaml \
 		opentelemetry-sdk 'opentelemetry-test-utils>=0.41b0'
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
 

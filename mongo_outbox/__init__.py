@@ -18,6 +18,7 @@ from mongo_outbox.errors import (
     DeadLettered,
     DuplicateEventError,
     InboxError,
+    IncompatibleEventError,
     InvalidAggregateError,
     InvalidCountersError,
     InvalidEventError,
@@ -40,6 +41,7 @@ from mongo_outbox.inbox import (
 from mongo_outbox.outbox import Outbox, Saved
 from mongo_outbox.relay import PollingRelay, RelayStats
 from mongo_outbox.settings import RelaySettings
+from mongo_outbox.upcasters import Upcasters
 
 __all__ = [
     "AggregateNotFoundError",
@@ -57,6 +59,7 @@ __all__ = [
     "Guarded",
     "Inbox",
     "InboxError",
+    "IncompatibleEventError",
     "InvalidAggregateError",
     "InvalidCountersError",
     "InvalidEventError",
@@ -74,6 +77,7 @@ __all__ = [
     "Result",
     "RetryLater",
     "Saved",
+    "Upcasters",
     "UsageError",
     "inbox_guard",
     "new_event_id",

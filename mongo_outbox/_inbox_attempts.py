@@ -217,8 +217,7 @@ def _is_conflict(error: BaseException) -> bool:
 
     ``with_transaction`` retries labelled conflicts (and commits of unknown outcome) for up to
     two minutes; a labelled one that still reaches us ran out of that time, and the redelivery
-    will find out whether it committed. The mongoeco emulator reports a conflict at commit with
-    neither the code (112) nor the label, only its message.
+    will find out whether it committed.
     """
     if not isinstance(error, PyMongoError):
         return False
@@ -226,6 +225,4 @@ def _is_conflict(error: BaseException) -> bool:
         "UnknownTransactionCommitResult"
     ):
         return True
-    if isinstance(error, OperationFailure) and error.code == 112:  # WriteConflict
-        return True
-    return "write conflict" in str(error).lower()
+    return isinstance(error, OperationFailure) and error.code == 112  # WriteConflict

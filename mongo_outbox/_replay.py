@@ -11,6 +11,7 @@ Nothing is written to MongoDB.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,8 @@ class Replayed:
     skipped: int = 0
     """Events not sent because an earlier event of their aggregate failed."""
     aggregates: int = 0
+    versions: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """How many of the events found are of each (type, version): what consumers will read."""
 
 
 async def replay(
@@ -48,20 +51,23 @@ async def replay(
     types: Sequence[str] = (),
     aggregates: Sequence[Any] = (),
     settings: RelaySettings | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Replayed:
     """Republish what the outbox kept of the events that occurred since ``since`` through the
     publisher ``connect()`` returns (and closes at the end); with ``connect=None`` only count
     them. Nothing connects before the outbox has been found to keep published events, nor
-    when there is nothing to send."""
+    when there is nothing to send. ``progress(n)`` is told of each chunk's ``n`` events once
+    they are sent (or counted, or skipped)."""
     events = store_for(outbox).published(since, until, types, aggregates)  # embedded: raises
     result = Replayed()
     rounds: Rounds | None = None
     broken: set[tuple[Any, Any]] = set()
     chunk: dict[tuple[Any, Any], list[Event]] = {}
     held = 0
+    reported = 0
 
     async def flush() -> None:
-        nonlocal held, rounds
+        nonlocal held, rounds, reported
         groups = list(chunk.values())
         chunk.clear()
         if connect is not None and groups:
@@ -74,12 +80,16 @@ async def replay(
                 result.failed.append((event.id, describe(error)))
             result.skipped += held - len(published) - len(errors)
         held = 0
+        if progress is not None and result.found > reported:
+            progress(result.found - reported)
+            reported = result.found
 
     seen: set[tuple[Any, Any]] = set()
     try:
         async for event in events:
             key = (event.aggregate_type, event.aggregate_id)
             result.found += 1
+            result.versions[(event.type, event.version)] += 1
             seen.add(key)
             if key in broken:
                 result.skipped += 1

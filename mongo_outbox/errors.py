@@ -4,6 +4,8 @@
 
     OutboxError
     ├── InvalidEventError        an Event or its payload cannot be stored or sent
+    ├── IncompatibleEventError   an event's version is one this reader cannot read (newer than
+    │                            it, or older than its upcasters reach)
     ├── InvalidAggregateError    the document, collection or session cannot be saved with events
     │   └── InvalidCountersError the stored _version or _sequence is no whole number
     ├── ConfigurationError       a setting is out of range (a duration, a count, a template)
@@ -27,7 +29,10 @@ without parsing the message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mongo_outbox.events import Event
 
 
 class OutboxError(Exception):
@@ -55,6 +60,52 @@ class InvalidEventError(OutboxError, ValueError):
     def __init__(self, message: str, *, event_id: str | None = None) -> None:
         super().__init__(message)
         self.event_id = event_id
+
+
+class IncompatibleEventError(OutboxError):
+    """An event whose payload version this reader cannot read: ``version`` is the event's,
+    ``supported`` the one the reader wants (its model's, or its upcasters' latest). ``newer``
+    says which way: an event newer than the reader (deploy a newer consumer), or one older
+    than the reader's upcasters reach (register the missing step). Either way the event itself
+    is fine: a guarded handler dead-letters it with its inbox record, to be requeued once the
+    reader can read it (docs/evolving-events.md)."""
+
+    def __init__(
+        self, message: str, *, event_id: str, event_type: str, version: int, supported: int
+    ) -> None:
+        super().__init__(message)
+        self.event_id = event_id
+        self.event_type = event_type
+        self.version = version
+        self.supported = supported
+
+    @property
+    def newer(self) -> bool:
+        return self.version > self.supported
+
+    @classmethod
+    def newer_than(cls, event: Event, supported: int, reader: str) -> IncompatibleEventError:
+        return cls(
+            f"event {event.id} ({event.type}) is version {event.version}, newer than the "
+            f"version {supported} {reader} reads: deploy a reader that knows it",
+            event_id=event.id,
+            event_type=event.type,
+            version=event.version,
+            supported=supported,
+        )
+
+    @classmethod
+    def older_than(
+        cls, event: Event, supported: int, missing: int, reader: str
+    ) -> IncompatibleEventError:
+        return cls(
+            f"event {event.id} ({event.type}) is version {event.version}; {reader} reads "
+            f"version {supported}, and no upcaster from v{missing} is registered: register one",
+            event_id=event.id,
+            event_type=event.type,
+            version=event.version,
+            supported=supported,
+        )
 
 
 class InvalidAggregateError(OutboxError, ValueError):

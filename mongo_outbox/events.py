@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.upcasters import Upcasters, version_of
 
 _INT64 = 2**63
 _id_lock = threading.Lock()
@@ -215,6 +216,10 @@ class Event(BaseModel):
     ``payload`` is a JSON object: a dict, or a pydantic model, stored as its JSON-mode dump (by
     alias), so datetimes, UUIDs, Decimals and enums become JSON by pydantic's rules;
     ``payload_as(Model)`` validates it back.
+
+    ``version`` is the version of the payload's shape (1 unless said otherwise): ``Event.of``
+    stamps the one the model declares (``event_version: ClassVar[int]``), and readers bring an
+    older one up to date with ``Upcasters`` (docs/evolving-events.md).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -269,33 +274,55 @@ class Event(BaseModel):
 
     @classmethod
     def of(cls, payload: BaseModel, *, type: str, **fields: Any) -> Event:
-        """An event of ``type`` whose payload is the model ``payload``; ``fields`` are the
-        other fields (``id``, ``headers``, ``correlation_id``, ...)."""
+        """An event of ``type`` whose payload is the model ``payload``, at the version the model
+        declares (``event_version: ClassVar[int]``, 1 by default); ``fields`` are the other
+        fields (``id``, ``headers``, ``correlation_id``, ...)."""
         if not isinstance(payload, BaseModel):
             raise InvalidEventError(
                 f"Event.of takes a pydantic model, not {payload.__class__.__name__}: "
                 "pass a dict as Event(type=..., payload=...)",
                 event_id=fields.get("id"),
             )
+        version = version_of(payload)
+        if fields.setdefault("version", version) != version:
+            # Two versions for one payload: the one stamped would misstate its shape.
+            raise InvalidEventError(
+                f"Event.of: version={fields['version']!r} is not the version "
+                f"{version} that {payload.__class__.__name__} declares (event_version)",
+                event_id=fields.get("id"),
+            )
         return cls(type=type, payload=payload, **fields)
 
-    def payload_as(self, model: builtins.type[M]) -> M:
-        """The payload validated as ``model``; InvalidEventError if it does not fit."""
+    def payload_as(self, model: builtins.type[M], upcasters: Upcasters | None = None) -> M:
+        """The payload validated as ``model``, brought first to the model's version
+        (``event_version``, 1 by default) by ``upcasters``. ``IncompatibleEventError`` if the
+        event is newer than the model, or older and no upcaster reaches the model's version;
+        InvalidEventError if the payload does not fit."""
+        wanted = version_of(model)
+        event = self
+        if self.version != wanted:
+            event = (upcasters or Upcasters()).upcast(
+                self, wanted, reader=f"the model {model.__name__}"
+            )
         try:
             # The payload is JSON (``of`` stores the JSON-mode dump), so validate it as JSON: in
             # Python mode a strict model refuses the string a UUID, datetime or Decimal dumped to,
             # and the list a tuple dumped to, though it accepts them in JSON.
-            return model.model_validate_json(pydantic_core.to_json(self.payload))
+            return model.model_validate_json(pydantic_core.to_json(event.payload))
         except ValidationError as error:
             raise InvalidEventError(
-                f"the payload of event {self.id} ({self.type}) is not a {model.__name__}: {error}",
+                f"the payload of event {self.id} ({self.type}, v{event.version}) is not a "
+                f"{model.__name__}: {error}",
                 event_id=self.id,
             ) from error
 
     @classmethod
-    def from_json(cls, data: str | bytes) -> Event:
-        """Decode an Event from a message body, raising InvalidEventError on anything else."""
+    def from_json(cls, data: str | bytes, upcasters: Upcasters | None = None) -> Event:
+        """Decode an Event from a message body, raising InvalidEventError on anything else;
+        with ``upcasters``, brought to its type's latest version (``IncompatibleEventError``
+        when they cannot: see ``Upcasters.upcast``)."""
         try:
-            return cls.model_validate_json(data)
+            event = cls.model_validate_json(data)
         except ValidationError as error:
             raise InvalidEventError(f"message body is not an Event: {error}") from error
+        return event if upcasters is None else upcasters.upcast(event)

@@ -42,6 +42,7 @@ from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMes
 from mongo_outbox.events import Event
 from mongo_outbox.guard import Guarded, inbox_guard
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
+from mongo_outbox.upcasters import Upcasters
 
 try:
     from faststream import Context
@@ -244,6 +245,7 @@ def inbox_handler(
     rejected: Rejected | None = None,
     delivery_limit: int | None = None,
     stop: asyncio.Event | None = None,
+    upcasters: Upcasters | None = None,
     retry_queues: bool = True,
 ) -> Callable[[_Handler], Callable[..., Awaitable[None]]]:
     """Decorate ``async def handler(event, session)`` into a FastStream subscriber function
@@ -259,7 +261,9 @@ def inbox_handler(
     ``event.payload_as(Model)`` instead of the event, and a payload that does not fit is
     dead-lettered at once (it would never fit).
 
-    ``max_attempts``, ``backoff`` and ``dead_letter`` are ``inbox_guard``'s; ``source`` and
+    ``max_attempts``, ``backoff``, ``dead_letter`` and ``upcasters`` are ``inbox_guard``'s (with
+    ``payload=Model``, events are brought to the model's ``event_version`` instead of their
+    type's latest); ``source`` and
     ``rejected`` those of ``mongo_outbox.consumers``. ``delivery_limit`` is the subscription's
     ``max_deliver`` (NATS) or the quorum queue's ``x-delivery-limit`` (RabbitMQ): on the last
     delivery a failure is dead-lettered instead of lost. Setting ``stop`` (say, in the app's
@@ -275,10 +279,18 @@ def inbox_handler(
             f"inbox_handler.payload must be a pydantic model class, not {payload!r}",
             setting="inbox_handler.payload",
         )
-    guard = inbox_guard(inbox, max_attempts=max_attempts, backoff=backoff, dead_letter=dead_letter)
+    guard = inbox_guard(
+        inbox,
+        max_attempts=max_attempts,
+        backoff=backoff,
+        dead_letter=dead_letter,
+        # With a model, _typed upcasts to the model's version, which may be before the chain's
+        # latest; the guard would take it to the latest, past what the model reads.
+        upcasters=upcasters if payload is None else None,
+    )
 
     def decorate(handler: _Handler) -> Callable[..., Awaitable[None]]:
-        guarded = guard(handler if payload is None else _typed(handler, payload))
+        guarded = guard(handler if payload is None else _typed(handler, payload, upcasters))
         settings = FastStreamHandler(
             guarded,
             source=source,
@@ -305,13 +317,14 @@ def inbox_handler(
     return decorate
 
 
-def _typed(handler: _Handler, model: type[BaseModel]) -> _Handler:
+def _typed(handler: _Handler, model: type[BaseModel], upcasters: Upcasters | None) -> _Handler:
     # functools.wraps keeps the handler's name (the inbox registers it) and its signature (the
     # guard passes ``attempt`` only to a handler that takes it).
     @functools.wraps(handler)
     async def typed(event: Event, session: Any, **keywords: Any) -> None:
         try:
-            value = event.payload_as(model)
+            # An IncompatibleEventError goes on to the guard, which dead-letters it at once.
+            value = event.payload_as(model, upcasters)
         except InvalidEventError as error:
             raise PoisonMessage(str(error)) from error
         await handler(value, session, **keywords)

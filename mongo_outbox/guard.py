@@ -5,6 +5,12 @@ keeps deliveries of one message in a process from racing, and hands each deliver
 ``mongo_outbox._inbox_attempts``, which runs the attempt in the inbox's mode and decides what
 becomes of a failure. Each delivery runs in a consumer span, the child of the trace context
 the event carries (``tracing.py``).
+
+With ``upcasters`` the guard brings each event to its type's latest version before the handler
+sees it, inside the attempt: an event it cannot bring there (newer than this consumer, or older
+than its first step) is dead-lettered at once, as is an ``IncompatibleEventError`` the handler
+raises (``payload_as``). Its inbox record keeps the event as it arrived, so once a reader that
+knows it is deployed, ``Inbox.requeue`` and a redelivery handle it.
 """
 
 from __future__ import annotations
@@ -26,13 +32,17 @@ from mongo_outbox.backoff import Backoff
 from mongo_outbox.errors import (
     ConfigurationError,
     DeadLettered,
+    IncompatibleEventError,
     MessageIdentityError,
+    PoisonMessage,
     RetryLater,
+    describe,
 )
 from mongo_outbox.events import Event
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome, Result
 from mongo_outbox.settings import count
 from mongo_outbox.tracing import consuming, outcome, record_failure
+from mongo_outbox.upcasters import Upcasters
 
 __all__ = ["MAX_ID_LENGTH", "Guarded", "check_message_id", "inbox_guard"]
 
@@ -50,6 +60,7 @@ def inbox_guard(
     max_attempts: int = 5,
     backoff: Backoff | None = None,
     dead_letter: DeadLetter | None = None,
+    upcasters: Upcasters | None = None,
 ) -> Callable[[Handler], Guarded]:
     """Decorate ``async def handler(event, session)`` so it runs once per message.
 
@@ -59,6 +70,8 @@ def inbox_guard(
     A handler that takes an ``attempt`` keyword gets the attempt number (1 for the first).
     The handler and ``dead_letter`` must be coroutine functions (or objects whose ``__call__``
     is one): a plain function's side effects would run before the guard could refuse it.
+    With ``upcasters`` the handler gets each event brought to its type's latest version; an
+    event they cannot bring there is dead-lettered (``IncompatibleEventError``).
     """
     if not isinstance(inbox, Inbox):
         raise TypeError(f"inbox_guard needs an Inbox, not {type(inbox).__name__}")
@@ -70,9 +83,16 @@ def inbox_guard(
         )
     if dead_letter is not None:
         _require_coroutine(dead_letter, "dead_letter")
+    if upcasters is not None and not isinstance(upcasters, Upcasters):
+        raise ConfigurationError(
+            f"inbox_guard.upcasters must be Upcasters, not {type(upcasters).__name__}",
+            setting="inbox_guard.upcasters",
+        )
 
     def decorate(handler: Handler) -> Guarded:
-        return Guarded(inbox, handler, max_attempts, backoff or Backoff(), dead_letter)
+        return Guarded(
+            inbox, handler, max_attempts, backoff or Backoff(), dead_letter, upcasters=upcasters
+        )
 
     return decorate
 
@@ -109,8 +129,11 @@ class Guarded:
         max_attempts: int,
         backoff: Backoff,
         dead_letter: DeadLetter | None,
+        *,
+        upcasters: Upcasters | None = None,
     ) -> None:
         _require_coroutine(handler, "handler")
+        self.upcasters = upcasters
         self.inbox = inbox
         self.handler = handler
         self.handler_name = qualified_name(handler)
@@ -221,10 +244,18 @@ class Guarded:
     async def _run(self, event: Event, session: Any, attempt: int) -> None:
         with metrics.handler_timer(self.inbox.consumer):
             try:
+                if self.upcasters is not None:
+                    # The handler's copy only: the record and the dead letter keep the event
+                    # as it arrived, to be read again by a later deploy.
+                    event = self.upcasters.upcast(event, reader=f"consumer {self.inbox.consumer}")
                 if self._wants_attempt:
                     await self.handler(event, session, attempt=attempt)
                 else:
                     await self.handler(event, session)
+            except IncompatibleEventError as error:
+                # No retry reads it before a deploy does: dead-letter it now, requeue it then.
+                record_failure(error)
+                raise PoisonMessage(describe(error)) from error
             except Exception as error:
                 record_failure(error)
                 raise

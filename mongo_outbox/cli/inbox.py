@@ -69,13 +69,22 @@ def failed(
             r.get("consumer"),
             r.get("message_id"),
             r.get("event_type"),
+            _version(r),
             r.get("failed_at"),
             r.get("attempts"),
             " ".join(str(r.get("last_error") or "").split())[:60],
         ]
         for r in records
     ]
-    say(table(["CONSUMER", "MESSAGE ID", "TYPE", "FAILED AT", "ATTEMPTS", "LAST ERROR"], rows, ""))
+    headings = ["CONSUMER", "MESSAGE ID", "TYPE", "VERSION", "FAILED AT", "ATTEMPTS", "LAST ERROR"]
+    say(table(headings, rows, ""))
+
+
+def _version(record: dict[str, Any]) -> str:
+    # The event as it arrived: a dead letter for want of an upcaster shows the version it needs.
+    event = record.get("event")
+    version = event.get("version") if isinstance(event, dict) else None
+    return f"v{version}" if version is not None else "?"
 
 
 async def _failed(

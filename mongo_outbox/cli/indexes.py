@@ -1,11 +1,17 @@
 """``mongo-outbox ensure-indexes``: the indexes the relay, the TTL pruning and (with
-``--inbox``) the inbox need, created before the first relay or consumer starts. Idempotent."""
+``--inbox``) the inbox need, created before the first relay or consumer starts. Idempotent.
+
+Building an index on a large collection takes a while: the progress line counts the documents
+of the collections whose indexes are done (MongoDB's estimate, read before), and its time moves
+on while a build runs.
+"""
 
 from __future__ import annotations
 
 import click
 
 from mongo_outbox.cli.common import Target, connected, option, run, say, target_options
+from mongo_outbox.cli.progress import progress
 from mongo_outbox.inbox import Inbox
 
 
@@ -22,16 +28,21 @@ def ensure_indexes(target: Target, with_inbox: bool, inbox_collection: str) -> N
 async def _ensure(target: Target, with_inbox: bool, inbox_collection: str) -> list[str]:
     async with connected(target) as conn:
         outbox = conn.outbox
-        await outbox.ensure_indexes()
         if outbox.mode == "embedded":
             collections = [conn.db[name] for name in outbox.collections] + [outbox.event_ids]
         else:
             collections = [outbox.collection]
-        if with_inbox:
-            # The indexes are the collection's, whichever consumer asks for them.
-            box = Inbox(conn.db, consumer="mongo-outbox", collection=inbox_collection)
-            await box.ensure_indexes()
-            collections.append(box.collection)
+        # The indexes are the collection's, whichever consumer asks for them.
+        box = Inbox(conn.db, consumer="mongo-outbox", collection=inbox_collection)
+        inbox = [box.collection] if with_inbox else []
+        sizes = {c.name: await c.estimated_document_count() for c in collections + inbox}
+        async with progress("ensure-indexes", "documents", total=sum(sizes.values())) as shown:
+            await outbox.ensure_indexes()
+            shown.add(sum(sizes[c.name] for c in collections))
+            if with_inbox:
+                await box.ensure_indexes()
+                shown.add(sizes[box.collection.name])
+        collections += inbox
         lines = []
         for coll in collections:
             names = sorted(name for name in await coll.index_information() if name != "_id_")

@@ -10,7 +10,6 @@ change stream sees).
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 import click
@@ -27,6 +26,7 @@ from mongo_outbox.cli.common import (
     target_options,
     to_json,
 )
+from mongo_outbox.cli.progress import progress
 
 
 @click.group()
@@ -147,26 +147,20 @@ async def _requeue(
 
 
 async def _in_batches(store: Any, chosen: list[Any]) -> int:
-    """Requeue ``chosen`` a batch at a time, saying how far it got on stderr when it takes more
-    than one: one line, rewritten, on a terminal; a line per batch otherwise (logs, pipes)."""
-    slices = batches(chosen)
-    live = sys.stderr.isatty()
+    """Requeue ``chosen`` a batch at a time (``REQUEUE_BATCH`` ids per command), with progress
+    on stderr; interrupted, say how far it got: whole batches are requeued, the rest parked."""
     requeued = done = 0
-    try:
-        for batch in slices:
-            requeued += await store.requeue(batch)
-            done += len(batch)
-            if len(slices) > 1:
-                line = f"requeue: {done} of {len(chosen)} chosen parked events done"
-                click.echo(f"\r{line}" if live else line, err=True, nl=not live)
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        # Each batch is requeued whole or not at all: what is left is still parked.
-        click.echo(
-            f"{chr(10) if live else ''}requeue interrupted after {done} of {len(chosen)} chosen "
-            "parked events: the rest are still parked; run the same command again for them",
-            err=True,
-        )
-        raise
-    if live and len(slices) > 1:
-        click.echo(err=True)
+    async with progress("requeue", "events", total=len(chosen)) as shown:
+        try:
+            for batch in batches(chosen):
+                requeued += await store.requeue(batch)
+                done += len(batch)
+                shown.add(len(batch))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            click.echo(
+                f"requeue interrupted after {done} of {len(chosen)} chosen parked events: the "
+                "rest are still parked; run the same command again for them",
+                err=True,
+            )
+            raise
     return requeued

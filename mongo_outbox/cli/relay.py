@@ -10,6 +10,11 @@ longer than ``--stop-timeout``, cancels it (its lease then runs out) and exits 1
 ``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
 that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
 exits 1, so a probe and a last scrape can see the failure.
+
+``--drain`` publishes what is due now, with a progress line, and exits: for a one-off job (after
+an outage, before a migration) where no relay runs. It sweeps the collections, so it needs no
+change streams, and takes no lease: claims keep it and running relays from publishing an entry
+twice at once.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from mongo_outbox.cli.common import (
     one_line,
     option,
     run,
+    say,
     target_options,
 )
 from mongo_outbox.cli.metrics import Endpoint, check_extra
+from mongo_outbox.cli.progress import progress
 from mongo_outbox.errors import ChangeStreamError, ConfigurationError
 from mongo_outbox.group import RelayGroup
 from mongo_outbox.outbox import Outbox
@@ -76,6 +83,11 @@ Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
     "(the writers' count); --leader-lease is the member's lease.",
 )
 @option(
+    "--drain",
+    is_flag=True,
+    help="Publish what is due now, then exit (a one-off job) instead of relaying until a signal.",
+)
+@option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve /metrics (Prometheus) and /healthz on this port (0: any free port, logged).",
@@ -93,12 +105,18 @@ def relay(
     broker: Broker,
     polling: bool,
     databases: str | None,
+    drain: bool,
     metrics_port: int | None,
     metrics_host: str,
     metrics_linger: float,
     **settings: Any,
 ) -> None:
-    """Publish the outbox's events until SIGTERM or SIGINT."""
+    """Publish the outbox's events until SIGTERM or SIGINT (with --drain: what is due now)."""
+    if drain and settings.get("partitions") is not None:
+        raise Failure(
+            "--drain and --partitions exclude each other: a drain publishes every partition "
+            "at once, run it without --partitions"
+        )
     if metrics_port is not None:
         check_extra()
     names = _databases(target, databases)
@@ -106,6 +124,7 @@ def relay(
         target = dataclasses.replace(target, db=names[0])
     plan = _plan(target, broker, polling, settings | {"metrics_linger": metrics_linger})
     plan.databases = names
+    plan.drain = drain
     endpoint = Endpoint(metrics_host, metrics_port) if metrics_port is not None else None
     try:
         run(_serve(plan, endpoint))
@@ -145,6 +164,7 @@ class _Plan:
         self.sample = sample_event(target.collections)
         broker.check(self.sample)
         self.databases: tuple[str, ...] = ()
+        self.drain = False
 
     def relay(
         self, outbox: Outbox, publisher: Any
@@ -210,7 +230,7 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
         outboxes = [conn.outbox]
         if plan.databases:
             outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
-        if not plan.polling:
+        if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
             for outbox in outboxes:
                 await _check_change_streams(outbox)
         publisher = await plan.broker.connect(plan.sample)
@@ -224,11 +244,32 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
                     plan.target.describe(outbox.db.name),
                     plan.broker.describe(),
                 )
+            if plan.drain:
+                await _drain([r for r in relays if not isinstance(r, RelayGroup)])
+                return
             # One publisher connection serves every database's relay.
             relay = TenantRelays(relays) if plan.databases else relays[0]
             await _supervise(relay, plan, endpoint)
         finally:
             await publisher.aclose()
+
+
+async def _drain(relays: list[PollingRelay | ChangeStreamRelay]) -> None:
+    """Publish what is due now in each database, one after another, with a progress line."""
+
+    def published() -> int:
+        return sum(relay.stats.published for relay in relays)
+
+    pending = [(await relay.status()).pending for relay in relays]
+    async with progress("drain", "events", total=sum(pending), follow=published):
+        for relay in relays:
+            await relay.drain()
+    left = sum([(await relay.status()).pending for relay in relays])
+    failed = sum(relay.stats.failed for relay in relays)
+    said = f"published {published()} events"
+    if failed:
+        said += f"; {failed} publishes failed (mongo-outbox status, parked list)"
+    say(f"{said}; {left} pending (due later, waiting for a retry, or saved meanwhile)")
 
 
 async def _check_change_streams(outbox: Outbox) -> None:

@@ -20,8 +20,10 @@ from mongo_outbox.cli.common import (
     moment,
     run,
     say,
+    table,
     target_options,
 )
+from mongo_outbox.cli.progress import progress
 from mongo_outbox.publishers import Publisher
 
 
@@ -32,7 +34,9 @@ from mongo_outbox.publishers import Publisher
 @click.option("--until", help="... and before this time.")
 @click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
 @click.option("--aggregate", "aggregates", multiple=True, help="Only this aggregate id.")
-@click.option("--dry-run", is_flag=True, help="Count what would be sent; send nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Count what would be sent, by type and version; send nothing."
+)
 def replay_command(
     target: Target,
     broker: Broker,
@@ -51,6 +55,10 @@ def replay_command(
     result = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
     if dry_run:
         say(f"would republish {result.found} events of {result.aggregates} aggregates")
+        # The versions consumers will read: each needs a reader (or an upcaster) for them.
+        rows = [[t, f"v{v}", n] for (t, v), n in sorted(result.versions.items())]
+        if rows:
+            say(table(["TYPE", "VERSION", "EVENTS"], rows))
         return
     say(
         f"republished {result.published} of {result.found} events of {result.aggregates} "
@@ -85,11 +93,13 @@ async def _replay(
         async def connect() -> Publisher:
             return await broker.connect(sample_event(target.collections))
 
-        return await replay(
-            conn.outbox,
-            None if dry_run else connect,
-            since=since,
-            until=until,
-            types=types,
-            aggregates=aggregates,
-        )
+        async with progress("replay", "events") as shown:
+            return await replay(
+                conn.outbox,
+                None if dry_run else connect,
+                since=since,
+                until=until,
+                types=types,
+                aggregates=aggregates,
+                progress=shown.add,
+            )

@@ -93,6 +93,9 @@ def decode(message_id: object, body: bytes) -> Event | str:
     except MessageIdentityError as error:
         return f"{error}; not processed"
     try:
+        # Not upcast here: the guard does it inside an attempt, so that an event of a version
+        # the consumer cannot read is dead-lettered with its inbox record (to be requeued once
+        # a reader that knows it is deployed), not rejected without one.
         return Event.from_json(body)
     except InvalidEventError as error:
         return f"message {message_id} is not an Event: {error}"

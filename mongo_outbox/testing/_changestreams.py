@@ -24,6 +24,8 @@ from bson import Timestamp
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
+from mongo_outbox.testing import _numeric_ids
+from mongo_outbox.testing._transactions import TransactionsOverWire
 from mongo_outbox.testing.emulator import CURSOR_NOT_FOUND, server_error_code
 
 FIRST_ID = 1_000_001  # far above mongoeco's own cursor ids
@@ -42,12 +44,21 @@ class OwnCommand:
     command_document: dict[str, Any]
 
 
+@dataclass
+class Refused:
+    """A command of a transaction that is no longer running: it gets this reply, unrun."""
+
+    reply: Reply
+
+
 class Internals:
     """What the shim needs from mongoeco 4.11's internals, each behind a typed method."""
 
     def __init__(self, server: AsyncMongoEcoProxyServer) -> None:
         inside: Any = server
         self.client: Any = inside._client
+        self.engine: Any = self.client._engine
+        self.sessions: Any = inside._session_store
         self.hub: Any = self.client._change_hub
         self.executor: Any = inside._executor
         self.forward: Callable[[Any], Awaitable[Reply]] = self.executor.execute_prepared
@@ -91,12 +102,18 @@ class ChangeStreamsOverWire:
     def __init__(self, server: AsyncMongoEcoProxyServer) -> None:
         self.mongoeco = Internals(server)
         self.mongoeco.intercept(self.build, self.execute)
+        self.transactions = TransactionsOverWire(self.mongoeco.engine, self.mongoeco.sessions)
+        _numeric_ids.install(self.mongoeco.engine)
         self.cursors: dict[int, tuple[Any, str]] = {}
         self.ids = itertools.count(FIRST_ID)
         # mongoeco keeps history only while someone watches; a replica set keeps its oplog.
         self.oplog = self.mongoeco.client.watch([{"$match": {"_never": True}}])
 
     def build(self, body: dict[str, Any], **options: Any) -> Any:
+        # Before mongoeco sees it: mongoeco would run a dead transaction's command outside it.
+        refusal = self.transactions.refuse(body)
+        if refusal is not None:
+            return Refused(refusal)
         # mongoeco validates before it executes, and rejects a database-level aggregate.
         name = next((key for key in body if not key.startswith("$")), "")
         mine = (
@@ -111,8 +128,13 @@ class ChangeStreamsOverWire:
         return OwnCommand(options.get("db_name") or body["$db"], name, body)
 
     async def execute(self, context: Any) -> Reply:
-        if not isinstance(context, OwnCommand):
-            reply = await self.mongoeco.forward(context)  # mongoeco turns its errors into replies
+        if isinstance(context, Refused):
+            reply = context.reply
+        elif not isinstance(context, OwnCommand):
+            # mongoeco turns its errors into replies; the rules turn conflicts into a server's
+            reply = await self.transactions.run(
+                context.raw_body, lambda: self.mongoeco.forward(context)
+            )
             if context.command_name in DROPS:
                 await self._absorb_the_lost_event()
         else:

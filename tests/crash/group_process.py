@@ -1,11 +1,11 @@
 """A RelayGroup member process, SIGKILLed by its test at a random moment.
 
-Usage: python -m tests.crash.group_process URI DB STREAM RECORD SEED SOURCE
-Publishes the embedded-mode outbox of ``orders`` (``partitions=4``) to the JetStream stream
-STREAM (subjects ``STREAM.<type>``), and appends one line per confirmed publish to RECORD:
-event id, partition, member, the fence its member held when the publish started (None if it
-held none) and the start and end times, so the test can check that no two members published
-one partition at once.
+Usage: python -m tests.crash.group_process URI DB STREAM RECORD SEED SOURCE MODE
+Publishes the MODE (collection or embedded) outbox of ``orders`` (``partitions=4``) to the
+JetStream stream STREAM (subjects ``STREAM.<type>``), and appends one line per confirmed
+publish to RECORD: event id, partition, member, the fence its member held when the publish
+started (None if it held none) and the start and end times, so the test can check that no two
+members published one partition at once.
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ class Recording:
         await self.inner.aclose()
 
 
-async def main(uri: str, db_name: str, stream: str, record: Any, seed: int, source: str) -> None:
+async def main(
+    uri: str, db_name: str, stream: str, record: Any, seed: int, source: str, mode: str
+) -> None:
     chance = random.Random(seed)
     client: Any = AsyncMongoClient(uri, tz_aware=True)
-    outbox = Outbox(client[db_name], mode="embedded", collections=["orders"], partitions=PARTITIONS)
+    outbox = Outbox(client[db_name], mode=mode, collections=["orders"], partitions=PARTITIONS)  # type: ignore[arg-type]
     inner = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
     publisher = Recording(inner, record)
     group = RelayGroup(
@@ -83,6 +85,6 @@ async def main(uri: str, db_name: str, stream: str, record: Any, seed: int, sour
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="member %(process)d: %(message)s")
-    uri, db_name, stream, record_path, seed, source = sys.argv[1:]
+    uri, db_name, stream, record_path, seed, source, mode = sys.argv[1:]
     with open(record_path, "a", encoding="utf-8") as record:
-        asyncio.run(main(uri, db_name, stream, record, int(seed), source))
+        asyncio.run(main(uri, db_name, stream, record, int(seed), source, mode))

@@ -36,7 +36,8 @@ async def park(db: Any, mode: str) -> dict[str, list[Event]]:
     await outbox.ensure_indexes()
     saved: dict[str, list[Event]] = {}
     for doc_id, types in (("a", ["poison", "placed"]), ("b", ["bad"]), ("c", ["poison", "poison"])):
-        events = [Event(type=t) for t in types]
+        # c's second event is of its type's version 2: listings show which version parked.
+        events = [Event(type=t, version=i + 1 if doc_id == "c" else 1) for i, t in enumerate(types)]
         saved[doc_id] = (
             await outbox.save_with_events(None, db.orders, {"_id": doc_id}, events)
         ).events
@@ -68,8 +69,11 @@ async def test_parked_events_are_listed_shown_and_requeued_in_order(
 
     shown = await cli("parked", "show", *where, c_second.id)
     assert shown.code == 0 and "cannot encode" in shown.out and "sequence" in shown.out
+    assert [line.split() for line in shown.out.splitlines() if line.startswith("version ")] == [
+        ["version", "2"]
+    ]
     entry = json.loads((await cli("parked", "show", *where, c_second.id, "--json")).out)
-    assert entry["_id"] == c_second.id and entry["attempts"] == 1
+    assert entry["_id"] == c_second.id and entry["attempts"] == 1 and entry["version"] == 2
     missing = await cli("parked", "show", *where, "no-such-id")
     assert missing.code == 1 and missing.err.strip() == "mongo-outbox: no parked event 'no-such-id'"
 
@@ -110,17 +114,18 @@ async def test_inbox_failures_are_listed_and_requeued_for_their_next_delivery(
     mongo: MongoServer, db: Any
 ) -> None:
     placed = [Event(type="order.placed") for _ in range(2)]
-    paid = Event(type="order.paid")
+    paid = Event(type="order.paid", version=3)
     await dead_letter(db, "billing", *placed, paid)
     await dead_letter(db, "mailer", placed[0])
     where = target(mongo, db)
 
     listed = await cli("inbox", "failed", *where)
     assert listed.code == 0, listed.output
-    rows = [line.split()[:3] for line in listed.out.splitlines()[1:]]
+    assert listed.out.split()[:4] == ["CONSUMER", "MESSAGE", "ID", "TYPE"]
+    rows = [line.split()[:4] for line in listed.out.splitlines()[1:]]
     assert sorted(rows) == sorted(
-        [["billing", e.id, e.type] for e in [*placed, paid]]
-        + [["mailer", placed[0].id, "order.placed"]]
+        [["billing", e.id, e.type, f"v{e.version}"] for e in [*placed, paid]]
+        + [["mailer", placed[0].id, "order.placed", "v1"]]
     )
     chosen = await cli(
         "inbox", "failed", *where, "--consumer=billing", "--type=order.paid", "--json"

@@ -16,15 +16,17 @@ from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 
 
 async def published_history(db: Any) -> list[Event]:
-    """Three aggregates (ids 1, 2 and "o-3"), each placed, paid, shipped, all published; and
-    one pending and one parked event, which a replay must leave out."""
+    """Three aggregates (ids 1, 2 and "o-3"), each placed, paid, shipped (o-3's shipping at
+    version 2), all published; and one pending and one parked event, which a replay must leave
+    out."""
     outbox = Outbox(db)
     await outbox.ensure_indexes()
     events: list[Event] = []
     for step in ("order.placed", "order.paid", "order.shipped"):
         for doc_id in (1, 2, "o-3"):
+            version = 2 if (step, doc_id) == ("order.shipped", "o-3") else 1
             saved = await outbox.save_with_events(
-                None, db.orders, {"_id": doc_id}, [Event(type=step)]
+                None, db.orders, {"_id": doc_id}, [Event(type=step, version=version)]
             )
             events += saved.events
     await outbox.save_with_events(None, db.orders, {"_id": "poison"}, [Event(type="bad")])
@@ -68,7 +70,14 @@ async def test_replay_republishes_published_events_in_order_under_their_own_ids(
     broker = [f"--rabbitmq={RABBITMQ_URL}", f"--exchange={unique}"]
 
     dry = await cli("replay", *where, *broker, "--since=1h", "--dry-run")
-    assert dry.out.strip() == "would republish 9 events of 3 aggregates", dry.output
+    assert dry.out.splitlines() == [
+        "would republish 9 events of 3 aggregates",
+        "  TYPE           VERSION  EVENTS",
+        "  order.paid     v1       3",
+        "  order.placed   v1       3",
+        "  order.shipped  v1       2",
+        "  order.shipped  v2       1",
+    ], dry.output
     assert await drain_queue(queue) == []
 
     ran = await cli("replay", *where, *broker, "--since=1h")

@@ -37,8 +37,13 @@ def refuses_connections(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_the_public_surface_is_start_emulator_and_its_result() -> None:
-    assert set(mongo_outbox.testing.__all__) == {"Emulator", "start_emulator"}
+def test_the_public_surface_is_start_emulator_start_nats_and_their_results() -> None:
+    assert set(mongo_outbox.testing.__all__) == {
+        "Emulator",
+        "NatsServer",
+        "start_emulator",
+        "start_nats",
+    }
 
 
 def test_importing_the_library_and_its_testing_package_does_not_import_mongoeco() -> None:

@@ -104,7 +104,7 @@ async def test_nats_relay_to_faststream_each_effect_once(
             stream=JStream(unique, declare=False),
             # A push consumer: FastStream's pull loop restarts when nats-py 2.16 raises a bare
             # TimeoutError between its two pull requests, and may then handle two batches at
-            # once, which the emulator's transactions do not survive (see concurrency()).
+            # once.
             queue="billing",
             config=ConsumerConfig(ack_wait=30),
             max_workers=concurrency(mongo),

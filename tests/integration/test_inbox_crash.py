@@ -62,8 +62,7 @@ async def test_killed_consumer_applies_each_effect_once(
         3 if point == "before_ack" or (point == "after_write" and not transactional) else 2
     )
 
-    await channel.set_qos(prefetch_count=8 if mongo.kind == "replica-set" else 1)  # see
-    # test_inbox_consumers.concurrency: the emulator cannot run these transactions side by side
+    await channel.set_qos(prefetch_count=8)  # the restarted consumer handles several at once
     stop = asyncio.Event()
     restarted = asyncio.create_task(
         consume_rabbitmq(queue, billing(db, transactional, "none"), stop=stop)

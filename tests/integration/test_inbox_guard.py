@@ -354,3 +354,55 @@ async def test_transactional_mode_is_detected_from_the_server(db: Any, mongo: An
     expected = "setName" in hello or hello.get("msg") == "isdbgrid"
     assert await inbox.uses_transactions() is expected
     assert expected is (mongo.kind == "replica-set")
+
+
+async def test_a_storm_of_a_hundred_concurrent_transactional_deliveries_has_each_effect_once(
+    mongo: MongoServer, db: Any
+) -> None:
+    """Twenty messages, each delivered five times, all hundred deliveries at once, through four
+    clients (as four consumer processes): the inbox's unique identity and the server's write
+    conflicts leave exactly one committed effect per message."""
+    clients = [AsyncMongoClient[Any](mongo.uri, tz_aware=True) for _ in range(4)]
+    events = [order_event(n) for n in range(20)]
+    dead: list[str] = []
+
+    async def dead_letter(event: Event, reason: str) -> None:
+        dead.append(reason)
+
+    def consumer(client: AsyncMongoClient[Any]) -> Any:
+        mine = client[db.name]
+
+        @inbox_guard(
+            Inbox(mine, consumer="billing", transactional=True),
+            max_attempts=1,
+            backoff=FAST,
+            dead_letter=dead_letter,
+        )
+        async def handler(event: Event, session: Any) -> None:
+            await asyncio.sleep(0)  # let the other deliveries of the message overlap
+            await mine.effects.insert_one({"event": event.id}, session=session)
+
+        return handler
+
+    handlers = [consumer(client) for client in clients]
+
+    async def deliver(n: int) -> Outcome:
+        handler, event = handlers[n % len(handlers)], events[n % len(events)]
+        for _ in range(200):
+            result = await handler.handle(event)
+            if result.outcome is not Outcome.RETRY:
+                return result.outcome
+            await asyncio.sleep(result.delay)  # as the broker would redeliver it
+        raise AssertionError(f"delivery {n} was still being retried")
+
+    await Inbox(db, consumer="billing").ensure_indexes()
+    try:
+        outcomes = Counter(await asyncio.gather(*(deliver(n) for n in range(100))))
+    finally:
+        for client in clients:
+            await client.close()
+    assert outcomes == {Outcome.HANDLED: 20, Outcome.DUPLICATE: 80}
+    assert dead == []
+    effects = Counter(d["event"] for d in await db.effects.find().to_list(None))
+    assert effects == Counter({event.id: 1 for event in events})
+    assert await db.inbox.count_documents({"status": "done", "attempts": 1}) == 20

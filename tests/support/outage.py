@@ -33,8 +33,7 @@ async def relay_through_outage(db: Any, publisher: KillsTheBroker, relay_kind: s
 
     The polling relay drains a collection-mode outbox saved beforehand. The change-stream
     relay follows the server's own stream (the emulator's through the test shim, or a replica
-    set's) while the events are saved, in embedded mode: the emulator loses concurrent writes
-    when a transaction's commit conflicts, so transactions stay out of a run with a writer."""
+    set's) while the events are saved, in embedded mode (the other mode of the two)."""
     relay: PollingRelay | ChangeStreamRelay
     if relay_kind == "polling":
         outbox = Outbox(db)

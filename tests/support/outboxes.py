@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
+from pymongo.errors import PyMongoError
 
 from mongo_outbox import Event, Outbox
 from mongo_outbox._codec import numbered
@@ -93,8 +93,14 @@ async def save_aborted(outbox: Outbox, db: Any, order: int) -> str:
     """Save an event in a transaction aborted on purpose; return the id that must never appear."""
     doomed = Event(type="doomed")
     async with db.client.start_session() as session:
-        with pytest.raises(RuntimeError):
-            async with await session.start_transaction():
-                await outbox.save_with_events(session, db.orders, {"_id": order}, [doomed])
-                raise RuntimeError("abort on purpose")
-    return doomed.id
+        while True:
+            try:
+                async with await session.start_transaction():
+                    await outbox.save_with_events(session, db.orders, {"_id": order}, [doomed])
+                    raise RuntimeError("abort on purpose")
+            except RuntimeError:
+                return doomed.id
+            except PyMongoError as error:
+                # A concurrent writer holds the order: try again, as with_transaction would.
+                if not error.has_error_label("TransientTransactionError"):
+                    raise

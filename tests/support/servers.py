@@ -43,7 +43,13 @@ def start_mongo() -> MongoServer:
     return _start_emulator()
 
 
+# The crash tests SIGKILL clients mid-transaction; a server aborts such a transaction after
+# transactionLifetimeLimitSeconds. docker-compose.yml's replica set uses the same 10 s.
+TRANSACTION_LIFETIME = "10"
+
+
 def _start_emulator() -> MongoServer:
+    os.environ.setdefault("MONGOECO_TRANSACTION_LIFETIME", TRANSACTION_LIFETIME)
     try:
         emulator = start_emulator()  # its interpreter: MONGOECO_PYTHON, else this one
     except ConfigurationError as error:

@@ -19,6 +19,7 @@ EXTRA = {
     "DeadLettered",
     "GroupStatus",
     "Guarded",
+    "IncompatibleEventError",
     "Inbox",
     "InvalidCountersError",
     "Outcome",
@@ -46,6 +47,7 @@ PUBLIC = {
     "RelaySettings",
     "RelayStats",
     "Saved",
+    "Upcasters",
     "UsageError",
     "new_event_id",
 }

@@ -1,0 +1,463 @@
+"""Multi-document transactions the way MongoDB runs them, on mongoeco's in-memory engine.
+
+mongoeco 4.11 gives each transaction a private copy of the data (its snapshot plus its own
+writes), which is right, but commits it wrongly: any commit since the snapshot fails the whole
+transaction ("Write conflict during transaction commit", without code 112 or the
+``TransientTransactionError`` label), and a commit installs its copy of every collection it
+touched, so writes other sessions made meanwhile are lost. ``Transactions`` replaces the
+conflict and commit rules and keeps mongoeco's snapshots:
+
+- **Conflicts per document, at the write.** A transaction that writes a document (or a key of a
+  unique index) which another open transaction holds, or which was changed after its snapshot,
+  gets ``WriteConflict`` (code 112, label ``TransientTransactionError``) and is aborted. First
+  writer wins. Two transactions that insert different ``_id``\\ s never conflict.
+- **A write outside a transaction waits** for the transaction that holds its document to end,
+  then runs (``TransactionsOverWire`` runs it again).
+- **A commit applies exactly its own changes** to the live data (documents and index entries),
+  and its change events, once, in commit order. An aborted transaction leaves nothing.
+- **Transaction numbers are checked** the way a server does: a command of a transaction that
+  was aborted (by a conflict, or because it outlived ``TRANSACTION_LIFETIME``) gets
+  ``NoSuchTransaction`` (251), never runs outside the transaction.
+
+Everything here reaches into mongoeco's engine, so it is pinned to the version it was written
+for (``PINNED``); ``install`` refuses another one rather than guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Any
+
+from mongoeco.engines._memory_collection import MemoryCollection
+from mongoeco.engines.virtual_indexes import document_in_virtual_index
+from mongoeco.errors import OperationFailure
+from mongoeco.wire._session_identity import wire_session_key
+from mongoeco.wire.executor import WireCommandExecutor
+
+PINNED = "4.11.0"
+WRITE_CONFLICT = 112
+NO_SUCH_TRANSACTION = 251
+TRANSIENT = "TransientTransactionError"
+# A server aborts a transaction that stays open longer than transactionLifetimeLimitSeconds
+# (60 s by default); a client SIGKILLed mid-transaction would otherwise hold its documents forever.
+TRANSACTION_LIFETIME = float(os.environ.get("MONGOECO_TRANSACTION_LIFETIME", "60"))
+CONFLICT_MARK = "[emulator: conflict with transaction"
+WAIT_MARK = "[emulator: waits for transaction "
+
+Token = tuple[Any, ...]  # ("doc", db, coll, storage key) or ("key", db, coll, index, key)
+
+
+@dataclass(eq=False)
+class Txn:
+    """One open transaction: its snapshot's clock, what it holds and what it wrote."""
+
+    number: int
+    session: Any  # mongoeco's ClientSession
+    state: Any  # mongoeco's MemoryMvccState: the snapshot plus its own writes
+    start: int
+    started: float = field(default_factory=time.monotonic)
+    held: set[Token] = field(default_factory=set)
+    writes: dict[tuple[str, str], dict[Any, None]] = field(default_factory=dict)
+    doomed: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Transactions:
+    """The conflict and commit rules, installed on one mongoeco ``MemoryEngine``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.numbers = itertools.count(1)
+        self.clock = 0  # moves at every write outside a transaction and every commit
+        self.open: dict[str, Txn] = {}  # by mongoeco session id
+        self.by_number: dict[int, Txn] = {}
+        self.holders: dict[Token, Txn] = {}
+        self.changed_at: dict[Token, int] = {}  # kept only while a transaction is open
+        self.applying = False  # a commit or a TTL purge: live writes nobody may refuse
+        self.where: dict[int, tuple[Any, str, str, Txn | None]] = {}
+        self._patch()
+
+    # -- the engine's hooks --------------------------------------------------------------
+
+    def _patch(self) -> None:
+        engine = self.engine
+        originals = {
+            name: getattr(engine, name)
+            for name in (
+                "_start_session_transaction",
+                "_commit_session_transaction",
+                "_abort_session_transaction",
+                "_set_storage_document_locked",
+                "_delete_storage_document_locked",
+                "_update_indexes_locked",
+                "_purge_expired_documents_locked",
+            )
+        }
+        self.original = originals
+
+        def start(session: Any) -> None:
+            originals["_start_session_transaction"](session)
+            txn = Txn(
+                next(self.numbers), session, engine._mvcc_states[session.session_id], self.clock
+            )
+            self.open[session.session_id] = txn
+            self.by_number[txn.number] = txn
+
+        def set_document(collection: Any, storage_key: Any, document: Any) -> None:
+            self._touch_document(collection, storage_key)
+            originals["_set_storage_document_locked"](collection, storage_key, document)
+
+        def delete_document(collection: Any, storage_key: Any) -> None:
+            self._touch_document(collection, storage_key)
+            originals["_delete_storage_document_locked"](collection, storage_key)
+
+        def update_indexes(
+            db_name: str, coll_name: str, storage_key: Any, document: Any, **options: Any
+        ) -> None:
+            self._touch_unique_keys(db_name, coll_name, document, options)
+            originals["_update_indexes_locked"](
+                db_name, coll_name, storage_key, document, **options
+            )
+
+        def purge(db_name: str, coll_name: str, **options: Any) -> int:
+            storage = options.get("storage_view")
+            if storage is not None and storage is not engine._storage:
+                return 0  # a server's TTL monitor deletes outside any transaction
+            self.applying = True
+            try:
+                return int(
+                    originals["_purge_expired_documents_locked"](db_name, coll_name, **options)
+                )
+            finally:
+                self.applying = False
+
+        engine._start_session_transaction = start
+        engine._commit_session_transaction = self._commit
+        engine._abort_session_transaction = self._abort
+        engine._set_storage_document_locked = set_document
+        engine._delete_storage_document_locked = delete_document
+        engine._update_indexes_locked = update_indexes
+        engine._purge_expired_documents_locked = purge
+
+    def _locate(self, collection: Any) -> tuple[str, str, Txn | None] | None:
+        """Which namespace ``collection`` is, and whose: the live data's or a transaction's."""
+        hit = self.where.get(id(collection))
+        if hit is not None and hit[0] is collection:
+            return hit[1], hit[2], hit[3]
+        owners: list[tuple[Any, Txn | None]] = [(self.engine._storage, None)]
+        owners += [(txn.state.storage, txn) for txn in self.open.values()]
+        for storage, owner in owners:
+            for db_name, collections in storage.items():
+                for coll_name, candidate in collections.items():
+                    if candidate is collection:
+                        if len(self.where) > 10_000:
+                            self.where.clear()
+                        self.where[id(collection)] = (collection, db_name, coll_name, owner)
+                        return db_name, coll_name, owner
+        return None  # a scratch copy mongoeco builds for itself (a rename, a rebuild)
+
+    def _touch_document(self, collection: Any, storage_key: Any) -> None:
+        place = self._locate(collection)
+        if place is not None:
+            db_name, coll_name, owner = place
+            self._touch(("doc", db_name, coll_name, storage_key), owner)
+            if owner is not None:
+                owner.writes.setdefault((db_name, coll_name), {})[storage_key] = None
+
+    def _touch_unique_keys(
+        self, db_name: str, coll_name: str, document: Any, options: dict[str, Any]
+    ) -> None:
+        index_data = options.get("index_data_view")
+        owner = next(
+            (txn for txn in self.open.values() if txn.state.index_data is index_data), None
+        )
+        indexes = (options.get("indexes_view") or self.engine._indexes).get(db_name, {})
+        for index in indexes.get(coll_name, []):
+            if not index.unique or index.fields == ["_id"]:
+                continue
+            if not document_in_virtual_index(document, index):
+                continue
+            for key in self.engine._index_keys(document, index.fields):
+                self._touch(("key", db_name, coll_name, index.name, key), owner)
+
+    def _touch(self, token: Token, owner: Txn | None) -> None:
+        if self.applying:
+            if self.open:
+                self.changed_at[token] = self.clock + 1
+            return
+        holder = self.holders.get(token)
+        if owner is None:
+            if holder is not None:
+                raise OperationFailure(
+                    f"WriteConflict: a transaction holds this document {WAIT_MARK}{holder.number}]",
+                    code=WRITE_CONFLICT,
+                )
+            if self.open:
+                self.clock += 1
+                self.changed_at[token] = self.clock
+            return
+        if holder is owner:
+            return
+        if owner.doomed or holder is not None or self.changed_at.get(token, 0) > owner.start:
+            self._doom(owner)
+            raise OperationFailure(
+                "WriteConflict error: this operation conflicted with another operation. "
+                f"Please retry your operation or multi-document transaction. {CONFLICT_MARK} "
+                f"{owner.number}]",
+                code=WRITE_CONFLICT,
+                error_labels=(TRANSIENT,),
+            )
+        self.holders[token] = owner
+        owner.held.add(token)
+
+    def _doom(self, txn: Txn) -> None:
+        """Free what a conflicted transaction holds at once: on MongoDB it is aborted."""
+        txn.doomed = True
+        self._release(txn)
+
+    def _release(self, txn: Txn) -> None:
+        for token in txn.held:
+            if self.holders.get(token) is txn:
+                del self.holders[token]
+        txn.held.clear()
+        txn.ended.set()
+
+    def _end(self, txn: Txn) -> None:
+        self._release(txn)
+        self.open.pop(txn.session.session_id, None)
+        self.by_number.pop(txn.number, None)
+        for key in [key for key, hit in self.where.items() if hit[3] is txn]:
+            del self.where[key]
+        if not self.open:
+            self.changed_at.clear()  # nobody's snapshot is older than the live data
+
+    # -- commit and abort ---------------------------------------------------------------
+
+    def _commit(self, session: Any) -> None:
+        engine = self.engine
+        txn = self.open.get(session.session_id)
+        if txn is None:
+            self.original["_commit_session_transaction"](session)
+            return
+        if txn.doomed:
+            self._abort(session)
+            raise OperationFailure(
+                "Transaction was aborted by a write conflict",
+                code=NO_SUCH_TRANSACTION,
+                error_labels=(TRANSIENT,),
+            )
+        state = txn.state
+        with engine._meta_lock:
+            engine._ensure_publication_boundary()
+            if state.has_writes:
+                self._apply(txn)
+                engine._invalidate_transaction_search_runtime_cache(state)
+            engine._mvcc_states.pop(session.session_id, None)
+        self._end(txn)
+        engine._sync_session_state(
+            session, transaction_active=False, snapshot_version=engine._mvcc_version
+        )
+
+    def _apply(self, txn: Txn) -> None:
+        """Write the transaction's own documents and index entries into the live data, and
+        publish its change events, in one publication (one commit for change streams)."""
+        engine = self.engine
+        state = txn.state
+        namespaces = set(state.touched_namespaces) | set(txn.writes)
+        self.applying = True
+        try:
+            with engine._publication_scope(engine._storage, touched_namespaces=namespaces):
+                for db_name, coll_name in sorted(namespaces):
+                    self._adopt_namespace(txn, db_name, coll_name)
+                for (db_name, coll_name), keys in txn.writes.items():
+                    live = engine._storage[db_name][coll_name]
+                    mine = state.storage.get(db_name, {}).get(coll_name, {})
+                    for key in keys:
+                        self._apply_document(db_name, coll_name, live, mine, key)
+                engine._publication_stack[-1].changes.extend(state.pending_changes)
+        finally:
+            self.applying = False
+        self.clock += 1
+        for token in txn.held:
+            self.changed_at[token] = self.clock
+
+    def _adopt_namespace(self, txn: Txn, db_name: str, coll_name: str) -> None:
+        """A collection the transaction created exists live from its commit on."""
+        engine = self.engine
+        state = txn.state
+        if coll_name not in state.storage.get(db_name, {}):
+            return
+        if coll_name in engine._storage.get(db_name, {}):
+            return
+        engine._storage.setdefault(db_name, {})[coll_name] = MemoryCollection()
+        engine._register_collection_locked(
+            db_name,
+            coll_name,
+            collections=engine._collections,
+            collection_options=engine._collection_options,
+        )
+        options = state.collection_options.get(db_name, {}).get(coll_name)
+        if options is not None:
+            engine._collection_options.setdefault(db_name, {})[coll_name] = options
+        indexes = state.indexes.get(db_name, {}).get(coll_name)
+        if indexes is not None and not engine._indexes.get(db_name, {}).get(coll_name):
+            engine._indexes.setdefault(db_name, {})[coll_name] = list(indexes)
+
+    def _apply_document(self, db_name: str, coll_name: str, live: Any, mine: Any, key: Any) -> None:
+        engine = self.engine
+        # Not .get(): MemoryCollection keeps its rows outside the dict it subclasses.
+        before = live[key] if key in live else None  # noqa: SIM401
+        after = mine[key] if key in mine else None  # noqa: SIM401
+        if before is None and after is None:
+            return
+        if before is not None:
+            engine._update_indexes_locked(
+                db_name, coll_name, key, engine._borrow_storage_document(before), action="delete"
+            )
+            if after is None:
+                engine._delete_storage_document_locked(live, key)
+        if after is not None:
+            engine._set_storage_document_locked(live, key, after)
+            engine._update_indexes_locked(
+                db_name, coll_name, key, engine._borrow_storage_document(after), action="insert"
+            )
+
+    def _abort(self, session: Any) -> None:
+        txn = self.open.get(session.session_id)
+        self.original["_abort_session_transaction"](session)
+        if txn is not None:
+            self._end(txn)
+
+    def expired(self, now: float) -> list[Txn]:
+        return [txn for txn in self.open.values() if now - txn.started > TRANSACTION_LIFETIME]
+
+
+class TransactionsOverWire:
+    """Checks transaction numbers before mongoeco sees a command, turns a conflict into the
+    reply a server sends, and makes a write outside a transaction wait for the one holding
+    its document."""
+
+    def __init__(self, engine: Any, sessions: Any) -> None:
+        found = version("mongoeco")
+        if found != PINNED:
+            raise RuntimeError(
+                f"mongo_outbox.testing's transactions are written for mongoeco {PINNED}, "
+                f"found {found}: pin mongoeco or port mongo_outbox/testing/_transactions.py"
+            )
+        self.rules = Transactions(engine)
+        self.sessions = sessions  # mongoeco's WireSessionStore
+        self.running: dict[str, int] = {}  # wire session key -> its open transaction's number
+        self.committed: dict[str, int] = {}
+
+    def refuse(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The reply to a transaction command that must not reach mongoeco, or None."""
+        if "lsid" not in body:
+            return None
+        key = wire_session_key(body["lsid"])
+        if body.get("autocommit") is not False:
+            # A command outside a transaction ends the session's open one (a server aborts it
+            # for a newer txnNumber); mongoeco would run the command inside it.
+            self._abandon(key)
+            return None
+        number = _number(body)
+        name = next(iter(body))
+        if body.get("startTransaction"):
+            self._abandon(key)  # a new number aborts the session's older transaction
+            self.running[key] = number
+            return None
+        if self.running.get(key) == number:
+            return None
+        if name == "commitTransaction" and self.committed.get(key) == number:
+            return {"ok": 1.0}  # a retried commit of a committed transaction
+        return {
+            "ok": 0.0,
+            "code": NO_SUCH_TRANSACTION,
+            "codeName": "NoSuchTransaction",
+            "errmsg": f"Transaction with txnNumber {number} has been aborted.",
+            "errorLabels": [TRANSIENT],
+        }
+
+    def _abandon(self, key: str) -> None:
+        self.running.pop(key, None)
+        context = self.sessions._sessions.get(key)
+        if context is not None and context.session.active and context.session.transaction_active:
+            context.session.abort_transaction()
+
+    async def run(self, body: dict[str, Any], execute: Any) -> dict[str, Any]:
+        self._reap()
+        in_transaction = body.get("autocommit") is False and "lsid" in body
+        while True:
+            try:
+                reply: dict[str, Any] = await execute()
+            except OperationFailure as error:  # some commands raise where others reply
+                if CONFLICT_MARK not in str(error) and WAIT_MARK not in str(error):
+                    raise
+                reply = WireCommandExecutor.error_document(error)
+            text = _error_text(reply)
+            if in_transaction:
+                return self._after_transaction_command(body, reply, text)
+            if WAIT_MARK not in text:
+                return reply
+            number = int(text.split(WAIT_MARK, 1)[1].split("]", 1)[0])
+            holder = self.rules.by_number.get(number)
+            if holder is not None:
+                remaining = TRANSACTION_LIFETIME - (time.monotonic() - holder.started)
+                try:
+                    await asyncio.wait_for(holder.ended.wait(), max(remaining, 0) + 0.05)
+                except TimeoutError:
+                    self._reap()
+
+    def _after_transaction_command(
+        self, body: dict[str, Any], reply: dict[str, Any], text: str
+    ) -> dict[str, Any]:
+        key = wire_session_key(body["lsid"])
+        number = _number(body)
+        name = next(iter(body))
+        conflict = CONFLICT_MARK in text
+        if conflict or reply.get("code") == NO_SUCH_TRANSACTION:
+            self._abandon(key)
+            return {
+                "ok": 0.0,
+                "code": WRITE_CONFLICT if conflict else NO_SUCH_TRANSACTION,
+                "codeName": "WriteConflict" if conflict else "NoSuchTransaction",
+                "errmsg": text.split(CONFLICT_MARK, 1)[0].strip(),
+                "errorLabels": [TRANSIENT],
+            }
+        if name in ("commitTransaction", "abortTransaction") and self.running.get(key) == number:
+            if name == "commitTransaction" and reply.get("ok"):
+                self.running.pop(key, None)
+                self.committed[key] = number
+            else:
+                self._abandon(key)  # whatever failed, mongoeco must not keep it open
+        return reply
+
+    def _reap(self) -> None:
+        for txn in self.rules.expired(time.monotonic()):
+            key = next(
+                (
+                    key
+                    for key, context in self.sessions._sessions.items()
+                    if context.session is txn.session
+                ),
+                None,
+            )
+            if key is not None:
+                self._abandon(key)
+            elif txn.session.transaction_active:
+                txn.session.abort_transaction()
+
+
+def _error_text(reply: dict[str, Any]) -> str:
+    parts = [str(reply.get("errmsg", ""))] if not reply.get("ok") else []
+    parts += [str(error.get("errmsg", "")) for error in reply.get("writeErrors") or []]
+    return " ".join(parts)
+
+
+def _number(body: dict[str, Any]) -> int:
+    value = body.get("txnNumber", 0)
+    return int(getattr(value, "value", value))  # mongoeco decodes an Int64 to its BsonInt64
