@@ -18,7 +18,8 @@ from typing import Any
 from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, ours, shown
-from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, scope
+from mongo_outbox._partitions import partition_of
+from mongo_outbox._store import RECHECK, Backlog, Claim, Failure, batches, scope
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -33,6 +34,7 @@ class CollectionStore:
         self.retention = outbox.retention
         self.coll = ours(outbox.collection)
         self.scope = scope(outbox, partition)
+        self.partitions = outbox.partitions
 
     async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         now = utc_now()
@@ -283,6 +285,31 @@ class CollectionStore:
         count = await self.coll.count_documents(pending)
         return Backlog(count, at if isinstance(at, datetime) else None)
 
+    async def assign_partitions(self, limit: int) -> int:
+        if self.partitions == 1:
+            return 0
+        # None also matches a missing field; the group's index (partition, status, ...) has it.
+        unassigned = {"partition": None, "status": "pending"}
+        found = await self.coll.find(unassigned, projection=_AGGREGATE).limit(limit).to_list(None)
+        ids: dict[int, list[Any]] = defaultdict(list)
+        for entry in found:
+            k = partition_of(
+                entry.get("aggregate_type"), entry.get("aggregate_id"), self.partitions
+            )
+            ids[k].append(entry["_id"])
+        if not ids:
+            return 0
+        # Entry by entry is safe for order: a claim waits behind an earlier pending entry of its
+        # aggregate whatever that entry's partition, until it is assigned and published.
+        result = await self.coll.bulk_write(
+            [
+                UpdateMany({"_id": {"$in": group}, **unassigned}, {"$set": {"partition": k}})
+                for k, group in ids.items()
+            ],
+            ordered=False,
+        )
+        return int(result.modified_count)
+
     async def next_due(self) -> datetime | None:
         doc = await self.coll.find_one(
             {**self.scope, "status": "pending"},
@@ -299,8 +326,14 @@ class CollectionStore:
         return int(await self.coll.count_documents({"status": "parked"}))
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
+        requeued = 0
+        for batch in batches(event_ids):
+            requeued += await self._requeue(batch)
+        return requeued
+
+    async def _requeue(self, event_ids: list[str]) -> int:
         asked = await self.coll.find(
-            {"_id": {"$in": list(event_ids)}, "status": "parked"},
+            {"_id": {"$in": event_ids}, "status": "parked"},
             projection={**_AGGREGATE, "sequence": 1},
         ).to_list(None)
         if not asked:

@@ -16,6 +16,7 @@ from pymongo import UpdateOne
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
 from mongo_outbox._event_ids import Holder, Taken
+from mongo_outbox._store import batches
 from mongo_outbox.events import Event, utc_now
 
 Doomed = tuple[Holder, Event, Taken]
@@ -100,11 +101,17 @@ class ParkedEntries:
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
-        wanted = list(event_ids)
+        for batch in batches(event_ids):
+            requeued += await self._requeue_batch(batch)
+        return requeued
+
+    async def _requeue_batch(self, batch: list[str]) -> int:
+        requeued = 0
+        wanted = set(batch)
         # A parked entry, or an unreadable one parked wrapped with its original under "entry".
         asked = {
             "$or": [
-                {self.field: {"$elemMatch": {key: {"$in": wanted}, "parked": True}}}
+                {self.field: {"$elemMatch": {key: {"$in": batch}, "parked": True}}}
                 for key in ("id", "entry.id")
             ]
         }

@@ -21,11 +21,14 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
+import bson
 from pymongo import UpdateMany, UpdateOne
 
+from mongo_outbox._aggregates import type_of
 from mongo_outbox._codec import decode, numbered, ours
 from mongo_outbox._embedded_parked import Doomed, ParkedEntries
 from mongo_outbox._event_ids import Holder, PublishedIds
+from mongo_outbox._partitions import partition_of
 from mongo_outbox._store import Backlog, Claim, Failure, scope
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -37,6 +40,9 @@ _WRITES = frozenset({"insert", "update", "replace"})
 class EmbeddedStore(ParkedEntries):
     def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
         self.scope = scope(outbox, partition)
+        self.partitions = outbox.partitions
+        self.partition_field = outbox.partition_field
+        self.aggregate_types = outbox.aggregate_types
         self.field = outbox.field
         self.due = outbox.due_field
         self.claim_field = outbox.claim_field
@@ -326,6 +332,39 @@ class EmbeddedStore(ParkedEntries):
                     if isinstance(at, datetime) and (oldest is None or as_utc(at) < oldest):
                         oldest = as_utc(at)
         return Backlog(total, oldest)
+
+    async def assign_partitions(self, limit: int) -> int:
+        if self.partitions == 1:
+            return 0
+        # A document with something to send has a due time (sparse index); None also matches
+        # a missing partition. The document carries its entries' partition, so one write each.
+        unassigned = {self.partition_field: None, self.due: {"$exists": True}}
+        assigned = 0
+        for name, coll in self.colls.items():
+            if assigned >= limit:
+                break
+            docs = coll.find(unassigned, projection={"_id": 1}).limit(limit - assigned)
+            kind = type_of(self.aggregate_types, name)
+            ids: dict[int, list[Any]] = defaultdict(list)
+            for doc in await docs.to_list(None):
+                try:
+                    k = partition_of(kind, doc["_id"], self.partitions)
+                except (ValueError, bson.errors.BSONError):
+                    continue  # an _id BSON cannot encode without codec options, nor the writer
+                ids[k].append(doc["_id"])
+            if not ids:
+                continue
+            result = await coll.bulk_write(
+                [
+                    UpdateMany(
+                        {"_id": {"$in": group}, **unassigned}, {"$set": {self.partition_field: k}}
+                    )
+                    for k, group in ids.items()
+                ],
+                ordered=False,
+            )
+            assigned += result.modified_count
+        return assigned
 
     async def next_due(self) -> datetime | None:
         times = []

@@ -24,6 +24,7 @@ from typing import Any
 from mongo_outbox import metrics
 from mongo_outbox._failures import Classifier
 from mongo_outbox._store import Claim, Failure, store_for
+from mongo_outbox._turns import Turns
 from mongo_outbox.errors import (
     BrokerUnavailableError,
     UsageError,
@@ -78,6 +79,12 @@ class Rounds:
         self._probed_at = float("-inf")
         self._warned_at = float("-inf")
         self._busy = False
+        self.turns: Turns | None = None
+        """Shared with other tenants' relays (``TenantRelays``): a round waits for its turn."""
+        self.tenant = outbox.db.name
+
+    def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
@@ -147,9 +154,15 @@ class Rounds:
     async def _batch(
         self, until: datetime | None, lost: asyncio.Event | None
     ) -> tuple[int, bool, bool]:
-        await self.probe()
-        started = asyncio.get_running_loop().time()
-        claim = await self.store.claim(self.settings.batch_size, self.settings.lease, until)
+        async with self._turn():
+            await self.probe()
+            started = asyncio.get_running_loop().time()
+            limit = self.settings.batch_size
+            if self.turns is not None:
+                limit = self.turns.share(self.tenant, limit)
+            claim = await self.store.claim(limit, self.settings.lease, until)
+            if self.turns is not None and claim.events:
+                self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
         # A park frees what queued behind it at once, so more may be due as well.
         return published, claim.more or bool(published or freed), bool(freed)
@@ -159,8 +172,11 @@ class Rounds:
     ) -> tuple[int, bool]:
         """Claim and publish what these change-stream changes brought. Returns (published,
         whether some could not be claimed and deserve a sweep soon)."""
-        started = asyncio.get_running_loop().time()
-        claim = await self.store.claim_changes(changes, self.settings.lease)
+        async with self._turn():
+            started = asyncio.get_running_loop().time()
+            claim = await self.store.claim_changes(changes, self.settings.lease)
+            if self.turns is not None and claim.events:
+                self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
         return published, claim.more or claim.events > published
 
@@ -191,8 +207,11 @@ class Rounds:
         if not claim.groups and not claim.held:
             return 0, 0
         deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
+        # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
+        # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
-        await self.store.settle(claim, published, failed)
+        async with self._turn():
+            await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
         metrics.published(self.relay, len(published))
         self.stats.failed += len(failed)

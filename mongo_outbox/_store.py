@@ -28,6 +28,20 @@ RECHECK = timedelta(seconds=1)
 """How soon an entry held back by another relay's claim is looked at again: a blocker held by
 a live relay is usually published within milliseconds, and a dead one's lease is long."""
 
+REQUEUE_BATCH = 1000
+"""How many event ids one requeue command names at most: a requeue of any size is a series of
+bounded commands (one command naming 130k aggregates outgrew MongoDB's 16 MiB, and requeued
+nothing). Each batch brings back the earlier parked entries of its aggregates with it, so an
+aggregate's order holds whatever batch its entries fall in, and an interrupted requeue leaves
+whole batches requeued and the rest parked, for the same requeue to pick up again."""
+
+
+def batches(ids: Sequence[Any], size: int | None = None) -> list[list[Any]]:
+    """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_BATCH``)."""
+    size = size or REQUEUE_BATCH
+    unique = list(dict.fromkeys(ids))
+    return [unique[start : start + size] for start in range(0, len(unique), size)]
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -96,6 +110,11 @@ class Store(Protocol):
 
     async def backlog(self) -> Backlog: ...
 
+    async def assign_partitions(self, limit: int) -> int:
+        """Give up to ``limit`` pending entries that have no partition (saved before the
+        outbox had partitions, or by a writer that checked the record before it existed) their
+        aggregate's partition, so a relay group publishes them; return how many."""
+
     async def next_due(self) -> datetime | None:
         """When the earliest pending entry comes due (it may be in the past)."""
 
@@ -108,7 +127,7 @@ class Store(Protocol):
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make these parked entries due again with no attempts counted, together with the
         earlier parked entries of their aggregates (a requeued event must not overtake them);
-        return how many."""
+        return how many. Any number of ids, in commands of ``REQUEUE_BATCH`` ids at most."""
 
     def published(
         self,

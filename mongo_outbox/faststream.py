@@ -13,8 +13,10 @@ the ``Nats-Msg-Id`` header on NATS, the AMQP ``message_id`` property on RabbitMQ
 without one is rejected (NATS: term; RabbitMQ: reject without requeue, to the queue's
 dead-letter exchange if it has one), never handled blindly. Outcomes settle the message as in
 ``mongo_outbox.consumers.base``: handled, duplicate and dead-lettered are acked; a retry is
-nak'ed with its delay on NATS, and on RabbitMQ (which has no delayed nack) held for the delay,
-then requeued. The handler settles the message itself, so FastStream's acknowledgement (any
+nak'ed with its delay on NATS; on RabbitMQ (which has no delayed nack) a confirmed copy waits
+out the delay in a retry queue next to the subscriber's queue, as with ``consume_rabbitmq``
+(``consumers/_rabbitmq_retry.py``), and the original is acked: the wait holds no prefetch slot
+and survives a crash. The handler settles the message itself, so FastStream's acknowledgement (any
 ``ack_policy`` but ``ACK_FIRST``) finds it settled and leaves it.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -35,7 +38,7 @@ from mongo_outbox.consumers.base import (
     settle,
     stopped_within,
 )
-from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMessage
+from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMessage, describe
 from mongo_outbox.events import Event
 from mongo_outbox.guard import Guarded, inbox_guard
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
@@ -54,15 +57,37 @@ if TYPE_CHECKING:
 
 __all__ = ["FastStreamHandler", "inbox_handler"]
 
+_log = logging.getLogger(__name__)
+
 _Handler = Callable[..., Awaitable[None]]
+
+
+class _WorkQueue:
+    """What ``RetryQueues`` needs of a work queue (its name, whether it is exclusive, a channel
+    of its connection), from FastStream's subscriber and the latest message it delivered."""
+
+    def __init__(self, name: str, exclusive: bool, channel: Any) -> None:
+        self.name = name
+        self.exclusive = exclusive
+        self.current = channel
+        self.channel = self  # RetryQueues asks ``queue.channel.get_underlay_channel()``
+
+    async def get_underlay_channel(self) -> Any:
+        return self.current
 
 
 class _Delivery:
     """A FastStream message as ``settle`` sees it: identity, body and headers from the raw
     message, settled through FastStream's message so that FastStream knows it is settled."""
 
-    def __init__(self, message: StreamMessage[Any], delivery_limit: int | None) -> None:
+    def __init__(
+        self,
+        message: StreamMessage[Any],
+        delivery_limit: int | None,
+        retries: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.message = message
+        self.retries = retries
         raw = message.raw_message
         module = type(raw).__module__
         if module.startswith("nats."):
@@ -112,7 +137,23 @@ class _Delivery:
         if self.broker == "nats":
             await self.message.nack(delay=delay)  # type: ignore[call-arg]
             return
-        # RabbitMQ has no delayed nack: hold the message (one prefetch slot) for the delay.
+        # RabbitMQ has no delayed nack: a copy waits in a retry queue, as consume_rabbitmq's do.
+        queues = await self.retries() if self.retries is not None else None
+        if queues is not None:
+            try:
+                await queues.send(self.message.raw_message, delay)
+            except Exception as error:  # noqa: BLE001 - held in the process instead
+                _log.warning(
+                    "could not send message %s to a retry queue, holding it for %.1fs: %s",
+                    self.message_id,
+                    delay,
+                    describe(error),
+                )
+            else:
+                await self.message.ack()  # only now: until the copy is confirmed, it is this
+                return
+        # No retry queue (retry_queues=False, or it could not be declared): hold the message,
+        # one prefetch slot, for the delay.
         await stopped_within(stop, delay)
         await self.message.nack()
 
@@ -132,23 +173,65 @@ class FastStreamHandler:
         rejected: Rejected | None,
         delivery_limit: int | None,
         stop: asyncio.Event,
+        retry_queues: bool = True,
     ) -> None:
         self.guarded = guarded
         self.source = source
         self.rejected = rejected
         self.delivery_limit = delivery_limit
         self.stop = stop
+        self.retry_queues = retry_queues
+        self._queues: dict[str, tuple[_WorkQueue, Any]] = {}  # RetryQueues by work queue
+        self._declaring = asyncio.Lock()
 
-    async def handle(self, message: StreamMessage[Any]) -> Outcome | None:
+    async def handle(self, message: StreamMessage[Any], subscriber: Any = None) -> Outcome | None:
         """Run the guarded handler on one FastStream message and settle it; the outcome, or
-        ``None`` for a message rejected before it reached the handler."""
+        ``None`` for a message rejected before it reached the handler. ``subscriber`` is
+        FastStream's (its queue names the RabbitMQ retry queues)."""
+
+        async def retries() -> Any:
+            return await self._retry_queues(message, subscriber)
+
         return await settle(
-            _Delivery(message, self.delivery_limit),
+            _Delivery(message, self.delivery_limit, retries if self.retry_queues else None),
             self.guarded,
             source=self.source,
             rejected=self.rejected,
             stop=self.stop,
         )
+
+    async def _retry_queues(self, message: StreamMessage[Any], subscriber: Any) -> Any:
+        """The retry queues of the subscriber's RabbitMQ queue, declared on first use; None
+        when there is no queue to name them after or they cannot be declared (the retry is
+        then held in the process, as before)."""
+        queue = getattr(subscriber, "queue", None)
+        name = getattr(queue, "name", None)
+        if not isinstance(name, str) or not name:
+            return None
+        from mongo_outbox.consumers._rabbitmq_retry import RetryQueues
+
+        async with self._declaring:
+            known = self._queues.get(name)
+            # The channel of the latest delivery: after a reconnection the old one is closed,
+            # and the retry queues open theirs on its connection.
+            channel = message.raw_message.channel
+            if known is not None:
+                known[0].current = channel
+                return known[1]
+            work = _WorkQueue(name, bool(getattr(queue, "exclusive", False)), channel)
+            queues = RetryQueues(work, self.guarded.backoff)  # type: ignore[arg-type]
+            try:
+                await queues.declare()
+            except Exception as error:  # noqa: BLE001 - held in the process instead
+                _log.error(
+                    "inbox_handler: cannot declare the retry queues of %r, holding retries in "
+                    "the process: %s",
+                    name,
+                    describe(error),
+                )
+                return None
+            self._queues[name] = (work, queues)
+            return queues
 
 
 def inbox_handler(
@@ -163,6 +246,7 @@ def inbox_handler(
     delivery_limit: int | None = None,
     stop: asyncio.Event | None = None,
     upcasters: Upcasters | None = None,
+    retry_queues: bool = True,
 ) -> Callable[[_Handler], Callable[..., Awaitable[None]]]:
     """Decorate ``async def handler(event, session)`` into a FastStream subscriber function
     that runs it once per message::
@@ -213,12 +297,16 @@ def inbox_handler(
             rejected=rejected,
             delivery_limit=limit,
             stop=stop or asyncio.Event(),
+            retry_queues=retry_queues,
         )
 
-        # FastStream builds the subscriber's arguments from this signature: the one parameter
-        # is the message itself, from FastStream's context.
-        async def subscriber(message: Annotated[Any, Context("message")]) -> None:
-            await settings.handle(message)
+        # FastStream builds the subscriber's arguments from this signature: the message
+        # itself, and the subscriber delivering it (its queue), from FastStream's context.
+        async def subscriber(
+            message: Annotated[Any, Context("message")],
+            handler: Annotated[Any, Context("handler_", default=None)] = None,
+        ) -> None:
+            await settings.handle(message, handler)
 
         subscriber.__name__ = getattr(handler, "__name__", "subscriber")
         subscriber.__qualname__ = getattr(handler, "__qualname__", subscriber.__name__)

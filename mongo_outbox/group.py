@@ -36,6 +36,8 @@ from mongo_outbox._partition_workers import PollingWorker, StreamWorker, Worker
 from mongo_outbox._partitions import check_config
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox._steps import run_async
+from mongo_outbox._store import store_for
+from mongo_outbox._turns import Turns
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
@@ -55,6 +57,9 @@ Source = Literal["polling", "changestream"]
 
 REBALANCE_EVERY = 1.0
 """Longest time in seconds between two heartbeats (and looks at the membership) of a member."""
+
+ASSIGN_BATCH = 1000
+"""How many entries without a partition one query gives theirs."""
 
 
 class RelayGroup:
@@ -119,6 +124,9 @@ class RelayGroup:
         self._leases = outbox.db[checkpoints]
         self._checkpoints = checkpoints
         self._membership = Membership(outbox.db[members], self.name, self.member, self.lease)
+        self._store = store_for(outbox)
+        self.turns: Turns | None = None
+        """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
         self._workers: dict[int, Worker] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -148,6 +156,10 @@ class RelayGroup:
         logged and retried with backoff; a partition count other than the recorded one raises
         ``ConfigurationError`` before anything is published."""
         await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
+        # Entries saved before the outbox had partitions (or by a writer that read the record
+        # before it existed) have none, so no partition's worker would ever claim them.
+        while await self._assign_partitions() == ASSIGN_BATCH:
+            pass
         self.state = transition(log, self.name, self.state, "active", f"member {self.member}")
         # At least once a second, whatever the lease: a newcomer is counted, and given its
         # share, within a second or so (the heartbeat still lives ``lease``).
@@ -195,6 +207,9 @@ class RelayGroup:
                 if not task.cancelled() and task.exception() is not None:
                     self.last_error = describe(task.exception())  # type: ignore[arg-type]
                     log.error("group %s: partition %d failed: %s", self.name, k, self.last_error)
+        # A writer that checked the partition record before it existed writes entries without
+        # a partition until it restarts: one batch of them each beat.
+        await self._assign_partitions()
         live = await self._membership.beat(self.owned)
         wanted = set(share(live, self.member, self.partitions))
         for k, worker in self._workers.items():
@@ -205,6 +220,20 @@ class RelayGroup:
             worker = self._worker(k)
             self._workers[k] = worker
             self._tasks[k] = asyncio.ensure_future(worker.run())
+
+    async def _assign_partitions(self) -> int:
+        assigned = await self._store.assign_partitions(ASSIGN_BATCH)
+        if assigned:
+            log.warning(
+                "group %s: %d pending entries had no partition (saved before the outbox had "
+                "partitions=%d, or by a writer without it): gave them their aggregate's; every "
+                "writer must use Outbox(..., partitions=%d)",
+                self.name,
+                assigned,
+                self.partitions,
+                self.partitions,
+            )
+        return assigned
 
     def _worker(self, k: int) -> Worker:
         name = f"{self.name}/{k}"
@@ -219,10 +248,12 @@ class RelayGroup:
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
+            relay._rounds.turns = self.turns
             return StreamWorker(relay)
         lease = Checkpoint(self._leases, name, self.lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k)
+        rounds.turns = self.turns
         return PollingWorker(self.name, k, lease, rounds, self.interval)
 
     async def status(self) -> GroupStatus:

@@ -1,10 +1,13 @@
 """TenantRelays: one process relays the outboxes of several databases (tenants).
 
 Each database keeps a relay of its own (its own change stream or polling rounds, its own lease
-and checkpoint, in its own database), and each runs as its own task. So one database's backlog
-cannot starve another's: a relay's round is bounded by its batch size and awaits MongoDB and the
-broker, and no relay waits for another's round to end. What they share is the process, the
-event loop and, if the caller passes the same one to each, a publisher and its connection.
+and checkpoint, in its own database), and each runs as its own task. What they share is the
+process, the event loop, MongoDB and, if the caller passes the same one to each, a publisher
+and its connection. Side by side, a database with a backlog ran round after round and the
+others' events waited behind its claims, waves and settles (a trickling tenant's p50 went from
+0.6 s to 10-21 s while another drained 5,000 events), so their rounds' claims and settles
+take turns (``_turns.py``): one at a time, the next turn to the next database in rotation that
+has one waiting, with smaller rounds while several databases are active.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 
+from mongo_outbox._turns import Turns
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
 from mongo_outbox.group import GroupStatus, RelayGroup
@@ -58,6 +62,13 @@ class TenantRelays:
             self.relays[database] = relay
         if not self.relays:
             raise UsageError("TenantRelays needs at least one relay")
+        self.turns = Turns()
+        """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
+        for relay in self.relays.values():
+            if isinstance(relay, RelayGroup):
+                relay.turns = self.turns  # its partitions' rounds, created as it takes them
+            else:
+                relay._rounds.turns = self.turns
         self._stopping = False
 
     async def run(self) -> None:

@@ -9,11 +9,12 @@ change stream sees).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import click
 
-from mongo_outbox._store import store_for
+from mongo_outbox._store import batches, store_for
 from mongo_outbox.cli.common import (
     Failure,
     Target,
@@ -133,9 +134,7 @@ async def _requeue(
         missing = sorted(set(event_ids) - set(chosen))
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
-        async with progress("requeue", "events", total=len(chosen)) as shown:
-            requeued = await store.requeue(chosen)
-            shown.add(requeued)
+        requeued = await _in_batches(store, chosen)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (
@@ -145,3 +144,23 @@ async def _requeue(
         )
     also = f", and {earlier} earlier parked events of their aggregates" if earlier > 0 else ""
     return f"requeued {len(chosen)} parked events{also}"
+
+
+async def _in_batches(store: Any, chosen: list[Any]) -> int:
+    """Requeue ``chosen`` a batch at a time (``REQUEUE_BATCH`` ids per command), with progress
+    on stderr; interrupted, say how far it got: whole batches are requeued, the rest parked."""
+    requeued = done = 0
+    async with progress("requeue", "events", total=len(chosen)) as shown:
+        try:
+            for batch in batches(chosen):
+                requeued += await store.requeue(batch)
+                done += len(batch)
+                shown.add(len(batch))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            click.echo(
+                f"requeue interrupted after {done} of {len(chosen)} chosen parked events: the "
+                "rest are still parked; run the same command again for them",
+                err=True,
+            )
+            raise
+    return requeued

@@ -270,14 +270,11 @@ def _nats(error: BaseException, event: Event, destination: str) -> PublishError 
 
 
 def _redis(error: BaseException, event: Event, destination: str) -> PublishError | None:
-    from redis import exceptions
+    # The one classification of Redis errors, shared with RedisStreamsPublisher: a failover
+    # (a read-only replica, MASTERDOWN, LOADING, TRYAGAIN, ...) is an outage on every path.
+    from mongo_outbox.publishers.redis import classify
 
-    if isinstance(error, exceptions.ResponseError) and str(error).startswith("OOM"):
-        return full_error("Redis", error, event)  # maxmemory reached with noeviction
-    unavailable = (exceptions.ConnectionError, exceptions.TimeoutError, exceptions.BusyLoadingError)
-    if isinstance(error, unavailable):
-        return unavailable_error("Redis", error, event)
-    return _common("Redis", error, event)
+    return classify(error, event, destination) or _common("Redis", error, event)
 
 
 def _kafka(error: BaseException, event: Event, destination: str) -> Any:

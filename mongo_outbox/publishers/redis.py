@@ -18,6 +18,7 @@ from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     InvalidEventError,
+    PublishError,
     describe,
 )
 from mongo_outbox.events import Event
@@ -69,6 +70,20 @@ _UNAVAILABLE = (
 _OUTAGE_PREFIXES = ("MISCONF", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
 _MAX_CONNECTIONS = 32  # connect()'s pool: publish_many needs two, each publish in flight one
 _WRONG_TYPE = "WRONGTYPE"  # the key holds something other than a stream
+
+
+def classify(error: BaseException, event: Event, stream: str) -> PublishError | None:
+    """What the relay makes of a Redis client's error, on every path to Redis (this publisher,
+    FastStream's ``RedisBroker``): ``BrokerFullError`` when Redis is out of memory,
+    ``BrokerUnavailableError`` for an outage (a failover too) or a key of another type under
+    ``stream``, None when the error is the event's own (it counts an attempt)."""
+    if isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM"):
+        return full_error("Redis", error, event)
+    if isinstance(error, _UNAVAILABLE) or str(error).startswith(_OUTAGE_PREFIXES):
+        return unavailable_error("Redis", error, event)
+    if str(error).startswith(_WRONG_TYPE):
+        return unavailable_error("Redis", error, event, destination=stream)
+    return None
 
 
 def stream_of(naming: Naming, event: Event) -> str:
@@ -237,13 +252,7 @@ class RedisStreamsPublisher:
             return error
         if self.closed:
             return closed_error(self, event)
-        if isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM"):
-            return full_error("Redis", error, event)
-        if isinstance(error, _UNAVAILABLE) or str(error).startswith(_OUTAGE_PREFIXES):
-            return unavailable_error("Redis", error, event)
-        if str(error).startswith(_WRONG_TYPE):
-            return unavailable_error("Redis", error, event, destination=stream)
-        return error
+        return classify(error, event, stream) or error
 
     def _failed(self, event: Event, reason: str) -> BrokerUnavailableError:
         if self.closed:

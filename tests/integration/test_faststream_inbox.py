@@ -4,17 +4,20 @@ RabbitMQ and NATS JetStream: each effect once, poison to the dead letter, no id 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 import aio_pika
 import pytest
 from faststream.nats import ConsumerConfig, JStream, NatsBroker
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from mongo_outbox import Backoff, Event, Inbox, PoisonMessage
+from mongo_outbox.consumers._rabbitmq_retry import retry_buckets
 from mongo_outbox.faststream import inbox_handler
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.amqp import publish_without_message_id
@@ -25,8 +28,12 @@ from tests.support.waiting import until
 FAST = Backoff(initial=0.05, maximum=0.1)
 
 
-class Order(BaseModel):
+class StrictOrder(BaseModel):
+    """Strict, with a field whose JSON form is a string: it must validate from the JSON payload."""
+
+    model_config = ConfigDict(strict=True)
     n: int
+    placed: datetime
 
 
 def billing(db: Any, *, flaky: set[str], poison: set[str], **options: Any) -> Any:
@@ -168,6 +175,8 @@ async def test_rabbitmq_relay_to_faststream_each_effect_once(
         assert declared.declaration_result.message_count == 0  # all settled, none requeued
     finally:
         await exchange.delete()
+        for ms in retry_buckets(FAST):  # the flaky one's retry went through them
+            await channel.queue_delete(f"{unique}.retry.{ms}")
         await channel.close()
 
 
@@ -175,12 +184,15 @@ async def test_rabbitmq_relay_to_faststream_each_effect_once(
 async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
     db: Any, nats_client: Any, amqp_connection: Any, unique: str, transport: str
 ) -> None:
-    good = Event.of(Order(n=7), type="order.placed")
-    misfit = Event(type="order.placed", payload={"n": "seven"})
-    seen: list[Order] = []
+    placed = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    good = Event.of(StrictOrder(n=7, placed=placed), type="order.placed")
+    misfit = Event(type="order.placed", payload={"n": "seven", "placed": placed.isoformat()})
+    seen: list[StrictOrder] = []
 
-    @inbox_handler(Inbox(db, consumer="typed", transactional=True), payload=Order, backoff=FAST)
-    async def typed(order: Order, session: Any) -> None:
+    @inbox_handler(
+        Inbox(db, consumer="typed", transactional=True), payload=StrictOrder, backoff=FAST
+    )
+    async def typed(order: StrictOrder, session: Any) -> None:
         seen.append(order)
         await db.invoices.insert_one({"n": order.n}, session=session)
 
@@ -224,10 +236,10 @@ async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
         await channel.close()
     # A handler may run more than once (a transaction that failed to commit is retried); its
     # effect in MongoDB is there once.
-    assert seen and all(order == Order(n=7) for order in seen)
+    assert seen and all(order == StrictOrder(n=7, placed=placed) for order in seen)
     assert [i["n"] for i in await db.invoices.find().to_list(None)] == [7]
     failed = await Inbox(db, consumer="typed").failed()
-    assert failed[0]["message_id"] == misfit.id and "not a Order" in failed[0]["last_error"]
+    assert failed[0]["message_id"] == misfit.id and "not a StrictOrder" in failed[0]["last_error"]
 
 
 async def test_nats_last_delivery_is_dead_lettered_not_dropped(
@@ -284,7 +296,8 @@ async def test_nats_last_delivery_is_dead_lettered_not_dropped(
 async def test_setting_stop_requeues_a_rabbitmq_message_held_for_its_retry(
     db: Any, amqp_connection: Any, unique: str
 ) -> None:
-    """RabbitMQ has no delayed nack: a retry is held for its delay (here 300 s) unless stop."""
+    """Without retry queues a retry is held in the process for its delay (here 300 s): stop
+    requeues it at once."""
     channel = await amqp_connection.channel()
     queue = await channel.declare_queue(unique)
     event = Event(type="order.placed")
@@ -294,7 +307,10 @@ async def test_setting_stop_requeues_a_rabbitmq_message_held_for_its_retry(
     stop = asyncio.Event()
 
     @inbox_handler(
-        Inbox(db, consumer="billing", transactional=False), backoff=Backoff(initial=300), stop=stop
+        Inbox(db, consumer="billing", transactional=False),
+        backoff=Backoff(initial=300),
+        stop=stop,
+        retry_queues=False,
     )
     async def bill(event: Event, session: Any) -> None:
         raise ConnectionError("ledger busy")
@@ -316,3 +332,65 @@ async def test_setting_stop_requeues_a_rabbitmq_message_held_for_its_retry(
     await again.ack()
     await queue.delete(if_unused=False, if_empty=False)
     await channel.close()
+
+
+async def test_a_rabbitmq_retry_waits_in_a_retry_queue_not_in_the_process(
+    db: Any, amqp_connection: Any, unique: str
+) -> None:
+    """As with consume_rabbitmq, a retry is a confirmed copy in ``<queue>.retry.<ms>``: the
+    original is acked (no prefetch slot held), and the wait survives the consumer stopping."""
+    channel = await amqp_connection.channel()
+    await channel.declare_queue(unique)
+    retry_queue = f"{unique}.retry.5000"
+    event = Event(type="order.placed")
+    await channel.default_exchange.publish(
+        aio_pika.Message(event.model_dump_json().encode(), message_id=event.id), unique
+    )
+    runs: list[int] = []
+
+    @inbox_handler(
+        Inbox(db, consumer="billing", transactional=False),
+        backoff=Backoff(initial=5, maximum=5),
+    )
+    async def bill(event: Event, session: Any, *, attempt: int) -> None:
+        runs.append(attempt)
+        if attempt == 1:
+            raise ConnectionError("ledger busy")
+
+    async def waiting_in(name: str) -> int:
+        """Messages ready in ``name``; -1 if there is no such queue (a failed passive
+        declaration closes its channel: one of its own)."""
+        probe = await amqp_connection.channel()
+        try:
+            declared = await probe.declare_queue(name, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return -1
+        count = int(declared.declaration_result.message_count)
+        await probe.close()
+        return count
+
+    def subscribed() -> RabbitBroker:
+        broker = RabbitBroker(RABBITMQ_URL)
+        broker.subscriber(RabbitQueue(unique, declare=False))(bill)
+        return broker
+
+    try:
+        async with subscribed() as broker:
+            await broker.start()
+            await until(lambda: runs == [1], 30)
+
+            async def copied() -> bool:
+                return await waiting_in(retry_queue) == 1
+
+            await until(copied, 10)
+        # The consumer is gone; the copy waits in the broker, the original was acked.
+        assert await waiting_in(retry_queue) + await waiting_in(unique) == 1
+        async with subscribed() as broker:
+            await broker.start()
+            await until(lambda: runs == [1, 2], 30)  # back to the work queue after 5 s
+        assert await db.inbox.count_documents({"status": "done"}) == 1
+    finally:
+        for name in (retry_queue, unique):
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(name)
+        await channel.close()

@@ -23,11 +23,14 @@ from mongo_outbox import (
     InvalidEventError,
     Outbox,
     PollingRelay,
+    RelaySettings,
 )
+from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import FastStreamPublisher
 from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.messages import bind_queue, drain_queue, read_stream
+from tests.support.redis_server import HAVE_REDIS_SERVER, RedisServer
 from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from tests.support.waiting import until
 
@@ -182,6 +185,61 @@ async def test_redis_down_is_an_outage() -> None:
         with pytest.raises(BrokerUnavailableError) as raised:
             await publisher.publish(event)
     assert unavailable(raised.value) and raised.value.event_id == event.id
+
+
+@pytest.fixture
+async def private_redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    if not HAVE_REDIS_SERVER:
+        pytest.skip("needs the redis-server binary to run a server of the test's own")
+    server = RedisServer(tmp_path)
+    await server.start()
+    yield server
+    if server.process and server.process.returncode is None:
+        await server.kill()
+
+
+# How a real Redis refuses writes during a failover, and how it takes them again.
+FAILOVERS = {
+    # A former master demoted to a replica: READONLY (redis-py's ReadOnlyError).
+    "demoted": (("REPLICAOF", "127.0.0.1", "1"), ("REPLICAOF", "NO", "ONE")),
+    # A master that lost the replicas it needs to acknowledge a write: NOREPLICAS.
+    "replicas lost": (
+        ("CONFIG", "SET", "min-replicas-to-write", "1"),
+        ("CONFIG", "SET", "min-replicas-to-write", "0"),
+    ),
+}
+
+
+@pytest.mark.parametrize("failover", FAILOVERS)
+async def test_a_redis_failover_is_an_outage_as_for_the_redis_publisher(
+    db: Any, private_redis: RedisServer, failover: str
+) -> None:
+    """FastStream's Redis path classifies errors as RedisStreamsPublisher does: a failover waits
+    (it used to count attempts, and park every event after ``max_attempts``)."""
+    import redis.asyncio
+
+    saved = await save(db, 2)
+    start, end = FAILOVERS[failover]
+    admin = redis.asyncio.Redis.from_url(private_redis.url)
+    try:
+        async with RedisBroker(private_redis.url) as broker:
+            await broker.connect()
+            publisher = FastStreamPublisher(broker, "events", timeout=2)
+            await admin.execute_command(*start)
+            with pytest.raises(BrokerUnavailableError) as raised:
+                await publisher.publish(saved[0])
+            assert unavailable(raised.value)
+            relay = PollingRelay(Outbox(db), publisher, settings=RelaySettings(max_attempts=1))
+            assert await relay.drain() == 0
+            assert await relay.parked() == []  # with one attempt allowed, a counted one parks
+            stored = await db.outbox.find({}).to_list(None)
+            assert [(e["status"], e.get("attempts", 0)) for e in stored] == [("pending", 0)] * 2
+            await admin.execute_command(*end)
+            await db.outbox.update_many({}, {"$set": {"available_at": utc_now()}})
+            assert await relay.drain() == 2
+        assert await admin.xlen("events") == 2
+    finally:
+        await admin.aclose()
 
 
 def _closed_port() -> int:

@@ -136,3 +136,62 @@ class KillsTheBroker:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class FaultyGate(Gate):
+    """A ``Gate`` that can be down in each way a broker is met down (``fail``):
+    ``"refused"`` (connections dropped, new ones refused), ``"hanging"`` (connections stay open
+    and nothing answers, new ones too), ``"dropping"`` (new connections are let through, and
+    each is dropped a moment later: mid-handshake or mid-publish). ``heal`` lets everything
+    through again."""
+
+    DROP_AFTER = 0.2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.how: str | None = None
+
+    async def fail(self, how: str) -> None:
+        self.how = how
+        if how == "refused":
+            await self.kill()
+        else:
+            for writer in self.writers:
+                if how == "dropping":
+                    writer.transport.abort()
+
+    async def heal(self) -> None:
+        how, self.how = self.how, None
+        if how == "refused":
+            await self.start()
+        else:  # stalled connections stay stalled: the client gives up on them and reconnects
+            for writer in self.writers:
+                writer.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.how == "hanging":
+            self.writers.add(writer)
+            with contextlib.suppress(OSError):
+                while await reader.read(65536):  # swallowed: nothing ever answers
+                    pass
+            self.writers.discard(writer)
+            return
+        if self.how == "dropping":
+            asyncio.get_running_loop().call_later(self.DROP_AFTER, writer.transport.abort)
+        await self._forward(reader, writer)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream}
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    if self.how == "hanging":
+                        continue  # a broker that stopped answering, connection still open
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
+        self.writers -= {writer, upstream}

@@ -69,3 +69,35 @@ async def test_a_message_of_another_broker_is_refused(db: Any) -> None:
     message = StreamMessage(raw_message={"data": b"{}"}, body=b"{}")
     with pytest.raises(ConfigurationError, match="RabbitMQ and NATS JetStream"):
         await subscriber.inbox.handle(message)
+
+
+def test_every_redis_error_is_classified_alike_through_faststream_and_the_redis_publisher() -> None:
+    """One classification of Redis errors serves both paths: what RedisStreamsPublisher waits
+    on (a failover, a persistence failure, a full server), FastStream's path waits on too."""
+    from redis import exceptions
+
+    from mongo_outbox.publishers.faststream import _classifier
+    from mongo_outbox.publishers.redis import classify
+
+    errors = [
+        exceptions.ReadOnlyError("You can't write against a read only replica."),
+        exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        exceptions.NoPermissionError("NOPERM this user has no permissions"),
+        exceptions.BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+        exceptions.OutOfMemoryError("OOM command not allowed"),
+        *(
+            exceptions.ResponseError(f"{prefix} something")
+            for prefix in ("MISCONF", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
+        ),
+        exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"),
+        exceptions.ConnectionError("Connection refused"),
+    ]
+    event = Event(type="order.placed")
+    through_faststream = _classifier("Redis")
+    for error in errors:
+        mine, theirs = classify(error, event, "events"), through_faststream(error, event, "events")
+        assert mine is not None, error
+        assert (type(theirs), str(theirs)) == (type(mine), str(mine)), error
+    # The event's own failure counts an attempt on both paths.
+    assert classify(exceptions.ResponseError("ERR syntax"), event, "s") is None
+    assert through_faststream(exceptions.ResponseError("ERR syntax"), event, "s") is None

@@ -1,0 +1,136 @@
+"""A requeue of a large parked set: any number of events, in commands of bounded size, with
+each aggregate's order kept, from the library and from ``mongo-outbox parked requeue`` (which
+says how far it got). A requeue used to be one command naming every id and aggregate: at about
+130k parked events it outgrew MongoDB's 16 MiB and requeued nothing."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import bson
+import pytest
+from pymongo import AsyncMongoClient, monitoring
+
+from mongo_outbox import Event, Outbox, PollingRelay, _store
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.cli import cli, environment
+from tests.support.outboxes import MODES, make_outbox, unsettled
+from tests.support.servers import MongoServer
+
+AGGREGATES = 24
+SAVES = 4
+EVENTS = 25  # per save: 2,400 in all, more than two batches of REQUEUE_BATCH
+
+
+class Commands(monitoring.CommandListener):
+    """Every command the client sends, encoded, to measure what a requeue sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.sent.append(bson.encode(event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+async def park_many(
+    outbox: Outbox, db: Any, saves: int = SAVES, events: int = EVENTS
+) -> list[Event]:
+    """``saves`` saves of ``events`` events in each of 24 aggregates, every one parked."""
+    saved: list[Event] = []
+    for step in range(saves):
+        for aggregate in range(AGGREGATES):
+            batch = [Event(type="noted", payload={"n": n}) for n in range(events)]
+            result = await outbox.save_with_events(
+                None, db.orders, {"_id": aggregate, "step": step}, batch
+            )
+            saved += result.events
+    # Parked as settle parks them, in one write: a relay refusing 2,400 events one by one
+    # takes minutes on the emulator.
+    why = "ValueError: a template that fits no event"
+    if outbox.mode == "collection":
+        await db.outbox.update_many(
+            {}, {"$set": {"status": "parked", "attempts": 1, "last_error": why}}
+        )
+    else:
+        entries = f"{outbox.field}.$[]"
+        await db.orders.update_many(
+            {},
+            {
+                "$set": {f"{entries}.parked": True, f"{entries}.last_error": why},
+                "$unset": {outbox.due_field: ""},
+            },
+        )
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0
+    return saved
+
+
+async def drained_in_order(outbox: Outbox, saved: list[Event]) -> None:
+    publisher = MemoryPublisher()
+    assert await PollingRelay(outbox, publisher).drain() == len(saved)
+    sequences: dict[Any, list[int]] = defaultdict(list)
+    for event in publisher.events:
+        sequences[event.aggregate_id].append(event.sequence or 0)
+    assert sorted(e.id for e in publisher.events) == sorted(e.id for e in saved)
+    for aggregate, found in sequences.items():
+        assert found == sorted(found), f"aggregate {aggregate} out of order"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_large_parked_set_is_requeued_in_bounded_commands_in_order(
+    db: Any, mongo: MongoServer, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight batches of 40: the emulator's writes cost O(collection), so thousands of events
+    take minutes here; the CLI test below runs at the real batch size."""
+    monkeypatch.setattr(_store, "REQUEUE_BATCH", 40)
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await park_many(outbox, db, saves=2, events=6)  # 288
+    ids = [e.id for e in saved]
+    listener = Commands()
+    watched: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, tz_aware=True, event_listeners=[listener]
+    )
+    try:
+        relay = PollingRelay(make_outbox(watched[db.name], mode), MemoryPublisher())
+        assert len(await relay.parked()) == len(saved)
+        listener.sent.clear()
+        assert await relay.requeue(ids) == len(saved)
+    finally:
+        await watched.close()
+    named = [sum(i.encode() in command for i in ids) for command in listener.sent]
+    assert max(named) <= 40, "a command names more ids than a batch"
+    assert sum(1 for n in named if n) >= len(saved) // 40  # batch after batch
+    await drained_in_order(outbox, saved)
+
+
+@pytest.mark.parametrize("mode", ["embedded"])  # the cheaper mode: the CLI's part is the same
+async def test_the_cli_requeues_a_large_parked_set_showing_its_progress(
+    db: Any, mongo: MongoServer, mode: str
+) -> None:
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    saved = await park_many(outbox, db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--mode={mode}", "--collections=orders"]
+    # Not a terminal: plain progress lines (here every 10 ms), the last one at the end.
+    ran = await cli(
+        "parked",
+        "requeue",
+        *where,
+        "--all",
+        env=environment(MONGO_OUTBOX_PROGRESS_EVERY="0.01"),
+    )
+    assert ran.code == 0, ran.output
+    assert ran.out.strip() == f"requeued {len(saved)} parked events"
+    lines = ran.err.splitlines()
+    assert lines[-1].startswith(f"requeue: {len(saved):,}/{len(saved):,} events (100%)"), lines
+    # Every one is pending again (the test above publishes them, in order).
+    left = await unsettled(outbox, db)
+    assert len(left) == len(saved)
+    assert all(e.get("status", "pending") == "pending" and not e.get("parked") for e in left)
