@@ -134,6 +134,12 @@ async def _requeue(
         missing = sorted(set(event_ids) - set(chosen))
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
+        if not chosen:  # a misspelled --type or --aggregate must not pass for a done requeue
+            present = sorted({str(e.get("type")) for e in entries})
+            raise Failure(
+                "no parked event matches: nothing was requeued"
+                + (f" (parked types: {', '.join(present)})" if present else " (none is parked)")
+            )
         requeued = await _in_batches(store, chosen)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back

@@ -80,6 +80,11 @@ async def test_parked_events_are_listed_shown_and_requeued_in_order(
     for wrong in ([], ["--all", c_first.id], ["--all", "--type=bad"], ["no-such-id"]):
         refused = await cli("parked", "requeue", *where, *wrong)
         assert refused.code == 1 and len(refused.err.splitlines()) == 1, refused.output
+    # A misspelled type or aggregate is refused, not reported as a requeue of nothing.
+    for misspelled in (["--type=badd"], ["--aggregate=no-such-order"]):
+        refused = await cli("parked", "requeue", *where, *misspelled)
+        assert refused.code == 1, refused.output
+        assert "no parked event matches: nothing was requeued (parked types: " in refused.err
     assert len(json.loads((await cli("parked", "list", *where, "--json")).out)) == 4
 
     # The later of c's two parked events brings the earlier one back, so it cannot overtake it.
@@ -99,6 +104,8 @@ async def test_parked_events_are_listed_shown_and_requeued_in_order(
         await cli("parked", "requeue", *where, "--all")
     ).out.strip() == "requeued 1 parked events"
     assert (await cli("parked", "list", *where)).out.strip() == "no parked events"
+    nothing = await cli("parked", "requeue", *where, "--all")
+    assert nothing.code == 1 and "(none is parked)" in nothing.err, nothing.output
 
 
 async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
