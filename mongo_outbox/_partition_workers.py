@@ -10,10 +10,12 @@ from typing import Protocol
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import metrics
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
+from mongo_outbox.stats import RelayStatus, State, transition
 
 log = logging.getLogger("mongo_outbox.group")
 
@@ -35,16 +37,27 @@ class Worker(Protocol):
 
 class PollingWorker:
     """One partition's polling rounds: stands by until it holds the partition lease, then
-    publishes until stopped or the lease is lost (then stands by again)."""
+    publishes until stopped or the lease is lost (then stands by again). It reports its state
+    and its partition's backlog to the metrics as ``GROUP/PARTITION``, as a change-stream
+    member's partition relay does, so that a partition nobody publishes shows."""
 
     def __init__(
-        self, group: str, partition: int, lease: Checkpoint, rounds: Rounds, interval: float
+        self,
+        group: str,
+        partition: int,
+        lease: Checkpoint,
+        rounds: Rounds,
+        interval: float,
+        database: str,
     ) -> None:
         self.group = group
         self.partition = partition
         self.lease = lease
         self.rounds = rounds
         self.interval = interval
+        self.name = f"{group}/{partition}"
+        self.state: State = "starting"
+        self._gauges = metrics.RelayGauges(self.name, database, partition)
         self._stopping = asyncio.Event()
 
     @property
@@ -62,7 +75,21 @@ class PollingWorker:
     def stop(self) -> None:
         self._stopping.set()
 
+    async def status(self) -> RelayStatus:
+        """The partition's backlog and this worker's state, as a relay's ``status()``."""
+        return await self.rounds.status(self.name, lambda: (self.state, self.state == "active"))
+
+    def _enter(self, state: State, reason: str) -> None:
+        self.state = self._gauges.state = transition(log, self.name, self.state, state, reason)
+
     async def run(self) -> None:
+        try:
+            async with self._gauges.refreshing(self.status):
+                await self._run()
+        finally:
+            self._enter("stopped", "the member stopped or left the partition")
+
+    async def _run(self) -> None:
         # A partition given back is released at once: look for it often, however long the lease.
         standby = min(self.lease.lease.total_seconds() / 4, 1.0)
         failures = 0
@@ -70,8 +97,10 @@ class PollingWorker:
             while not self._stopping.is_set():
                 try:
                     if not await self.lease.acquire():
+                        self._enter("standby", "another member holds the partition")
                         await pause(self._stopping, standby)
                         continue
+                    self._enter("active", f"holds the partition, fence {self.lease.fence}")
                     log.info(
                         "group %s: partition %d taken, fence %s",
                         self.group,
@@ -81,8 +110,10 @@ class PollingWorker:
                     margin = self.rounds.settings.timeout
                     async with self.lease.renewed(margin) as lost:
                         await self._publish(lost)
+                    self._enter("standby", "the partition lease was lost or given back")
                     failures = 0
                 except PyMongoError as error:
+                    self._enter("standby", describe(error))
                     failures += 1
                     delay = self.rounds.settings.backoff.delay(failures)
                     log.warning(

@@ -252,9 +252,9 @@ class RelayGroup:
             return StreamWorker(relay)
         lease = Checkpoint(self._leases, name, self.lease)
         lease.owner = self.member
-        rounds = Rounds(self.outbox, self.publisher, self.settings, k)
+        rounds = Rounds(self.outbox, self.publisher, self.settings, k, relay=name)
         rounds.turns = self.turns
-        return PollingWorker(self.name, k, lease, rounds, self.interval)
+        return PollingWorker(self.name, k, lease, rounds, self.interval, self.outbox.db.name)
 
     async def status(self) -> GroupStatus:
         """Who owns which partition (from the leases), the live members and what each holds,

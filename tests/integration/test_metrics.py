@@ -24,6 +24,8 @@ from mongo_outbox import (
     Outbox,
     PoisonMessage,
     PollingRelay,
+    RelayGroup,
+    RelaySettings,
     RelayStatus,
     inbox_guard,
     metrics,
@@ -239,6 +241,47 @@ async def test_change_stream_relays_report_leadership_checkpoint_lag_and_recover
         leader.stop()
         standby.stop()
         await asyncio.wait_for(asyncio.gather(first, second), 30)
+
+
+async def test_a_polling_group_reports_each_partition_it_publishes(
+    db: Any, reader: Any, quick_refresh: None
+) -> None:
+    """A polling member reports its partitions as a change-stream member does (``GROUP/K``,
+    with the partition label): their state, backlog and publishes, so that the alert on a
+    partition without an owner sees polling groups too."""
+    outbox = Outbox(db, partitions=2)
+    await outbox.ensure_indexes()
+    await save(outbox, db, "placed", "placed", "placed", "placed")
+    publisher = MemoryPublisher()
+    member = RelayGroup(
+        outbox,
+        publisher,
+        name="pgroup",
+        source="polling",
+        lease=3.0,
+        interval=0.05,
+        settings=RelaySettings(claim_lease=2.0, publish_timeout=0.5),
+    )
+    task = asyncio.ensure_future(member.run())
+    partitions = [at(database=db.name, relay=f"pgroup/{k}", partition=str(k)) for k in (0, 1)]
+    try:
+
+        def reported() -> bool:
+            active = points(reader, "mongo_outbox_relay_active")
+            pending = points(reader, "mongo_outbox_pending_events")
+            return len(publisher.events) == 4 and all(
+                active.get(labels) == 1 and pending.get(labels) == 0 for labels in partitions
+            )
+
+        await until(reported, timeout=20, every=0.05)
+        published = points(reader, "mongo_outbox_published")
+        assert sum(published.get(labels, 0) for labels in partitions) == 4
+    finally:
+        member.stop()
+        await asyncio.wait_for(task, 30)
+    # Stopped, the member publishes no partition: none is reported active any more.
+    active = points(reader, "mongo_outbox_relay_active")
+    assert all(active.get(labels, 0) == 0 for labels in partitions)
 
 
 async def test_relays_of_one_name_in_several_databases_are_told_apart(
