@@ -8,7 +8,7 @@ import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
-from urllib.parse import unquote, unquote_plus
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 from mongo_outbox._callables import is_async_callable
 from mongo_outbox.errors import (
@@ -203,47 +203,90 @@ def redact_url(url: str) -> str:
     ``?password=***``). ``url`` may be a comma-separated list of URLs (as NATS accepts), with or
     without schemes; everything but the credentials is kept.
     """
-    # The query first: a credential in it may hold an "@", which would otherwise read as the
-    # end of a userinfo.
-    url = _SECRET_PARAMETER.sub(lambda m: f"{m['name']}=***", url)
-    servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
-    return ",".join(_redact_server(server) for server in servers)
+    shown, last = [], 0
+    for begin, end in _secret_spans(url):
+        shown += [url[last:begin], "***"]
+        last = end
+    return "".join([*shown, url[last:]])
 
 
 def url_secrets(url: str) -> set[str]:
     """The credentials in ``url`` (see ``redact_url``), as given and percent-decoded, for a
     caller that must also keep them out of text it did not write (a client's error)."""
-    found: list[str] = []
+    found = [url[begin:end] for begin, end in _secret_spans(url)]
     for match in _SECRET_PARAMETER.finditer(url):
-        value = match["value"]
-        found.append(value)
         if match["name"].lower() == "authmechanismproperties":
             # SERVICE_NAME:mongodb,AWS_SESSION_TOKEN:y: the token alone too, but not the
             # service name, whose every other occurrence would be garbled.
-            for part in value.split(","):
+            for part in match["value"].split(","):
                 key, _, secret = part.partition(":")
                 if _SECRET_NAME.search(key):
                     found.append(secret)
-    url = _SECRET_PARAMETER.sub(lambda m: f"{m['name']}=***", url)
-    servers = _NEXT_URL.split(url) if _SCHEME.match(url) else url.split(",")
-    for server in servers:
-        scheme = _SCHEME.match(server)
-        userinfo, at, _ = server[scheme.end() if scheme else 0 :].rpartition("@")
-        if at:
-            user, colon, password = userinfo.partition(":")
-            found.append(password if colon else user)
+    for server, _ in _servers(url):  # a password as a client reads it, whatever else it hides
+        password = urlsplit(server.strip()).password if _SCHEME.match(server) else None
+        if password:
+            found.append(password)
     decoded = [unquote_plus(s) for s in found] + [unquote(s) for s in found]
     return {s for s in found + decoded if s and s != "***"}
 
 
-def _redact_server(server: str) -> str:
-    scheme = _SCHEME.match(server)
-    head, rest = (server[: scheme.end()], server[scheme.end() :]) if scheme else ("", server)
-    # A password may hold a raw "@", "/" or "?" (clients accept some of them): everything up
-    # to the last "@" is taken as credentials, hiding too much rather than too little.
-    userinfo, at, host = rest.rpartition("@")
-    if not at:
-        return server
-    user, colon, _ = userinfo.partition(":")
-    masked = f"{user}:***" if colon else "***"
-    return f"{head}{masked}@{host}"
+def _secret_spans(url: str) -> list[tuple[int, int]]:
+    """Where ``url``'s credentials are, merged: those found reading the query's credentials
+    first and those found reading the userinfo first. Either reading alone can be fooled: a
+    query value may hold an "@" (read as the end of a userinfo), and a password may hold
+    "&token=" (read as a query parameter). Hiding both hides too much rather than too little."""
+    query = _parameter_spans(url)
+    userinfo = _userinfo_spans(url)
+    spans = (
+        query
+        + _userinfo_spans(_blank(url, query))
+        + userinfo
+        + _parameter_spans(_blank(url, userinfo))
+    )
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(span for span in spans if span[0] < span[1]):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged
+
+
+def _blank(url: str, spans: list[tuple[int, int]]) -> str:
+    """``url`` with ``spans`` overwritten by as many harmless characters: positions stay."""
+    chars = list(url)
+    for begin, end in spans:
+        chars[begin:end] = "x" * (end - begin)
+    return "".join(chars)
+
+
+def _parameter_spans(url: str) -> list[tuple[int, int]]:
+    return [(m.start("value"), m.end("value")) for m in _SECRET_PARAMETER.finditer(url)]
+
+
+def _servers(url: str) -> list[tuple[str, int]]:
+    """The URLs of a list, each with its offset in ``url``."""
+    cuts = (
+        [m.start() for m in _NEXT_URL.finditer(url)]
+        if _SCHEME.match(url)
+        else [n for n, char in enumerate(url) if char == ","]
+    )
+    starts = [0] + [cut + 1 for cut in cuts]
+    ends = [*cuts, len(url)]
+    return [(url[begin:end], begin) for begin, end in zip(starts, ends, strict=True)]
+
+
+def _userinfo_spans(url: str) -> list[tuple[int, int]]:
+    spans = []
+    for server, offset in _servers(url):
+        scheme = _SCHEME.match(server)
+        head = scheme.end() if scheme else 0
+        # A password may hold a raw "@", "/" or "?" (clients accept some of them): everything
+        # up to the last "@" is taken as credentials, hiding too much rather than too little.
+        userinfo, at, _ = server[head:].rpartition("@")
+        if not at:
+            continue
+        user, colon, _ = userinfo.partition(":")
+        begin = offset + head + (len(user) + 1 if colon else 0)
+        spans.append((begin, offset + head + len(userinfo)))
+    return spans

@@ -10,7 +10,7 @@ import pytest
 
 from mongo_outbox import ConfigurationError
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from mongo_outbox.publishers.base import redact_url
+from mongo_outbox.publishers.base import redact_url, url_secrets
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,22 @@ from mongo_outbox.publishers.base import redact_url
 def test_redact_url_hides_passwords_and_tokens_and_keeps_the_rest(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     assert redact_url(shown) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "password"),
+    [
+        ("mongodb://app:Xk9&token=zq@db.example:27017/?authSource=admin", "Xk9&token=zq"),
+        ("amqp://app:hunter2;pass=1@mq/vh", "hunter2;pass=1"),
+    ],
+)
+def test_a_password_that_reads_like_a_query_parameter_is_hidden_whole(
+    url: str, password: str
+) -> None:
+    # "&" and ";" may stand unescaped in a userinfo: no part of the password may show.
+    shown = redact_url(url)
+    assert not any(part in shown for part in ("Xk9", "hunter2", "zq", "pass=1")), shown
+    assert password in url_secrets(url)
 
 
 def test_redact_url_hides_too_much_rather_than_too_little() -> None:
