@@ -164,7 +164,10 @@ class Transactions:
         """Which namespace ``collection`` is, and whose: the live data's or a transaction's."""
         hit = self.where.get(id(collection))
         if hit is not None and hit[0] is collection:
-            return hit[1], hit[2], hit[3]
+            # Still under that name: a rename moves the same object to another one.
+            storage = self.engine._storage if hit[3] is None else hit[3].state.storage
+            if storage.get(hit[1], {}).get(hit[2]) is collection:
+                return hit[1], hit[2], hit[3]
         owners: list[tuple[Any, Txn | None]] = [(self.engine._storage, None)]
         owners += [(txn.state.storage, txn) for txn in self.open.values()]
         for storage, owner in owners:
@@ -203,7 +206,7 @@ class Transactions:
 
     def _touch(self, token: Token, owner: Txn | None) -> None:
         if self.applying:
-            if self.open:
+            if self._watched():
                 self.changed_at[token] = self.clock + 1
             return
         holder = self.holders.get(token)
@@ -213,7 +216,7 @@ class Transactions:
                     f"WriteConflict: a transaction holds this document {WAIT_MARK}{holder.number}]",
                     code=WRITE_CONFLICT,
                 )
-            if self.open:
+            if self._watched():
                 self.clock += 1
                 self.changed_at[token] = self.clock
             return
@@ -232,9 +235,20 @@ class Transactions:
         owner.held.add(token)
 
     def _doom(self, txn: Txn) -> None:
-        """Free what a conflicted transaction holds at once: on MongoDB it is aborted."""
+        """Free what a conflicted (or expired) transaction holds at once: on MongoDB it is
+        aborted. It stays mongoeco's open transaction until its client ends it, so that none
+        of its commands can run outside it: its writes conflict, its commit is refused."""
         txn.doomed = True
         self._release(txn)
+        self._forget_changes()
+
+    def _watched(self) -> bool:
+        """Whether a live transaction's snapshot is older than the live data."""
+        return any(not txn.doomed for txn in self.open.values())
+
+    def _forget_changes(self) -> None:
+        if not self._watched():
+            self.changed_at.clear()  # no live transaction's snapshot is older than the data
 
     def _release(self, txn: Txn) -> None:
         for token in txn.held:
@@ -249,8 +263,7 @@ class Transactions:
         self.by_number.pop(txn.number, None)
         for key in [key for key, hit in self.where.items() if hit[3] is txn]:
             del self.where[key]
-        if not self.open:
-            self.changed_at.clear()  # nobody's snapshot is older than the live data
+        self._forget_changes()
 
     # -- commit and abort ---------------------------------------------------------------
 
@@ -354,8 +367,9 @@ class Transactions:
         if txn is not None:
             self._end(txn)
 
-    def expired(self, now: float) -> list[Txn]:
-        return [txn for txn in self.open.values() if now - txn.started > TRANSACTION_LIFETIME]
+    def expired(self, now: float, lifetimes: float = 1.0) -> list[Txn]:
+        limit = TRANSACTION_LIFETIME * lifetimes
+        return [txn for txn in self.open.values() if now - txn.started > limit]
 
 
 class TransactionsOverWire:
@@ -467,7 +481,15 @@ class TransactionsOverWire:
         return reply
 
     def _reap(self) -> None:
-        for txn in self.rules.expired(time.monotonic()):
+        now = time.monotonic()
+        # Past its lifetime a transaction is doomed (a server aborts it): it holds nothing and
+        # its writes and commit are refused. It is not taken from mongoeco yet: a command of
+        # it already past refuse() would then run outside any transaction.
+        for txn in self.rules.expired(now):
+            if not txn.doomed:
+                self.rules._doom(txn)
+        # Twice past it, its client is gone (SIGKILLed mid-transaction): end it in mongoeco.
+        for txn in self.rules.expired(now, lifetimes=2.0):
             key = next(
                 (
                     key

@@ -146,3 +146,37 @@ def test_a_startup_timeout_out_of_range_is_refused_before_anything_starts(
     with pytest.raises(ConfigurationError) as caught:
         start_emulator(python="/no/such/python", startup_timeout=timeout)
     assert caught.value.setting == "start_emulator.startup_timeout"
+
+
+@needs_emulator
+def test_a_transaction_past_its_lifetime_is_aborted_and_none_of_its_writes_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a server after transactionLifetimeLimitSeconds: the expired transaction's document
+    is free for others at once, and its later commands never run outside it."""
+    from pymongo import MongoClient
+    from pymongo.errors import OperationFailure
+
+    monkeypatch.setenv("MONGOECO_TRANSACTION_LIFETIME", "1")
+    with start_emulator() as mongo:
+        client: MongoClient[Any] = MongoClient(mongo.uri)
+        try:
+            orders = client.shop.orders
+            orders.insert_one({"_id": 1, "n": 0})
+            session = client.start_session()
+            session.start_transaction()
+            orders.insert_one({"_id": "a"}, session=session)
+            orders.update_one({"_id": 1}, {"$inc": {"n": 1}}, session=session)
+            time.sleep(1.5)  # past the lifetime: the next command reaps it
+            # Its own command comes first: refused, not run outside it.
+            with pytest.raises(OperationFailure) as refused:
+                orders.insert_one({"_id": "b"}, session=session)
+            assert refused.value.has_error_label("TransientTransactionError")
+            orders.update_one({"_id": 1}, {"$inc": {"n": 10}})  # does not wait for it
+            with pytest.raises(OperationFailure) as commit:
+                session.commit_transaction()
+            assert commit.value.code == 251  # NoSuchTransaction
+            session.end_session()
+            assert list(orders.find().sort("_id", 1)) == [{"_id": 1, "n": 10}]
+        finally:
+            client.close()

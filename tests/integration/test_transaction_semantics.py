@@ -307,3 +307,23 @@ async def test_random_schedules_end_as_a_serial_replay_of_what_committed(
 ) -> None:
     for seed in range(SCHEDULES):
         await _one_schedule(db, client, seed)
+
+
+async def test_a_renamed_collection_keeps_its_conflicts(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    await db.before.insert_one({"_id": 1, "n": 0})
+    rename = {"renameCollection": f"{db.name}.before", "to": f"{db.name}.after"}
+    try:
+        await client.admin.command(rename)  # where a server takes it
+    except OperationFailure:
+        await db.command(rename)  # where mongoeco does
+    async with client.start_session() as session:
+        await session.start_transaction()
+        assert (await db.after.find_one({"_id": 1}, session=session))["n"] == 0
+        await db.after.update_one({"_id": 1}, {"$inc": {"n": 1}})  # plain, after the snapshot
+        with pytest.raises(OperationFailure) as raised:
+            await db.after.update_one({"_id": 1}, {"$inc": {"n": 10}}, session=session)
+        assert raised.value.code == WRITE_CONFLICT and is_transient(raised.value)
+        await session.abort_transaction()
+    assert await db.after.find_one({"_id": 1}) == {"_id": 1, "n": 1}

@@ -323,10 +323,12 @@ class Console:
             if not self.credentials.configured:
                 raise Refused(403, READ_ONLY)
             answers = (_field(fields, "token"), _field(fields, "user"), _field(fields, "password"))
-            async with self._signing_in:
-                if not self.credentials.accept(*answers):
+            if not self.credentials.accept(*answers):
+                # Wrong answers wait their turn, one a second: guessing stays slow, and a queue
+                # of them cannot hold up a right one (checked before it, outside the queue).
+                async with self._signing_in:
                     await asyncio.sleep(SIGN_IN_PAUSE)
-                    raise Refused(401, "wrong credentials")
+                raise Refused(401, "wrong credentials")
         except Refused as refused:
             return self._refused(request, refused)
         # A new id on signing in: an id someone planted before is worth nothing now.
