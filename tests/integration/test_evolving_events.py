@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 import pytest
@@ -189,7 +189,12 @@ async def test_a_v1_event_reaches_a_v3_consumer_through_redelivery_and_replay_on
             await asyncio.sleep(0.2)  # past the duplicate window of 0.1 s
             await db.outbox.update_many(
                 {"_id": {"$in": [e.id for e in old]}},
-                {"$set": {"status": "pending", "available_at": datetime(2000, 1, 1, tzinfo=UTC)}},
+                {
+                    "$set": {
+                        "status": "pending",
+                        "available_at": datetime(2000, 1, 1, tzinfo=timezone.utc),
+                    }
+                },
             )
             await relay(db, unique)
             await until(drained(js, unique, "billing"), 30)
