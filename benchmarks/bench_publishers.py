@@ -1,8 +1,9 @@
 """Publish throughput of each publisher, driven as the relay drives it, against raw clients.
 
 The library side goes through the relay's own publishing engine (``Rounds.publish_claim``): a
-wave of one event per aggregate, at most ``max_in_flight`` awaiting a confirmation (NATS: two
-``publish_many`` chunks of half that; RabbitMQ: that many workers calling ``publish``). The
+wave of one event per aggregate, at most ``max_in_flight`` awaiting a confirmation (NATS and
+RabbitMQ: two ``publish_many`` chunks of half that, one sent while the other awaits its acks;
+raw aio-pika gets the same window as ``max_in_flight`` concurrent ``exchange.publish``). The
 baselines are the broker clients used directly with the same window and the same messages
 (subject or routing key, properties, headers), serialised inside the timed run as the library
 does, so the ratio is the library's own overhead. Runs alternate baseline and library; each
