@@ -402,7 +402,10 @@ async def test_rabbitmq_aclose_closes_only_what_connect_opened(
     confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
     borrowed = RabbitMQPublisher(await confirming.get_exchange(unique))
     await owned.publish(event())
-    await borrowed.publish(event())
+    channels = (await confirming.get_underlay_channel()).connection.channels
+    before = set(channels)
+    await borrowed.publish(event())  # on a channel of its own, which aclose closes
+    [own] = set(channels) - before
     assert borrowed.connection is None
     for publisher in (owned, borrowed):
         await publisher.aclose()
@@ -410,6 +413,7 @@ async def test_rabbitmq_aclose_closes_only_what_connect_opened(
         with pytest.raises(PublishError, match="closed"):
             await publisher.publish(event())
     assert owned.connection is not None and owned.connection.is_closed
+    assert own not in channels
     assert not confirming.is_closed and not amqp_connection.is_closed
     await confirming.close()
     await drain_queue(queue, 2)
