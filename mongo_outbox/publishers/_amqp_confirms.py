@@ -11,7 +11,8 @@ nacks (``multiple=True`` covering many) settle positions in a list, and one futu
 caller. A returned message (``mandatory``, unroutable) is found by its ``message_id``.
 
 The channel is the publisher's own, opened on the connection of the exchange's channel, and
-used for nothing else: the tags it counts are all ours.
+used for nothing else: the tags it counts are all ours. It is an aiormq channel of a class of
+its own, whose confirm and return handlers report to the window instead of to a future each.
 """
 
 from __future__ import annotations
@@ -164,10 +165,30 @@ class Wave:
         return returned if returned is not None else self.results[position]
 
 
+class _ConfirmChannel(aiormq.Channel):
+    """An aiormq channel whose acks, nacks and returns go to its window. Its own class, not
+    handlers set on a channel once open: aiormq 6's reader takes its handlers as it starts."""
+
+    window: ConfirmWindow | None = None
+
+    async def _on_confirm_frame(self, frame: Any) -> None:
+        if self.window is not None:
+            self.window.confirmed(frame)
+
+    async def _on_return_frame(self, frame: spec.Basic.Return) -> None:
+        # The returned message's content follows on the channel (its confirm after it).
+        header = await self._get_frame()
+        if not isinstance(header, ContentHeader):
+            raise ValueError(f"unexpected frame {header!r} instead of a content header")
+        message = await self._read_content(frame, header)
+        if self.window is not None:
+            self.window.returned(message)
+
+
 class ConfirmWindow:
     """Publishes waves on one channel in confirm mode and settles them from its confirms."""
 
-    def __init__(self, channel: aiormq.Channel, connection: aiormq.abc.AbstractConnection) -> None:
+    def __init__(self, channel: _ConfirmChannel, connection: aiormq.abc.AbstractConnection) -> None:
         self.channel = channel
         self.connection = connection
         self.frame_max: int = connection.connection_tune.frame_max
@@ -175,14 +196,21 @@ class ConfirmWindow:
         self._waves: deque[Wave] = deque()
         self._writing = asyncio.Lock()
         self._broken = False
-        # The channel's reader calls these for each Ack, Nack and Return it reads, in order.
-        channel._on_confirm_frame = self._on_confirm  # type: ignore[method-assign]
-        channel._on_return_frame = self._on_return  # type: ignore[method-assign]
+        channel.window = self
 
     @classmethod
     async def open(cls, connection: aiormq.abc.AbstractConnection, timeout: float) -> ConfirmWindow:
-        channel = await connection.channel(publisher_confirms=True, timeout=timeout)
-        return cls(channel, connection)  # type: ignore[arg-type]
+        """A window on a new channel of ``connection``, as ``connection.channel()`` opens one
+        (a free number taken under its lock), but of the class that reports to the window."""
+        if connection.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{connection!r} is closed")
+        async with connection.last_channel_lock:  # type: ignore[attr-defined]
+            number = next(n for n in range(1, 65_536) if n not in connection.channels)
+            channel = _ConfirmChannel(connection, number, publisher_confirms=True)
+            connection.channels[number] = channel
+        window = cls(channel, connection)
+        await channel.open(timeout=timeout)
+        return window
 
     @property
     def is_closed(self) -> bool:
@@ -222,7 +250,8 @@ class ConfirmWindow:
         with contextlib.suppress(ValueError):  # settled: already gone
             self._waves.remove(wave)
 
-    async def _on_confirm(self, frame: Any) -> None:
+    def confirmed(self, frame: Any) -> None:
+        """Settle what an ack or nack covers."""
         tag = frame.delivery_tag
         outcome = frame if isinstance(frame, spec.Basic.Nack) else None
         multiple = frame.multiple
@@ -250,12 +279,8 @@ class ConfirmWindow:
             if not wave.done.done():
                 wave.done.set_result(None)
 
-    async def _on_return(self, frame: spec.Basic.Return) -> None:
-        # The returned message's content follows on the channel; a confirm follows it.
-        header = await self.channel._get_frame()
-        if not isinstance(header, ContentHeader):
-            raise ValueError(f"unexpected frame {header!r} instead of a content header")
-        message = await self.channel._read_content(frame, header)
+    def returned(self, message: aiormq.abc.DeliveredMessage) -> None:
+        """Mark the message returned, by its ``message_id``: its confirm comes next."""
         message_id = message.header.properties.message_id
         for wave in self._waves:
             for position in range(wave.low, len(wave.ids)):

@@ -4,7 +4,7 @@ by the lean path, and its sizes (checked against ``frame_max``) are the real one
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import pamqp.frame
@@ -62,7 +62,7 @@ def ours(channel: int, exchange: str, key: str, event: Event, frame_max: int) ->
         {"correlation_id": "corr-1", "headers": {"tenant": "acmé", "b": "", "a" * 128: "x"}},
         {"aggregate_type": "orders", "aggregate_id": 7, "sequence": 3},
         {"type": "é" * 127, "payload": {"text": "ü" * 50_000}},  # body over several frames
-        {"occurred_at": datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=UTC)},
+        {"occurred_at": datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=timezone.utc)},
     ],
 )
 def test_encoded_frames_are_the_bytes_pamqp_writes(fields: dict[str, Any]) -> None:
