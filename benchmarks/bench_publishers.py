@@ -1,11 +1,16 @@
 """Publish throughput of each publisher, driven as the relay drives it, against raw clients.
 
 The library side goes through the relay's own publishing engine (``Rounds.publish_claim``): a
-wave of one event per aggregate, at most ``max_in_flight`` awaiting a confirmation (NATS: two
-``publish_many`` chunks of half that; RabbitMQ: that many workers calling ``publish``). The
+wave of one event per aggregate, at most ``max_in_flight`` awaiting a confirmation (NATS and
+RabbitMQ: two ``publish_many`` chunks of half that, one sent while the other awaits its acks;
+raw aio-pika gets the same window as ``max_in_flight`` concurrent ``exchange.publish``). The
 baselines are the broker clients used directly with the same window and the same messages
 (subject or routing key, properties, headers), serialised inside the timed run as the library
-does, so the ratio is the library's own overhead. Runs alternate baseline and library; each
+does, so the ratio is the library's own overhead. Where Go and Debian's amqp091-go are installed
+(``apt-get install golang-go golang-github-rabbitmq-amqp091-go-dev``), a Go client
+(``benchmarks/go``) publishes the same RabbitMQ messages with the same window, as a reference
+for what the broker takes; it reports its own time, from its first publish to its last confirm
+(its messages are built before that). Runs alternate baseline and library; each
 takes a fresh stream or exchange and queue, deleted afterwards. The end-to-end figure (saved
 events, drained to the broker) is mostly the database's cost, and here that is whatever
 MongoDB the benchmark runs on.
@@ -14,6 +19,11 @@ MongoDB the benchmark runs on.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -41,7 +51,11 @@ REPEATS = 5
 E2E_AGGREGATES = 250
 E2E_EVENTS_PER_AGGREGATE = 2
 
-Run = Callable[[list[Event]], Awaitable[None]]
+GO_SOURCES = os.path.join(os.path.dirname(__file__), "go")
+GO_LIBRARIES = "/usr/share/gocode"  # where Debian's golang-*-dev packages put their sources
+
+# A run returns None, or the seconds it measured itself (a client in another process).
+Run = Callable[[list[Event]], Awaitable[float | None]]
 
 
 def make_events(count: int) -> list[Event]:
@@ -95,8 +109,9 @@ async def compare(
                 events = make_events(MESSAGES)
                 run = await prepare()
                 start = time.perf_counter()
-                await run(events)
-                seconds[label].append(time.perf_counter() - start)
+                measured = await run(events)
+                elapsed = time.perf_counter() - start
+                seconds[label].append(elapsed if measured is None else measured)
     finally:
         await cleanup()
     rates = {label: MESSAGES / median(values) for label, values in seconds.items()}
@@ -251,11 +266,88 @@ async def bench_rabbitmq(mongo: Any) -> list[str]:
         finally:
             await connection.close()
 
-    return await compare(
-        "rabbitmq",
-        {"library": library, f"raw exchange.publish, confirms, {IN_FLIGHT} in flight": raw_publish},
-        cleanup,
+    runs: dict[str, Callable[[], Awaitable[Run]]] = {
+        "library": library,
+        f"raw exchange.publish, confirms, {IN_FLIGHT} in flight": raw_publish,
+    }
+    go = await asyncio.to_thread(build_go_publisher)
+    if isinstance(go, str):
+        say(f"rabbitmq  (no Go baseline: {go})")
+    else:
+
+        async def go_publish() -> Run:
+            declared = await exchange()
+
+            async def run(events: list[Event]) -> float:
+                return await go_run(go, declared.name, events)
+
+            return run
+
+        runs[f"Go amqp091-go, confirms, {IN_FLIGHT} in flight"] = go_publish
+    try:
+        return await compare("rabbitmq", runs, cleanup)
+    finally:
+        if not isinstance(go, str):
+            shutil.rmtree(go[1], ignore_errors=True)
+
+
+def build_go_publisher() -> tuple[str, str] | str:
+    """The Go publisher built in a directory of its own (its path and that directory), or why
+    it cannot be."""
+    go = shutil.which("go")
+    if go is None:
+        return "go is not installed"
+    if not os.path.isdir(os.path.join(GO_LIBRARIES, "src/github.com/rabbitmq/amqp091-go")):
+        return "amqp091-go is not installed"
+    out = tempfile.mkdtemp(prefix="bench-go-")
+    binary = os.path.join(out, "amqppublish")
+    environment = os.environ | {
+        "GO111MODULE": "off",  # Debian's packages are a GOPATH, not modules
+        "GOPATH": f"{GO_SOURCES}{os.pathsep}{GO_LIBRARIES}",
+        "GOCACHE": os.path.join(out, "cache"),
+    }
+    built = subprocess.run(
+        [go, "build", "-o", binary, "amqppublish"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=False,
     )
+    if built.returncode:
+        return f"go build failed: {built.stderr.strip()[:200]}"
+    return binary, out
+
+
+async def go_run(go: tuple[str, str], exchange: str, events: list[Event]) -> float:
+    """Publish ``events`` through the Go client; the seconds it took, as it measured them."""
+    lines = "".join(
+        json.dumps(
+            {
+                "key": e.type,
+                "body": e.model_dump_json(),
+                "message_id": e.id,
+                "type": e.type,
+                "timestamp": int(e.occurred_at.timestamp()),
+                "correlation_id": e.correlation_id or "",
+                "headers": message_headers(e),
+            }
+        )
+        + "\n"
+        for e in events
+    )
+    process = await asyncio.create_subprocess_exec(
+        go[0],
+        f"-url={RABBITMQ_URL}",
+        f"-exchange={exchange}",
+        f"-window={IN_FLIGHT}",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate(lines.encode())
+    if process.returncode:
+        raise RuntimeError(f"the Go publisher failed: {err.decode()[:300]}")
+    return float(out)
 
 
 async def end_to_end(uri: str, mode: str, name: str, connect: Callable[[], Awaitable[Any]]) -> str:

@@ -1,16 +1,21 @@
-"""RabbitMQPublisher: RabbitMQ through aio-pika, with publisher confirms and AMQP ``message_id``."""
+"""RabbitMQPublisher: RabbitMQ with publisher confirms and AMQP ``message_id``.
+
+aio-pika connects (and reconnects) and declares; publishing goes below it, on a confirming
+channel of the publisher's own (``_amqp_confirms``): aio-pika's per-message costs were most of
+the time a publish took."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any, cast
 
 from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     InvalidEventError,
-    PublishError,
     describe,
 )
 from mongo_outbox.events import SHORT_STRING_BYTES, Event
@@ -29,9 +34,10 @@ from mongo_outbox.settings import Duration, seconds
 try:
     import aio_pika
     import aiormq
-    import pamqp.frame
-    import pamqp.header
+    import pamqp.commands
     from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
+
+    from mongo_outbox.publishers._amqp_confirms import PENDING, ConfirmWindow, Encoder
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "RabbitMQPublisher needs the rabbitmq extra: pip install 'mongo-outbox[rabbitmq]'"
@@ -39,21 +45,18 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 log = logging.getLogger(__name__)
 
-# Not the message's fault, each retried without counting an attempt: no confirm in time; the
-# connection is down; its channel is closed (while connect_robust reopens it); or the broker
-# closed the channel because the exchange does not exist (404 NOT_FOUND) or may not be written
-# to (403 ACCESS_REFUSED), which an operator fixes. A message no queue is bound for (returned
-# as unroutable, aiormq's PublishError) is caught on its own, before the nacks it derives from.
-_UNAVAILABLE = (
-    asyncio.TimeoutError,  # not the builtin TimeoutError before Python 3.11
-    aiormq.exceptions.AMQPConnectionError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.ChannelNotFoundEntity,
-    aiormq.exceptions.ChannelAccessRefused,
+# Not the message's fault, each retried without counting an attempt: no confirm in time, the
+# connection down, the channel closed (by a drop, or by the broker because the exchange does
+# not exist, 404 NOT_FOUND, or may not be written to, 403 ACCESS_REFUSED, which an operator
+# fixes), a message no queue is bound for (returned), a nack. Only these channel errors are the
+# messages' fault: the broker closed the channel over what was sent (PRECONDITION_FAILED: over
+# its max_message_size, say).
+_REFUSED = (
+    aiormq.exceptions.ChannelPreconditionFailed,
+    aiormq.exceptions.ChannelLockedResource,
 )
 
 _FIELD_NAME_BYTES = 128  # AMQP 0-9-1's limit on a field table's names (the headers)
-_PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)
 
 
 def routing_key_of(naming: Naming, event: Event) -> str:
@@ -68,8 +71,10 @@ def routing_key_of(naming: Naming, event: Event) -> str:
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
-    The exchange's channel must have publisher confirms on (``connect`` does that, with
-    ``on_return_raises``). Messages are ``mandatory``: one that no queue is bound for comes
+    It publishes on a channel of its own in confirm mode, opened on the connection of the
+    exchange's channel, and reopened after that channel or connection closed; ``publish_many``
+    writes a whole chunk at once and waits for the confirms of all. Messages are
+    ``mandatory``: one that no queue is bound for comes
     back as an error and is retried, rather than confirmed and dropped. These failures are
     not the event's and raise ``BrokerUnavailableError``, so the relay waits without parking
     anything: the connection is down, no queue is bound, the exchange does not exist (the
@@ -80,9 +85,8 @@ class RabbitMQPublisher:
     sent.
 
     Parameters:
-        exchange: an aio-pika exchange on a channel with publisher confirms; its connection
-            stays the caller's (use ``connect_robust``: a plain connection that closes stays
-            closed).
+        exchange: an aio-pika exchange; its connection stays the caller's (use
+            ``connect_robust``: a plain connection that closes stays closed).
         routing_key: template or function giving the routing key; default ``"{type}"``.
         timeout: seconds (or a ``timedelta``) a publish may take, reopening the channel
             included, before it raises ``BrokerUnavailableError`` (and the connection's
@@ -103,6 +107,9 @@ class RabbitMQPublisher:
         self.connection: AbstractRobustConnection | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
         self._reopening = asyncio.Lock()
+        self._opening = asyncio.Lock()
+        self._confirms: ConfirmWindow | None = None
+        self._encoder = Encoder(getattr(exchange, "name", ""))
 
     @classmethod
     async def connect(
@@ -159,12 +166,85 @@ class RabbitMQPublisher:
         }
 
     async def publish(self, event: Event) -> None:
+        [error] = await self.publish_many([event])
+        if error is not None:
+            raise error
+
+    async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]:
+        """Publish ``events`` in one write on the publisher's own confirming channel, then wait
+        for the confirms of them all (one ``multiple`` ack may cover many): one result per
+        event, ``None`` once the broker confirmed that event."""
         if self.closed:
-            raise closed_error(self, event)
+            return [closed_error(self, event) for event in events]
+        if not events:
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        first = events[0]
+        try:
+            # Bounded, and a cancellation from the client (its connection closing under the
+            # call) is a failure, not the caller's: as for every call below.
+            window = await client_call(
+                self._window(first), self.timeout, lambda reason: self._failed(first, reason)
+            )
+        except BrokerUnavailableError as error:
+            return [self._failed_to_open(event, error) for event in events]
+        results: list[BaseException | None] = [None] * len(events)
+        frames: list[bytes] = []
+        ids: list[str] = []
+        sent: list[int] = []  # the position in ``events`` of each message sent
+        keys: list[str] = []
+        for index, event in enumerate(events):
+            try:
+                key, frame = self._frames(window, event)
+            except InvalidEventError as error:
+                results[index] = error
+                continue
+            frames.append(frame)
+            ids.append(event.id)
+            sent.append(index)
+            keys.append(key)
+        if not frames:
+            return results
+        failure: BaseException | None = None
+        left = max(0.0, deadline - loop.time())
+        try:
+            wave = await client_call(
+                window.send(frames, ids, left), left, lambda reason: _Unsent(reason)
+            )
+        except (
+            asyncio.TimeoutError,
+            aiormq.exceptions.AMQPError,
+            aiormq.exceptions.ChannelInvalidStateError,
+            _Unsent,
+        ) as error:
+            failure = None if isinstance(error, (asyncio.TimeoutError, _Unsent)) else error
+            for position, index in enumerate(sent):
+                results[index] = self._result(events[index], PENDING, failure, keys[position])
+            return results
+        try:
+            await asyncio.wait((wave.done,), timeout=max(0.0, deadline - loop.time()))
+        finally:
+            window.forget(wave)  # settled, failed, timed out or cancelled: no longer tracked
+        if wave.done.done():
+            failure = (
+                aiormq.exceptions.ChannelInvalidStateError("the channel closed")
+                if wave.done.cancelled()
+                else wave.done.exception()
+            )
+        for position, index in enumerate(sent):
+            results[index] = self._result(
+                events[index], wave.outcome(position), failure, keys[position]
+            )
+        return results
+
+    def _frames(self, window: ConfirmWindow, event: Event) -> tuple[str, bytes]:
+        """The routing key and the frames of ``event``'s message; ``InvalidEventError`` if
+        AMQP cannot carry it on this connection."""
         key = self.routing_key_for(event)
         # The type is an AMQP short string (the id and correlation_id are limited when the
-        # event is built); a header name is at most 128 bytes, and pamqp silently cuts a
-        # longer one.
+        # event is built); a header name is at most 128 bytes, and pamqp would cut a longer
+        # one (the encoder here would send a malformed frame).
         if len(event.type.encode()) > SHORT_STRING_BYTES:
             raise InvalidEventError(
                 f"type {event.type[:40]!r}... is longer than an AMQP short string",
@@ -176,76 +256,95 @@ class RabbitMQPublisher:
                     f"header name {name[:40]!r}... is longer than AMQP's {_FIELD_NAME_BYTES}",
                     event_id=event.id,
                 )
-        headers = message_headers(event)
-        # The properties as aio-pika's Message would build them, without building the Message:
-        # that took a third of the time a publish spends in this process.
-        properties = aiormq.spec.Basic.Properties(
-            content_type="application/json",
-            correlation_id=event.correlation_id,
-            delivery_mode=_PERSISTENT,
-            headers=headers,  # type: ignore[arg-type]
+        body = event.model_dump_json().encode()
+        number = window.channel.number
+        header = self._encoder.content_header(
+            number,
+            len(body),
+            headers=message_headers(event),
             message_id=event.id,
             message_type=event.type,
-            priority=0,
             timestamp=event.occurred_at,
+            correlation_id=event.correlation_id,
         )
-        body = event.model_dump_json().encode()
-        try:
-            confirm = await client_call(
-                self._send(event, body, properties, key, headers),
-                self.timeout,
-                lambda reason: self._failed(event, reason),
+        # RabbitMQ closes the whole connection (FRAME_ERROR), failing every other publish on
+        # it, for a content header frame over frame_max: the properties cannot be split.
+        frame_max = window.frame_max
+        if frame_max and len(header) > frame_max:
+            raise InvalidEventError(
+                f"event {event.id}: its AMQP properties and headers take {len(header)} bytes, "
+                f"over the connection's frame_max of {frame_max}",
+                event_id=event.id,
             )
-        except aiormq.exceptions.PublishError as error:
+        method = self._encoder.method(number, key)
+        return key, method + header + self._encoder.body(number, body, frame_max)
+
+    def _result(
+        self, event: Event, outcome: Any, failure: BaseException | None, key: str
+    ) -> BaseException | None:
+        """The event's confirm (``outcome``) as the relay acts on it; ``failure``: why the
+        wave stopped waiting, for an event still without its confirm."""
+        if outcome is None:
+            return None  # acked
+        error: BaseException
+        if isinstance(outcome, aiormq.abc.DeliveredMessage):
             # Returned unroutable (NO_ROUTE): the broker is up, no queue is bound for the key.
-            raise self._unavailable(event, error, destination=key) from error
-        except aiormq.exceptions.DeliveryError as error:
+            returned = aiormq.exceptions.PublishError(outcome, outcome.delivery)
+            error = self._unavailable(event, returned, destination=key)
+            error.__cause__ = returned
+        elif isinstance(outcome, pamqp.commands.Basic.Nack):
             # A nack: a queue at its limit with reject-publish, or the broker could not store
             # the message. Neither is the event's fault; retrying earlier events first keeps
             # the aggregate's order.
-            raise full_error("RabbitMQ", error, event) from error
-        except _UNAVAILABLE as error:
-            raise self._unavailable(event, error) from error
-        # Without confirms the result is None, and without on_return_raises a returned
-        # message comes back as the result: neither means the broker has the message.
-        if not isinstance(confirm, aiormq.spec.Basic.Ack):
-            raise PublishError(
-                f"RabbitMQ did not confirm event {event.id}: {confirm!r}", event_id=event.id
-            )
-
-    async def _send(
-        self,
-        event: Event,
-        body: bytes,
-        properties: aiormq.spec.Basic.Properties,
-        key: str,
-        headers: dict[str, str],
-    ) -> Any:
-        channel = await self._open_channel(event)
-        # RabbitMQ closes the whole connection (FRAME_ERROR), failing every other publish on
-        # it, for a content header frame over frame_max: the properties cannot be split.
-        frame_max = channel.connection.connection_tune.frame_max
-        if frame_max and _header_bound(headers) > frame_max:
-            # Only a message that may be too big pays for marshalling its header exactly.
-            header = pamqp.header.ContentHeader(0, len(body), properties)
-            size = len(pamqp.frame.marshal(header, channel.number))
+            refused = aiormq.exceptions.DeliveryError(None, outcome)
+            error = full_error("RabbitMQ", refused, event)
+            error.__cause__ = refused
+        elif failure is None:
+            error = self._failed(event, f"no confirm within {self.timeout:g}s")
+        elif isinstance(failure, _REFUSED) and not self.closed:
+            return failure  # the broker closed the channel over what was sent: an attempt
         else:
-            size = 0
-        if frame_max and size > frame_max:
-            raise InvalidEventError(
-                f"event {event.id}: its AMQP properties and headers take {size} bytes, over "
-                f"the connection's frame_max of {frame_max}",
-                event_id=event.id,
-            )
-        # What aio-pika's exchange.publish does, straight on the channel it would use. No
-        # timeout of its own: publish bounds the whole send with one (a timer each is a cost).
-        return await channel.basic_publish(
-            body,
-            exchange=self.exchange.name,
-            routing_key=key,
-            properties=properties,
-            mandatory=True,
-        )
+            # The channel or connection closed under the wave (a drop, a 404 or 403), however
+            # the client words it (a reset socket, an incomplete read): an outage.
+            error = self._unavailable(event, failure)
+            error.__cause__ = failure
+        return error
+
+    def _failed_to_open(self, event: Event, error: BrokerUnavailableError) -> BaseException:
+        if self.closed:
+            return closed_error(self, event)
+        copy = BrokerUnavailableError(str(error), event_id=event.id)
+        copy.__cause__ = error.__cause__
+        return copy
+
+    async def _window(self, event: Event) -> ConfirmWindow:
+        """The publisher's own confirming channel, on the connection of the exchange's channel,
+        opened again after it closed (a 404 or 403 closes it, and so does a dropped connection,
+        which ``connect_robust`` reopens)."""
+        window = self._confirms
+        if window is not None and not window.is_closed:
+            return window
+        async with self._opening:
+            window = self._confirms
+            if window is not None and not window.is_closed:
+                return window
+            underlay = await self._open_channel(event)
+            if window is not None and not window.channel.is_closed:
+                with contextlib.suppress(Exception):  # a count gone wrong; the channel is done
+                    await asyncio.wait_for(window.channel.close(), self.timeout)
+            try:
+                window = await ConfirmWindow.open(underlay.connection, self.timeout)
+            except Exception as error:
+                raise unavailable_error("RabbitMQ", error, event) from error
+            if self.closed:
+                # aclose ran meanwhile: the channel would outlive the publisher.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(window.channel.close(), self.timeout)
+                raise closed_error(self, event)
+            if self._confirms is not None:
+                log.info("reopened the publishing channel of exchange %r", self.exchange.name)
+            self._confirms = window
+            return window
 
     async def _open_channel(self, event: Event) -> Any:
         # AbstractExchange does not declare it; every aio-pika exchange has it.
@@ -290,6 +389,13 @@ class RabbitMQPublisher:
     async def aclose(self) -> None:
         """Stop publishing and close the connection ``connect`` opened. Never raises."""
         self.closed = True
+        window, self._confirms = self._confirms, None
+        if window is not None and not window.channel.is_closed:
+            # The publisher's own channel, on a connection that may be the caller's.
+            try:
+                await asyncio.wait_for(window.channel.close(), self.timeout)
+            except Exception as error:  # noqa: BLE001 - closing must not fail the caller
+                log.debug("closing the RabbitMQ publishing channel: %s", describe(error))
         if self.connection is not None and not self.connection.is_closed:
             try:
                 await self.connection.close()
@@ -297,8 +403,5 @@ class RabbitMQPublisher:
                 log.debug("closing the RabbitMQ connection: %s", describe(error))
 
 
-def _header_bound(headers: dict[str, str]) -> int:
-    """An upper bound of the content header frame's size: the fixed properties (each short
-    string at most 256 bytes) and every header as a long string with its name (4 bytes a
-    character at most)."""
-    return 4_096 + sum(4 * (len(k) + len(v)) + 6 for k, v in headers.items())
+class _Unsent(Exception):
+    """A wave not written in time, or cancelled by the client (its connection closed)."""

@@ -25,7 +25,7 @@ from nats.js.api import DiscardPolicy
 from mongo_outbox import BrokerFullError, BrokerUnavailableError, Event, InvalidEventError
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from mongo_outbox.publishers.base import unavailable
-from tests.support.brokers import HAVE_NATS_SERVER, Broker
+from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.servers import NATS_URL, RABBITMQ_URL
 from tests.support.waiting import eventually
@@ -463,3 +463,111 @@ async def test_nats_aclose_fails_publishes_in_flight_as_closed_not_cancelled(
     assert all(r is None or unavailable(r) for r in results), {type(r) for r in results}
     with contextlib.suppress(BrokerUnavailableError):
         await publisher.publish(event())
+
+
+# --- RabbitMQ: a wave's confirms, one by one -----------------------------------------------
+
+
+async def test_rabbitmq_wave_maps_each_event_to_its_own_confirm_nack_or_return(
+    channel: Any, unique: str
+) -> None:
+    # One write, one window of confirms: each event still gets its own outcome.
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(
+        exclusive=True, arguments={"x-max-length": 2, "x-overflow": "reject-publish"}
+    )
+    await queue.bind(exchange, "kept.#")
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    wave = [
+        event(type="kept.a", aggregate_id=1),
+        event(type="lost.b", aggregate_id=2),  # no queue bound: returned
+        event(type="kept.c", aggregate_id=3),
+        event(type="é" * 128, aggregate_id=4),  # AMQP cannot carry its type: never sent
+        event(type="kept.d", aggregate_id=5),  # the queue is full: nacked
+        event(type="kept.e", aggregate_id=6),  # and so on, every event after it
+    ]
+    try:
+        results = await publisher.publish_many(wave)
+    finally:
+        await publisher.aclose()
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], BrokerUnavailableError) and "NO_ROUTE" in str(results[1])
+    assert isinstance(results[1].__cause__, aiormq.exceptions.PublishError)
+    assert isinstance(results[3], InvalidEventError)
+    for full in results[4:]:
+        assert isinstance(full, BrokerFullError)
+        assert isinstance(full.__cause__, aiormq.exceptions.DeliveryError)
+    assert [r.event_id for r in results if r is not None] == [wave[i].id for i in (1, 3, 4, 5)]
+    assert [m.message_id for m in await drain_queue(queue, 2)] == [wave[0].id, wave[2].id]
+
+
+# --- RabbitMQ: the connection dropped mid-wave -----------------------------------------------
+
+
+class CutAtFirstReply(Gate):
+    """A ``Gate`` that, once ``armed``, passes on the broker's next reply and then drops every
+    connection: the client has some of its confirms, and the rest are lost in the cut."""
+
+    armed = False
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream}
+
+        async def copy(
+            source: asyncio.StreamReader, sink: asyncio.StreamWriter, replies: bool
+        ) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+                    if replies and self.armed:
+                        self.armed = False
+                        for cut in self.writers:
+                            cut.transport.abort()
+            sink.transport.abort()
+
+        await asyncio.gather(copy(reader, upstream, False), copy(upstream_reader, writer, True))
+        self.writers -= {writer, upstream}
+
+
+async def test_rabbitmq_connection_cut_mid_wave_is_an_outage_and_publishing_resumes(
+    channel: Any, unique: str
+) -> None:
+    queue = await bind_queue(channel, unique)
+    gate = CutAtFirstReply()
+    await gate.start()
+    publisher = await RabbitMQPublisher.connect(gate.url, exchange=unique, timeout=2)
+    wave = [event(aggregate_id=n, sequence=1) for n in range(3_000)]
+    try:
+        assert await publisher.publish_many(wave[:1]) == [None]  # the channel is open
+        # The cut comes with the broker's first confirms of the wave.
+        gate.armed = True
+        results = await publisher.publish_many(wave)
+        assert not gate.armed, "the connection was not cut"
+        failed = [e for e, result in zip(wave, results, strict=True) if result is not None]
+        assert failed, "the whole wave was confirmed before the cut"
+        assert all(isinstance(r, BrokerUnavailableError) for r in results if r is not None), {
+            repr(r) for r in results if r is not None
+        }
+        # connect_robust reconnects, and the publisher opens its channel on the new
+        # connection: the failed events go through.
+
+        async def republish() -> None:
+            nonlocal failed
+            outcomes = await publisher.publish_many(failed)
+            failed = [e for e, r in zip(failed, outcomes, strict=True) if r is not None]
+            for error in outcomes:
+                if error is not None:
+                    raise error  # an outage, until the connection is back
+
+        await eventually(republish)
+    finally:
+        await publisher.aclose()
+        await gate.kill()
+    # Every event is in the queue, at least once (confirms lost in the cut are republished).
+    ids: set[str] = set()
+    while (message := await queue.get(fail=False, timeout=5)) is not None:
+        await message.ack()
+        ids.add(message.message_id)
+    assert ids == {e.id for e in wave}

@@ -33,24 +33,39 @@ def waves(aggregates: int, per_aggregate: int) -> list[list[Event]]:
     ]
 
 
-class InFlight:
-    """A counting proxy over a real AMQP channel: how many publishes overlapped at most."""
+class Writes:
+    """A counting proxy over a real AMQP connection: how many entries its write queue took
+    (aiormq writes each entry as one buffer)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.now = 0
-        self.peak = 0
+        self.count = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def basic_publish(self, *args: Any, **kwargs: Any) -> Any:
-        self.now += 1
-        self.peak = max(self.peak, self.now)
-        try:
-            return await self.inner.basic_publish(*args, **kwargs)
-        finally:
-            self.now -= 1
+    @property
+    def write_queue(self) -> Any:
+        return self
+
+    def put_nowait(self, item: Any) -> None:
+        self.count += 1
+        self.inner.write_queue.put_nowait(item)
+
+    async def put(self, item: Any) -> None:
+        self.count += 1
+        await self.inner.write_queue.put(item)
+
+
+class Proxy:
+    """Forwards everything to ``inner`` but the attributes given."""
+
+    def __init__(self, inner: Any, **attributes: Any) -> None:
+        self.inner = inner
+        self.__dict__.update(attributes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class Unacked:
@@ -98,8 +113,8 @@ async def test_every_publisher_satisfies_the_protocol(nats_client: Any, channel:
         RabbitMQPublisher(exchange),
     ]
     assert all(isinstance(p, Publisher) for p in publishers)
-    # NATS pipelines a whole wave itself; the others get one relay task per event.
-    assert [isinstance(p, BatchPublisher) for p in publishers] == [False, True, False]
+    # NATS and RabbitMQ pipeline a whole wave themselves; memory gets one relay task per event.
+    assert [isinstance(p, BatchPublisher) for p in publishers] == [False, True, True]
 
 
 async def test_memory_publisher_records_rehearses_failures_and_closes() -> None:
@@ -356,14 +371,23 @@ async def test_rabbitmq_unroutable_message_is_an_error_not_a_drop(
     assert message.message_id == lost.id
 
 
-async def test_rabbitmq_without_a_confirm_is_an_error(amqp_connection: Any, unique: str) -> None:
+async def test_rabbitmq_confirms_on_its_own_channel_whatever_the_exchanges_channel_does(
+    amqp_connection: Any, channel: Any, unique: str
+) -> None:
+    # The publisher publishes on a confirming channel of its own (mandatory, returns raised),
+    # so an exchange looked up on a channel without confirms still gets a confirm per event.
     unconfirmed = await amqp_connection.channel(publisher_confirms=False)
     confirms_only = await amqp_connection.channel(publisher_confirms=True, on_return_raises=False)
     try:
         for ch in (unconfirmed, confirms_only):
             exchange = await ch.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
-            with pytest.raises(PublishError, match="did not confirm"):
+            with pytest.raises(BrokerUnavailableError, match="NO_ROUTE"):
                 await RabbitMQPublisher(exchange).publish(event())  # unroutable, so never kept
+        queue = await bind_queue(channel, unique)
+        sent = event()
+        await RabbitMQPublisher(exchange).publish(sent)
+        [message] = await drain_queue(queue, 1)
+        assert message.message_id == sent.id
     finally:
         await confirms_only.exchange_delete(unique)
         await unconfirmed.close()
@@ -378,7 +402,10 @@ async def test_rabbitmq_aclose_closes_only_what_connect_opened(
     confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
     borrowed = RabbitMQPublisher(await confirming.get_exchange(unique))
     await owned.publish(event())
-    await borrowed.publish(event())
+    channels = (await confirming.get_underlay_channel()).connection.channels
+    before = set(channels)
+    await borrowed.publish(event())  # on a channel of its own, which aclose closes
+    [own] = set(channels) - before
     assert borrowed.connection is None
     for publisher in (owned, borrowed):
         await publisher.aclose()
@@ -386,28 +413,35 @@ async def test_rabbitmq_aclose_closes_only_what_connect_opened(
         with pytest.raises(PublishError, match="closed"):
             await publisher.publish(event())
     assert owned.connection is not None and owned.connection.is_closed
+    assert own not in channels
     assert not confirming.is_closed and not amqp_connection.is_closed
     await confirming.close()
     await drain_queue(queue, 2)
 
 
-async def test_rabbitmq_publishes_overlap_and_keep_per_aggregate_order(
+async def test_rabbitmq_publishes_a_wave_in_one_write_and_keeps_per_aggregate_order(
     amqp_connection: Any, channel: Any, unique: str
 ) -> None:
     queue = await bind_queue(channel, unique)
     confirming = await amqp_connection.channel(publisher_confirms=True, on_return_raises=True)
-    # The publisher publishes on the exchange channel's underlying AMQP channel: count there.
-    underlay = InFlight(await confirming.get_underlay_channel())
+    # The publisher opens its own channel on the exchange channel's connection: count there.
+    underlay = await confirming.get_underlay_channel()
+    writes = Writes(underlay.connection)
 
     async def counted() -> Any:
-        return underlay
+        return Proxy(underlay, connection=writes)
 
     confirming.get_underlay_channel = counted
     publisher = RabbitMQPublisher(await confirming.get_exchange(unique))
+    assert isinstance(publisher, BatchPublisher)
     sent = waves(aggregates=100, per_aggregate=5)
     for wave in sent:  # as the relay does: one event per aggregate at a time
-        await asyncio.gather(*(publisher.publish(e) for e in wave))
-    assert underlay.peak > 1  # confirms were awaited together, not one round trip each
+        assert await publisher.publish_many(wave[:1]) == [None]
+        # The rest of the wave, 99 events, goes out as one write, before any confirm is
+        # awaited.
+        before = writes.count
+        assert await publisher.publish_many(wave[1:]) == [None] * (len(wave) - 1)
+        assert writes.count == before + 1
     await confirming.close()
     received = [Event.from_json(m.body) for m in await drain_queue(queue, 500)]
     assert_in_order(received, [e for wave in sent for e in wave], once=True)

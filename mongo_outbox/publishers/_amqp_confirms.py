@@ -1,0 +1,289 @@
+"""The RabbitMQ publisher's lean path: AMQP frames written a wave at a time, confirms counted by
+delivery tag.
+
+aio-pika's ``exchange.publish`` (and aiormq's ``basic_publish`` below it) costs a lock, a write
+queue entry, a drain future and a confirmation future per message, and pamqp marshals every
+property through its generic encoder: most of the time a publish spends in this process. Here
+a wave of messages is encoded by hand into one buffer and put on the connection's write queue
+as one entry; each message's delivery tag is its position in the wave, so the broker's acks and
+nacks (``multiple=True`` covering many) settle positions in a list, and one future per wave
+(created on the channel, so aiormq fails it when the channel or connection closes) wakes the
+caller. A returned message (``mandatory``, unroutable) is found by its ``message_id``.
+
+The channel is the publisher's own, opened on the connection of the exchange's channel, and
+used for nothing else: the tags it counts are all ours. It is an aiormq channel of a class of
+its own, whose confirm and return handlers report to the window instead of to a future each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections import deque
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import aiormq
+from aiormq.abc import ChannelFrame
+from pamqp import commands as spec
+from pamqp.header import ContentHeader
+
+_FRAME_METHOD = 1
+_FRAME_HEADER = 2
+_FRAME_BODY = 3
+_FRAME_END = b"\xce"
+_FRAME_OVERHEAD = 8  # type (1), channel (2), size (4) and the end octet (1)
+_BASIC_PUBLISH = struct.pack(">HH", 60, 40)  # Basic (class 60), Publish (method 40)
+_MANDATORY = b"\x01"  # Basic.Publish's bits: mandatory set, immediate not
+_CONTENT_CLASS = struct.pack(">HH", 60, 0)  # Basic's class id, then the unused weight
+
+# Basic.Properties' flag bits (AMQP 0-9-1, 4.2.6.1), for the properties the publisher sets.
+_CONTENT_TYPE = 0x8000
+_HEADERS = 0x2000
+_DELIVERY_MODE = 0x1000
+_PRIORITY = 0x0800
+_CORRELATION_ID = 0x0400
+_MESSAGE_ID = 0x0080
+_TIMESTAMP = 0x0040
+_TYPE = 0x0020
+
+_JSON = b"\x10application/json"  # the content type, as a short string
+_PERSISTENT_PRIORITY_0 = b"\x02\x00"  # delivery mode 2 (persistent), then priority 0
+
+_frame_head = struct.Struct(">BHI").pack
+_long = struct.Struct(">I").pack
+_long_long = struct.Struct(">Q").pack
+_header_fixed = struct.Struct(">HHQH").pack  # class, weight, body size, property flags
+
+_MEMO_LIMIT = 1_024  # a bound on each memo below: routing keys and header names repeat
+
+PENDING: Any = object()
+"""The outcome of a message whose confirm has not arrived."""
+
+
+def _short(text: str) -> bytes:
+    data = text.encode()
+    return bytes((len(data),)) + data
+
+
+class Encoder:
+    """Encodes messages as the frames of a ``Basic.Publish`` with its content, as pamqp would
+    (the same properties, the headers sorted by name, each a long string), with what repeats
+    encoded once: the publish method frame of each routing key and each header's name."""
+
+    def __init__(self, exchange: str) -> None:
+        self._exchange = _short(exchange)
+        self._methods: dict[tuple[int, str], bytes] = {}
+        self._names: dict[str, bytes] = {}
+
+    def method(self, channel: int, key: str) -> bytes:
+        frame = self._methods.get((channel, key))
+        if frame is None:
+            payload = _BASIC_PUBLISH + b"\x00\x00" + self._exchange + _short(key) + _MANDATORY
+            frame = _frame_head(_FRAME_METHOD, channel, len(payload)) + payload + _FRAME_END
+            if len(self._methods) >= _MEMO_LIMIT:
+                self._methods.clear()
+            self._methods[(channel, key)] = frame
+        return frame
+
+    def table(self, headers: dict[str, str]) -> bytes:
+        names = self._names
+        parts: list[bytes] = []
+        for name in sorted(headers):
+            encoded = names.get(name)
+            if encoded is None:
+                encoded = _short(name) + b"S"
+                if len(names) >= _MEMO_LIMIT:
+                    names.clear()
+                names[name] = encoded
+            value = headers[name].encode()
+            parts += (encoded, _long(len(value)), value)
+        data = b"".join(parts)
+        return _long(len(data)) + data
+
+    def content_header(
+        self,
+        channel: int,
+        body_size: int,
+        *,
+        headers: dict[str, str],
+        message_id: str,
+        message_type: str,
+        timestamp: datetime,
+        correlation_id: str | None,
+    ) -> bytes:
+        """The content header frame: the properties the publisher sets, in AMQP's order."""
+        flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID | _TIMESTAMP
+        parts = [b"", _JSON]
+        if headers:
+            flags |= _HEADERS
+            parts.append(self.table(headers))
+        parts.append(_PERSISTENT_PRIORITY_0)
+        if correlation_id:
+            flags |= _CORRELATION_ID
+            parts.append(_short(correlation_id))
+        parts += (_short(message_id), _long_long(int(timestamp.timestamp())))
+        if message_type:
+            flags |= _TYPE
+            parts.append(_short(message_type))
+        parts[0] = _header_fixed(60, 0, body_size, flags)
+        payload = b"".join(parts)
+        return _frame_head(_FRAME_HEADER, channel, len(payload)) + payload + _FRAME_END
+
+    @staticmethod
+    def body(channel: int, body: bytes, frame_max: int) -> bytes:
+        """The body frames: one, unless the body is longer than a frame can carry."""
+        room = frame_max - _FRAME_OVERHEAD if frame_max else len(body) or 1
+        if len(body) <= room:
+            return _frame_head(_FRAME_BODY, channel, len(body)) + body + _FRAME_END
+        return b"".join(
+            _frame_head(_FRAME_BODY, channel, len(piece)) + piece + _FRAME_END
+            for piece in (body[start : start + room] for start in range(0, len(body), room))
+        )
+
+
+class Wave:
+    """The messages of one ``send``: their outcomes by position, settled by the broker's
+    confirms; ``done`` once none is pending (or failed with the channel's error)."""
+
+    __slots__ = ("done", "first", "ids", "low", "pending", "results", "returned")
+
+    def __init__(self, first: int, ids: list[str], done: asyncio.Future[None]) -> None:
+        self.first = first  # the delivery tag of position 0
+        self.ids = ids  # each position's message_id, to find a returned message
+        self.results: list[Any] = [PENDING] * len(ids)
+        self.pending = len(ids)
+        self.low = 0  # every position below is settled
+        self.returned: dict[int, aiormq.abc.DeliveredMessage] = {}
+        self.done = done
+
+    def outcome(self, position: int) -> Any:
+        """``None`` (acked), a ``Basic.Nack`` frame, a returned message, or pending."""
+        returned = self.returned.get(position) if self.returned else None
+        return returned if returned is not None else self.results[position]
+
+
+class _ConfirmChannel(aiormq.Channel):
+    """An aiormq channel whose acks, nacks and returns go to its window. Its own class, not
+    handlers set on a channel once open: aiormq 6's reader takes its handlers as it starts."""
+
+    window: ConfirmWindow | None = None
+
+    async def _on_confirm_frame(self, frame: Any) -> None:
+        if self.window is not None:
+            self.window.confirmed(frame)
+
+    async def _on_return_frame(self, frame: spec.Basic.Return) -> None:
+        # The returned message's content follows on the channel (its confirm after it).
+        header = await self._get_frame()
+        if not isinstance(header, ContentHeader):
+            raise ValueError(f"unexpected frame {header!r} instead of a content header")
+        message = await self._read_content(frame, header)
+        if self.window is not None:
+            self.window.returned(message)
+
+
+class ConfirmWindow:
+    """Publishes waves on one channel in confirm mode and settles them from its confirms."""
+
+    def __init__(self, channel: _ConfirmChannel, connection: aiormq.abc.AbstractConnection) -> None:
+        self.channel = channel
+        self.connection = connection
+        self.frame_max: int = connection.connection_tune.frame_max
+        self._tag = 0  # the last delivery tag used
+        self._waves: deque[Wave] = deque()
+        self._writing = asyncio.Lock()
+        self._broken = False
+        channel.window = self
+
+    @classmethod
+    async def open(cls, connection: aiormq.abc.AbstractConnection, timeout: float) -> ConfirmWindow:
+        """A window on a new channel of ``connection``, as ``connection.channel()`` opens one
+        (a free number taken under its lock), but of the class that reports to the window."""
+        if connection.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{connection!r} is closed")
+        async with connection.last_channel_lock:  # type: ignore[attr-defined]
+            number = next(n for n in range(1, 65_536) if n not in connection.channels)
+            channel = _ConfirmChannel(connection, number, publisher_confirms=True)
+            connection.channels[number] = channel
+        window = cls(channel, connection)
+        await channel.open(timeout=timeout)
+        return window
+
+    @property
+    def is_closed(self) -> bool:
+        return bool(self._broken or self.channel.is_closed or self.connection.is_closed)
+
+    async def send(self, frames: Sequence[bytes], ids: list[str], timeout: float) -> Wave:
+        """Write one message per item of ``frames`` in one write; their confirms settle the
+        returned wave. Raises ``ChannelInvalidStateError`` on a closed channel, and
+        ``TimeoutError`` if the connection's write queue stays full for ``timeout``."""
+        if self.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
+        wave = Wave(0, ids, self.channel.create_future())
+        payload = ChannelFrame(payload=b"".join(frames), should_close=False)
+        queue = self.connection.write_queue
+        # Tags are counted in the order the broker sees the messages: no other wave may take
+        # tags between this one's and its entry in the write queue.
+        async with self._writing:
+            wave.first = self._tag + 1
+            self._tag += len(ids)
+            self._waves.append(wave)
+            try:
+                try:
+                    queue.put_nowait(payload)
+                except asyncio.QueueFull:
+                    # The writer is behind (or gone, with a dropped connection): bounded.
+                    await asyncio.wait_for(queue.put(payload), timeout)
+            except BaseException:
+                # Perhaps not queued: the broker may never see these tags, so this channel's
+                # count may be off for good. The next wave takes a new channel.
+                self.forget(wave)
+                self._broken = True
+                raise
+        return wave
+
+    def forget(self, wave: Wave) -> None:
+        """Stop tracking ``wave`` (settled, or its caller gave up): late confirms are ignored."""
+        with contextlib.suppress(ValueError):  # settled: already gone
+            self._waves.remove(wave)
+
+    def confirmed(self, frame: Any) -> None:
+        """Settle what an ack or nack covers."""
+        tag = frame.delivery_tag
+        outcome = frame if isinstance(frame, spec.Basic.Nack) else None
+        multiple = frame.multiple
+        finished = []
+        for wave in self._waves:
+            if wave.first > tag:
+                break
+            end = min(tag - wave.first + 1, len(wave.results))
+            if end <= wave.low:
+                continue
+            start = wave.low if multiple else end - 1
+            results = wave.results
+            for position in range(start, end):
+                if results[position] is PENDING:
+                    results[position] = outcome
+                    wave.pending -= 1
+            low = wave.low
+            while low < len(results) and results[low] is not PENDING:
+                low += 1
+            wave.low = low
+            if not wave.pending:
+                finished.append(wave)
+        for wave in finished:
+            self.forget(wave)
+            if not wave.done.done():
+                wave.done.set_result(None)
+
+    def returned(self, message: aiormq.abc.DeliveredMessage) -> None:
+        """Mark the message returned, by its ``message_id``: its confirm comes next."""
+        message_id = message.header.properties.message_id
+        for wave in self._waves:
+            for position in range(wave.low, len(wave.ids)):
+                if wave.ids[position] == message_id and wave.results[position] is PENDING:
+                    wave.returned[position] = message
+                    return

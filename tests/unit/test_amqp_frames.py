@@ -1,0 +1,79 @@
+"""The RabbitMQ publisher's own frame encoder writes, byte for byte, what pamqp (and so
+aio-pika) writes for the same message: the properties and headers consumers read are unchanged
+by the lean path, and its sizes (checked against ``frame_max``) are the real ones."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import pamqp.frame
+import pytest
+from pamqp import commands as spec
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
+
+from mongo_outbox import Event
+from mongo_outbox.publishers._amqp_confirms import Encoder
+from mongo_outbox.publishers.base import message_headers
+
+
+def pamqp_frames(channel: int, exchange: str, key: str, event: Event, frame_max: int) -> bytes:
+    """The frames aiormq's ``basic_publish`` writes for the publisher's message."""
+    body = event.model_dump_json().encode()
+    properties = spec.Basic.Properties(
+        content_type="application/json",
+        correlation_id=event.correlation_id,
+        delivery_mode=2,
+        headers=message_headers(event),  # type: ignore[arg-type]
+        message_id=event.id,
+        message_type=event.type,
+        priority=0,
+        timestamp=event.occurred_at,
+    )
+    frames: list[Any] = [
+        spec.Basic.Publish(exchange=exchange, routing_key=key, mandatory=True),
+        ContentHeader(0, len(body), properties),
+    ]
+    room = frame_max - 8
+    frames += [ContentBody(body[i : i + room]) for i in range(0, len(body), room)]
+    return b"".join(pamqp.frame.marshal(frame, channel) for frame in frames)
+
+
+def ours(channel: int, exchange: str, key: str, event: Event, frame_max: int) -> bytes:
+    encoder = Encoder(exchange)
+    body = event.model_dump_json().encode()
+    header = encoder.content_header(
+        channel,
+        len(body),
+        headers=message_headers(event),
+        message_id=event.id,
+        message_type=event.type,
+        timestamp=event.occurred_at,
+        correlation_id=event.correlation_id,
+    )
+    return encoder.method(channel, key) + header + encoder.body(channel, body, frame_max)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"correlation_id": "corr-1", "headers": {"tenant": "acmé", "b": "", "a" * 128: "x"}},
+        {"aggregate_type": "orders", "aggregate_id": 7, "sequence": 3},
+        {"type": "é" * 127, "payload": {"text": "ü" * 50_000}},  # body over several frames
+        {"occurred_at": datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=timezone.utc)},
+    ],
+)
+def test_encoded_frames_are_the_bytes_pamqp_writes(fields: dict[str, Any]) -> None:
+    kind, payload = fields.pop("type", "order.placed"), fields.pop("payload", {})
+    event = Event(type=kind, payload=payload, **fields)
+    for channel, frame_max in ((1, 131_072), (65_535, 4_096)):
+        expected = pamqp_frames(channel, "events", "order.placed", event, frame_max)
+        assert ours(channel, "events", "order.placed", event, frame_max) == expected
+
+
+def test_a_routing_key_s_method_frame_is_encoded_once() -> None:
+    encoder = Encoder("events")
+    assert encoder.method(1, "k") is encoder.method(1, "k")
+    assert encoder.method(2, "k") != encoder.method(1, "k")  # the channel is in the frame
