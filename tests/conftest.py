@@ -13,6 +13,72 @@ from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mon
 
 MONGO: MongoServer | None = None
 
+TESTS = Path(__file__).parent
+
+# The tiers of the pyramid (pyproject.toml declares the markers; docs/testing.md says what each
+# tier costs). `unit`, `broker` and `crash` are given here, by rules a reader can check, so that
+# a new test lands in its tier without anyone remembering to mark it; `model` is written on the
+# state machines and random schedules themselves.
+#
+# - `unit`: every test under tests/unit (no MongoDB, no broker, no subprocess of ours).
+# - `broker`: a test that asks for a fixture connecting to a real broker (directly or through
+#   another fixture), or whose module imports a real broker's URL.
+# - `crash`: a test that runs one of tests/crash/'s processes and SIGKILLs it: every test of a
+#   module named test_*_crash.py, and the few elsewhere that carry `@pytest.mark.crash`
+#   themselves. A module that names tests.crash but neither is a crash module nor marks one of
+#   its tests fails the collection, so a new crash test cannot slip into the fast tier.
+BROKER_FIXTURES = frozenset(
+    {
+        # tests/conftest.py: the shared RabbitMQ and NATS, and a nats-server of the test's own.
+        "nats_client",
+        "nats_stream",
+        "amqp_connection",
+        "channel",
+        "broker",
+        # Module fixtures: the shared Redis, and servers of the test's own.
+        "redis",
+        "redis_server",
+        "private_redis",
+        "private_nats",
+    }
+)
+BROKER_URLS = ("NATS_URL", "RABBITMQ_URL", "REDIS_URL")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    checked: set[Path] = set()
+    for item in items:
+        path = Path(item.path)
+        module = getattr(item, "module", None)
+        if path.is_relative_to(TESTS / "unit"):
+            item.add_marker(pytest.mark.unit)
+        if set(getattr(item, "fixturenames", ())) & BROKER_FIXTURES or (
+            module is not None and any(hasattr(module, url) for url in BROKER_URLS)
+        ):
+            item.add_marker(pytest.mark.broker)
+        if path.name.endswith("_crash.py"):
+            item.add_marker(pytest.mark.crash)
+        elif module is not None and path not in checked:
+            checked.add(path)
+            _check_crash_marks(path, module)
+
+
+def _check_crash_marks(path: Path, module: Any) -> None:
+    """Refuses a module that runs tests/crash/ processes but marks none of its tests `crash`."""
+    if "tests.crash." not in path.read_text():
+        return
+    marked = any(
+        mark.name == "crash"
+        for value in vars(module).values()
+        for mark in getattr(value, "pytestmark", ())
+    )
+    if not marked:
+        raise pytest.UsageError(
+            f"{path.relative_to(TESTS)} runs tests/crash/ processes but marks no test `crash`: "
+            "mark the tests that SIGKILL them, or name the module test_*_crash.py"
+        )
+
 
 def pytest_configure(config: pytest.Config) -> None:
     global MONGO

@@ -828,6 +828,7 @@ async def test_dropped_outbox_collection_recovers(db: Any, outbox: Outbox) -> No
 
 @pytest.mark.timeout(270)
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
+@pytest.mark.crash
 async def test_relay_processes_killed_at_random_lose_nothing(
     mongo: Any, db: Any, nats_client: Any, nats_stream: str, mode: str
 ) -> None:
