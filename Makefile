@@ -20,9 +20,10 @@ $(BIN)/.installed: pyproject.toml
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The fast tier a developer runs every few minutes (docs/testing.md): the unit tests and the tests
-# against the emulator and the brokers, without crash subprocesses or randomized model checks.
-FAST ?= not crash and not model
+# The fast tier a developer runs every few minutes (docs/testing.md, "Tiers"): the unit tests and
+# the tests against the emulator alone, without brokers, crash subprocesses, randomized model
+# checks or the tests that wait seconds by design. One emulator serves the run, as in `make test`.
+FAST ?= not broker and not crash and not model and not slow
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -m '$(FAST)' $(PYTEST_ARGS)
 

@@ -69,6 +69,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_site_builds_in_strict_mode_with_every_page(site: Path) -> None:
     pages = {p.stem for p in (ROOT / "docs").glob("*.md")}
     built = {p.parent.name for p in site.glob("*/index.html")}
