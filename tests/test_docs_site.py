@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test reads the site the module builds once: a few seconds of mkdocs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 # The modules of the API reference, by the page they are on (docs/reference/<page>.md).
 REFERENCE = {
@@ -69,7 +72,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_the_site_builds_in_strict_mode_with_every_page(site: Path) -> None:
     pages = {p.stem for p in (ROOT / "docs").glob("*.md")}
     built = {p.parent.name for p in site.glob("*/index.html")}
