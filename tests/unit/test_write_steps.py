@@ -1,19 +1,21 @@
 """The write side's step generators with scripted replies, no database: which calls a write makes
-in which order, and what it concludes from the replies (``_refusals.py``, ``_documents.bump``),
+in which order, and what it concludes from the replies (``_refusals.py``, ``_documents.py``),
 and the two drivers that perform the calls for the async and sync APIs (``_steps.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from pymongo import ReturnDocument
-from pymongo.errors import OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from mongo_outbox import Event
-from mongo_outbox._documents import bump
+from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._plans import Plan, Rules
 from mongo_outbox._refusals import explain
 from mongo_outbox._steps import Steps, call, listing, run_async, run_sync
@@ -21,9 +23,10 @@ from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,
     DuplicateEventError,
+    InvalidAggregateError,
     InvalidCountersError,
 )
-from tests.support.scripted import Turn, play
+from tests.support.scripted import ANY, Turn, play
 
 OWNED = frozenset({"_version", "_sequence"})
 COUNTERS = {"_version": 1, "_sequence": 1, "_due": 1}
@@ -45,9 +48,11 @@ def an_update(db: Any, *, expected_version: int | None = None, upsert: bool = Fa
     )
 
 
-def find(query: dict[str, Any], reply: Any = None) -> Turn:
-    """The read ``explain`` makes: the counters of the document ``query`` matches."""
-    return Turn("find_one", (query, COUNTERS), {"session": None}, reply, target="orders")
+def find(query: dict[str, Any], reply: Any = None, due: str = "_due") -> Turn:
+    """The read ``explain`` makes: the counters (and ``due`` time) of the document ``query``
+    matches."""
+    projection = {"_version": 1, "_sequence": 1, due: 1}
+    return Turn("find_one", (query, projection), {"session": None}, reply, target="orders")
 
 
 def test_an_update_whose_document_moved_on_is_a_conflict_at_the_version_it_expected(
@@ -247,3 +252,82 @@ async def test_a_cancelled_async_write_cleans_up_at_once_not_when_the_generator_
     with pytest.raises(asyncio.CancelledError):
         await task
     assert log == ["cleaned up"]
+
+
+# The document writer (``_documents.py``): the calls of one write, and what a refusal means.
+
+WRITER = DocumentWriter("collection", "_outbox", "_partition")
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def test_creating_an_aggregate_is_one_plain_insert_with_its_counters(shop: Any) -> None:
+    events = [Event(type="placed"), Event(type="paid")]
+    plan = rules(shop).save(None, shop.orders, {"_id": 7, "total": 3}, events, 0)
+    inserted = {"_id": 7, "total": 3, "_version": 1, "_sequence": 2}
+    turn = Turn("insert_one", (inserted,), {"session": None}, target="orders")
+    assert play(WRITER.write(plan, None, NOW), turn) == (1, 2)
+
+
+def test_creating_an_aggregate_that_exists_is_a_conflict_but_another_unique_key_is_not(
+    shop: Any,
+) -> None:
+    plan = rules(shop).save(None, shop.orders, {"_id": 7}, [], 0)
+    inserted = {"_id": 7, "_version": 1, "_sequence": 0}
+    on_id = DuplicateKeyError("E11000", 11000, {"keyPattern": {"_id": 1}})
+    with pytest.raises(ConcurrencyError, match="it exists already"):
+        play(
+            WRITER.write(plan, None, NOW),
+            Turn("insert_one", (inserted,), {"session": None}, raises=on_id),
+        )
+    on_email = DuplicateKeyError("E11000", 11000, {"keyPattern": {"email": 1}})
+    with pytest.raises(DuplicateKeyError):
+        play(
+            WRITER.write(plan, None, NOW),
+            Turn("insert_one", (inserted,), {"session": None}, raises=on_email),
+        )
+
+
+def deleting(shop: Any, expected_version: int | None) -> tuple[Plan, Turn]:
+    plan = rules(shop).delete(None, shop.orders, {"_id": 7}, [Event(type="gone")], expected_version)
+    query = {"_id": 7, "_version": expected_version} if expected_version else {"_id": 7}
+    delete = Turn(
+        "find_one_and_delete",
+        (query,),
+        {"projection": {"_version": 1, "_sequence": 1}, "session": None},
+        None,
+    )
+    return plan, delete
+
+
+def test_a_delete_returns_the_counters_moved_past_the_document_it_removed(shop: Any) -> None:
+    plan, delete = deleting(shop, 4)
+    removed = dataclasses.replace(delete, reply={"_version": 4, "_sequence": 6})
+    assert play(WRITER.write(plan, None, NOW), removed) == (5, 7)
+
+
+def test_a_delete_overtaken_by_concurrent_writes_gives_up_after_three_attempts(shop: Any) -> None:
+    plan, delete = deleting(shop, None)
+    there = {"_id": 7, "_version": 2}
+    # Each attempt matches nothing, and the reads find the document matching: overtaken.
+    attempt = (
+        delete,
+        find({"_id": 7}, there, "_outbox_due"),
+        find({"_id": 7}, there, "_outbox_due"),
+    )
+    with pytest.raises(ConcurrencyError):
+        play(WRITER.write(plan, None, NOW), *attempt, *attempt, *attempt)
+
+
+def test_an_update_the_server_refuses_for_its_content_is_invalid_but_a_transient_error_is_not(
+    shop: Any,
+) -> None:
+    plan = an_update(shop)
+    refused = OperationFailure("Cannot apply $inc to a string", code=14)
+    with pytest.raises(InvalidAggregateError, match=r"MongoDB refused the update .* \(code 14\)"):
+        play(WRITER.write(plan, None, NOW), Turn(ANY, raises=refused))
+    transient = OperationFailure(
+        "conflict", code=14, details={"errorLabels": ["TransientTransactionError"]}
+    )
+    with pytest.raises(OperationFailure) as raised:
+        play(WRITER.write(plan, None, NOW), Turn(ANY, raises=transient))
+    assert raised.value is transient
