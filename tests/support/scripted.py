@@ -5,8 +5,8 @@ A step generator yields each database call it needs and receives the reply back,
 exception thrown in at the ``yield``. ``play`` drives one from a script: each turn names the call
 the steps must make (its target's name, the method, the arguments) and the reply to give it (or
 the exception to throw in; a turn whose method is ``ANY`` takes whichever call comes). A call
-other than the script's next, a call past the script's end,
-or turns left over when the steps return, fail the test.
+other than the script's next, a call past the script's end, or turns left over when the steps
+return, fail the test.
 """
 
 from __future__ import annotations
