@@ -8,7 +8,7 @@ OLDEST ?= $(shell for p in python3.10 "$$(pyenv root 2>/dev/null)/versions/3.10"
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-oldest test-replset demo bench docs lint typecheck check clean
+.PHONY: test test-fast test-oldest test-replset demo bench docs lint typecheck check clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.13 not found (set PYTHON=...)" >&2; exit 1; }
@@ -19,6 +19,13 @@ $(BIN)/.installed: pyproject.toml
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier a developer runs every few minutes (docs/testing.md, "Tiers"): the unit tests and
+# the tests against the emulator alone, without brokers, crash subprocesses, randomized model
+# checks or the tests that wait seconds by design. One emulator serves the run, as in `make test`.
+FAST ?= not broker and not crash and not model and not slow
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -m '$(FAST)' $(PYTEST_ARGS)
 
 # The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv.
 test-oldest: $(BIN)/.installed

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+import functools
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,6 +14,121 @@ from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
 
 MONGO: MongoServer | None = None
+
+TESTS = Path(__file__).parent
+
+# The tiers of the pyramid (pyproject.toml declares the markers; docs/testing.md says what each
+# tier costs). `unit`, `broker` and `crash` are given here, by rules a reader can check, so that
+# a new test lands in its tier without anyone remembering to mark it; `model` is written on the
+# state machines and random schedules themselves.
+#
+# - `unit`: every test under tests/unit (no MongoDB, no broker, no subprocess of ours).
+# - `broker`: a test that asks for a fixture connecting to a real broker (directly or through
+#   another fixture), or that names a real broker's URL or what starts a broker of its own
+#   (BROKER_NAMES): in its own code (decorators included) or in the module's functions,
+#   classes, constants and fixtures it names, followed through.
+# - `crash`: a test that runs one of tests/crash/'s processes and SIGKILLs it: every test of a
+#   module named test_*_crash.py, and the few elsewhere that carry `@pytest.mark.crash`
+#   themselves. A module that names tests.crash but neither is a crash module nor marks one of
+#   its tests fails the collection, so a new crash test cannot slip into the fast tier.
+BROKER_FIXTURES = frozenset(
+    {
+        # tests/conftest.py: the shared RabbitMQ and NATS, and a nats-server of the test's own.
+        "nats_client",
+        "nats_stream",
+        "amqp_connection",
+        "channel",
+        "broker",
+        # Module fixtures: the shared Redis, and servers of the test's own.
+        "redis",
+        "redis_server",
+        "private_redis",
+        "private_nats",
+    }
+)
+# A real broker's URL, or what starts a broker of the test's own or stands in front of the real one.
+BROKER_NAMES = frozenset(
+    {
+        "NATS_URL",
+        "RABBITMQ_URL",
+        "REDIS_URL",
+        "Broker",
+        "Gate",
+        "FaultyGate",
+        "RedisServer",
+        "start_nats",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    checked: set[Path] = set()
+    for item in items:
+        path = Path(item.path)
+        module = getattr(item, "module", None)
+        if path.is_relative_to(TESTS / "unit"):
+            item.add_marker(pytest.mark.unit)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & BROKER_FIXTURES or _names_a_broker_url(item, path, fixtures):
+            item.add_marker(pytest.mark.broker)
+        if path.name.endswith("_crash.py"):
+            item.add_marker(pytest.mark.crash)
+        elif module is not None and path not in checked:
+            checked.add(path)
+            _check_crash_marks(path, module)
+
+
+def _names_a_broker_url(item: pytest.Item, path: Path, fixtures: set[str]) -> bool:
+    """Whether the test's code, or what it names of its module, names one of BROKER_NAMES."""
+    uses = _url_users(path)
+    cls = getattr(item, "cls", None)
+    own = cls.__name__ if cls is not None else getattr(item, "originalname", item.name)
+    return own in uses or bool(fixtures & uses)
+
+
+@functools.cache
+def _url_users(path: Path) -> frozenset[str]:
+    """The module's top-level names whose code names one of BROKER_NAMES, directly or through
+    other top-level names of the module."""
+    source = path.read_text()
+    if not any(name in source for name in BROKER_NAMES):
+        return frozenset()
+    top: dict[str, set[str]] = {}  # top-level name -> the names its code uses
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            targets = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            assigned = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [t.id for t in assigned if isinstance(t, ast.Name)]
+        else:
+            continue
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        for target in targets:
+            top.setdefault(target, set()).update(used)
+    users = {name for name, used in top.items() if used & BROKER_NAMES}
+    grew = True
+    while grew:  # through helpers that call helpers
+        more = {name for name, used in top.items() if name not in users and used & users}
+        users |= more
+        grew = bool(more)
+    return frozenset(users)
+
+
+def _check_crash_marks(path: Path, module: Any) -> None:
+    """Refuses a module that runs tests/crash/ processes but marks none of its tests `crash`."""
+    if "tests.crash." not in path.read_text():
+        return
+    marked = any(
+        mark.name == "crash"
+        for value in vars(module).values()
+        for mark in getattr(value, "pytestmark", ())
+    )
+    if not marked:
+        raise pytest.UsageError(
+            f"{path.relative_to(TESTS)} runs tests/crash/ processes but marks no test `crash`: "
+            "mark the tests that SIGKILL them, or name the module test_*_crash.py"
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test reads the site the module builds once: a few seconds of mkdocs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 # The modules of the API reference, by the page they are on (docs/reference/<page>.md).
 REFERENCE = {

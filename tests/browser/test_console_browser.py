@@ -48,6 +48,7 @@ async def parked_ids(db: Any) -> set[str]:
     return {e["_id"] for e in await store_for(Outbox(db)).parked()}
 
 
+@pytest.mark.slow
 async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
     browser: Any, mongo: MongoServer, db: Any
 ) -> None:

@@ -200,6 +200,7 @@ async def test_fatal_error_stops_with_a_clear_error(db: Any, outbox: Outbox) -> 
         await asyncio.wait_for(relay(outbox, MemoryPublisher(), source).run(), 10)
 
 
+@pytest.mark.slow
 async def test_crash_after_publish_before_checkpoint_loses_nothing(db: Any, outbox: Outbox) -> None:
     await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
     first, second = await save(outbox, db, 2), await save(outbox, db, 2, start=2)
@@ -620,6 +621,7 @@ class KillSwitch:
         await self.inner.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: str) -> None:
     """In-process companion of the SIGKILL test below, with finer-grained kill points: rounds of
@@ -828,6 +830,7 @@ async def test_dropped_outbox_collection_recovers(db: Any, outbox: Outbox) -> No
 
 @pytest.mark.timeout(270)
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
+@pytest.mark.crash
 async def test_relay_processes_killed_at_random_lose_nothing(
     mongo: Any, db: Any, nats_client: Any, nats_stream: str, mode: str
 ) -> None:

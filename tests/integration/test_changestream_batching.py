@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
+
 from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, RelaySettings
 from mongo_outbox.changestream import ChangeBatch, ChangeStream, WatchSource
 from mongo_outbox.publishers import MemoryPublisher
@@ -82,6 +84,7 @@ async def following(relay: ChangeStreamRelay, db: Any) -> Any:
             await task
 
 
+@pytest.mark.slow
 async def test_a_lone_change_is_published_without_waiting_out_max_wait(db: Any) -> None:
     outbox = Outbox(db)
     await outbox.ensure_indexes()
@@ -108,6 +111,7 @@ async def test_a_lone_change_is_published_without_waiting_out_max_wait(db: Any) 
     assert source.sizes == [1]
 
 
+@pytest.mark.slow
 async def test_a_burst_of_commits_is_published_in_batches_of_many(db: Any) -> None:
     outbox = Outbox(db)
     await outbox.ensure_indexes()

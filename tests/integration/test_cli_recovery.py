@@ -48,6 +48,7 @@ async def park(db: Any, mode: str) -> dict[str, list[Event]]:
     return saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 async def test_parked_events_are_listed_shown_and_requeued_in_order(
     mongo: MongoServer, db: Any, mode: str
@@ -117,6 +118,7 @@ async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
         assert (await broken.handle(event)).outcome is Outcome.DEAD_LETTERED
 
 
+@pytest.mark.slow
 async def test_inbox_failures_are_listed_and_requeued_for_their_next_delivery(
     mongo: MongoServer, db: Any
 ) -> None:

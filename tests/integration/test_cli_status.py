@@ -97,6 +97,7 @@ CREDENTIALS = (
 )
 
 
+@pytest.mark.slow
 async def test_a_failure_line_shows_no_credential_of_the_uri_query(mongo: MongoServer) -> None:
     ran = await cli("status", f"--uri=mongodb://app:app-passw0rd@127.0.0.1:1/shop{CREDENTIALS}")
 

@@ -78,6 +78,7 @@ def assert_every_event_arrived_once_in_order(result: subprocess.CompletedProcess
 @pytest.mark.skipif(
     sys.version_info < (3, 13), reason="make demo runs on Python >= 3.13 (the emulator's)"
 )
+@pytest.mark.slow
 @pytest.mark.timeout(180)  # about 25 s here; a cold pip cache or a loaded CI machine takes longer
 def test_the_demo_runs_from_a_fresh_virtualenv_with_no_broker_reachable(tmp_path: Path) -> None:
     # A fresh environment with the project installed from this checkout, as the README says

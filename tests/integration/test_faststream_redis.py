@@ -138,6 +138,7 @@ async def test_faststream_delivers_a_duplicate_xadd_twice(redis: Redis, unique: 
     assert calls == ["event-1", "event-1"]
 
 
+@pytest.mark.crash
 async def test_faststream_entry_of_a_killed_handler_is_reclaimed_only_by_a_claiming_subscriber(
     redis: Redis, unique: str
 ) -> None:

@@ -25,6 +25,7 @@ from tests.support.messages import bind_queue
 from tests.support.waiting import until
 
 
+@pytest.mark.slow
 async def test_an_outage_is_probed_once_a_second_even_with_a_tiny_backoff(db: Any) -> None:
     outbox = Outbox(db)
     await outbox.ensure_indexes()

@@ -62,6 +62,7 @@ async def test_drain_publishes_everything_once_and_records_it(db: Any, mode: str
             assert outbox.due_field not in doc and doc.get(outbox.claim_field) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 async def test_order_holds_through_random_failures(db: Any, mode: str) -> None:
     outbox, saved = await history(db, mode, aggregates=8, saves=3)

@@ -136,6 +136,7 @@ async def save_beside(outbox: Outbox, db: Any, orders: int) -> list[Event]:
     return await save_concurrently(outbox, db, orders, aggregates=orders, first_order=1000)
 
 
+@pytest.mark.slow
 async def test_two_members_share_the_partitions_and_hand_them_over(
     db: Any, mode: str, mongo: Any
 ) -> None:

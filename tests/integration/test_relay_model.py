@@ -141,6 +141,7 @@ def picks(data: st.DataObject, items: list[T], label: str, most: int = 4) -> lis
     return chosen
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 @pytest.mark.timeout(600)  # the search takes well under a minute; shrinking a failure, minutes
 async def test_random_interleavings_of_saves_failures_and_relays_keep_the_guarantees(

@@ -110,6 +110,7 @@ async def test_a_large_parked_set_is_requeued_in_bounded_commands_in_order(
     await drained_in_order(outbox, saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["embedded"])  # the cheaper mode: the CLI's part is the same
 async def test_the_cli_requeues_a_large_parked_set_showing_its_progress(
     db: Any, mongo: MongoServer, mode: str

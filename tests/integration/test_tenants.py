@@ -120,6 +120,7 @@ async def test_one_process_relays_every_database_in_either_mode(
         assert checkpoint["lease_until"] <= datetime.now(timezone.utc)
 
 
+@pytest.mark.slow
 async def test_a_backlog_does_not_starve_another_database(databases: list[Any]) -> None:
     busy, quiet, _ = databases
     busy_outbox = Outbox(busy)
@@ -252,6 +253,7 @@ def test_the_state_of_the_whole_is_what_healthz_needs(
     assert TenantRelays(relays).state == whole
 
 
+@pytest.mark.slow
 async def test_the_databases_take_turns_one_round_each(databases: list[Any]) -> None:
     """Structurally, not by the clock: while several databases have work, their claims (and
     settles) take turns in rotation, so the quiet ones wait at most one of the busy one's

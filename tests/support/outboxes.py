@@ -104,3 +104,17 @@ async def save_aborted(outbox: Outbox, db: Any, order: int) -> str:
                 # A concurrent writer holds the order: try again, as with_transaction would.
                 if not error.has_error_label("TransientTransactionError"):
                     raise
+
+
+async def save_one_by_one(outbox: Outbox, db: Any, aggregates: int, events: int) -> list[Event]:
+    """``events`` saves of one event each for every order (ids 0 to ``aggregates`` - 1), order
+    after order, after ``ensure_indexes``."""
+    await outbox.ensure_indexes()
+    saved: list[Event] = []
+    for order in range(aggregates):
+        for _ in range(events):
+            result = await outbox.save_with_events(
+                None, db.orders, {"_id": order}, [Event(type="e")]
+            )
+            saved += result.events
+    return saved

@@ -1,6 +1,7 @@
 """Fakes for driving relays step by step in a model-based test: a broker that checks every
 publication before it confirms it, a switch that kills a relay right after a confirm, and a
-change source that hands the relay one batch at a time and says when it has handled it."""
+change source that hands the relay one batch at a time and says when it has handled it; and a
+broker that confirms slowly, for the lease tests."""
 
 from __future__ import annotations
 
@@ -115,3 +116,15 @@ class GatedSource:
         self.idle.clear()
         self.batches.put_nowait(batch)
         await self.wait_idle(relay_task)
+
+
+class SlowBroker(MemoryPublisher):
+    """FAKE broker whose every confirm takes ``delay`` seconds: a slow broker on demand."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def publish(self, event: Event) -> None:
+        await asyncio.sleep(self.delay)
+        await super().publish(event)

@@ -1,6 +1,8 @@
-"""A hostile caller of either write API: settings and objects the outbox cannot work with are
-refused with a clear error before anything is written, and a write the driver never sent leaves
-no reservation and no mark behind."""
+"""What either write API refuses, through a real database: settings and objects the outbox cannot
+work with are refused with a clear error before anything is written; a write the driver never
+sent leaves no reservation and no mark behind; a save cancelled inside the caller's transaction
+aborts it; two saves sharing one session at once are refused, not mixed. The same rules without
+a database: tests/unit/test_write_rules.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""Claim and leader leases under a slow broker: no event is published twice by two polling relays,
+a slow round keeps its leader lease, a deleted checkpoint never leaves two change-stream relays
+active for good, and a wave wider than the in-flight window never outlives its claim.
+
+``SlowBroker`` (tests/support/relay_fakes.py) is a FAKE: a confirm that takes 0.4 s, on demand."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from mongo_outbox import (
+    Backoff,
+    ChangeStreamRelay,
+    PollingRelay,
+    RelaySettings,
+)
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.changestream_sources import ScriptedSource
+from tests.support.outboxes import assert_in_order, make_outbox, save_one_by_one
+from tests.support.relay_fakes import SlowBroker
+from tests.support.waiting import until
+
+# Each waits out a lease behind a FAKE broker that confirms slowly: 4 to 9 s.
+pytestmark = pytest.mark.slow
+
+FAST = Backoff(initial=0.01, maximum=0.05)
+
+
+async def test_a_slow_broker_never_lets_two_polling_relays_publish_an_event_twice(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save_one_by_one(outbox, db, aggregates=1, events=12)
+    broker = SlowBroker(0.4)  # 12 confirms in a row take 4.8 s; a claim holds 2 s
+    settings = RelaySettings(claim_lease=2.0, publish_timeout=1.0, backoff=FAST)
+    relays = [PollingRelay(outbox, broker, settings=settings, interval=0.05) for _ in range(2)]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await broker.wait_for(len(saved), timeout=30)
+    await asyncio.sleep(settings.lease.total_seconds())  # a late duplicate would arrive by now
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert_in_order(broker.events, saved, once=True)
+
+
+async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save_one_by_one(outbox, db, aggregates=2, events=15)
+    broker = SlowBroker(0.3)  # the first sweep takes 4.5 s, the leader lease is 1 s
+    settings = RelaySettings(claim_lease=2.0, publish_timeout=1.0, backoff=FAST)
+    relays = [
+        ChangeStreamRelay(
+            outbox,
+            broker,
+            name="r",
+            source=ScriptedSource(),
+            settings=settings,
+            leader_lease=1.0,
+            sweep_interval=60,
+        )
+        for _ in range(2)
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    both = samples = 0
+    while len(broker.events) < len(saved):
+        samples += 1
+        both += all(r.state == "active" for r in relays)
+        for relay in relays:
+            assert (await relay.status()).active == (relay.state == "active")
+        await asyncio.sleep(0.05)
+        assert samples < 400, "not published in 20 s"
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert both == 0, f"both active in {both} of {samples} samples"
+    assert_in_order(broker.events, saved, once=True)
+
+
+async def test_a_deleted_checkpoint_never_leaves_two_relays_active_for_good(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    relays = [
+        ChangeStreamRelay(
+            outbox, MemoryPublisher(), name="r", source=ScriptedSource(), leader_lease=0.6
+        )
+        for _ in range(2)
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await until(lambda: any(r.state == "active" for r in relays))
+    for _ in range(2):  # deleted, then deleted again once someone recreated it
+        await db.outbox_relays.delete_many({})
+        await until(lambda: db.outbox_relays.count_documents({}))
+        await asyncio.sleep(1.0)  # the renewal interval and a standby's poll have passed
+        for _ in range(20):
+            assert sum(r.state == "active" for r in relays) == 1
+            for relay in relays:
+                assert (await relay.status()).active == (relay.state == "active")
+            await asyncio.sleep(0.05)
+    doc = await db.outbox_relays.find_one({"_id": "r"})
+    [leader] = [r for r in relays if r.state == "active"]
+    assert doc["owner"] == leader.checkpoint.owner
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+
+async def test_a_wave_wider_than_the_in_flight_window_never_outlives_its_claim(
+    db: Any,
+) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save_one_by_one(outbox, db, aggregates=4, events=1)
+    broker = SlowBroker(0.9)  # one at a time: the wave of four would take 3.6 s of a 2 s claim
+    settings = RelaySettings(
+        batch_size=4, max_in_flight=1, claim_lease=2.0, publish_timeout=1.0, backoff=FAST
+    )
+    relays = [PollingRelay(outbox, broker, settings=settings, interval=0.05) for _ in range(2)]
+    tasks = [asyncio.create_task(r.run()) for r in relays]
+    await broker.wait_for(len(saved), timeout=30)
+    await asyncio.sleep(2.0)  # a late duplicate would arrive by now
+    for relay in relays:
+        relay.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert_in_order(broker.events, saved, once=True)

@@ -1,0 +1,235 @@
+"""The rules every write with events obeys (``_plans.Rules``, ``_stamping``, ``_aggregates``),
+checked before anything is written: a refusal raises while the plan is made, so no call reaches
+a database. The collections are a real client's that never connects (``tests/unit/conftest.py``):
+a rule that sent a command would fail these tests by a server selection timeout."""
+
+from __future__ import annotations
+
+import types
+import uuid
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from bson.binary import UuidRepresentation
+from bson.codec_options import CodecOptions
+from pymongo import MongoClient, WriteConcern
+
+from mongo_outbox import Event
+from mongo_outbox._aggregates import aggregate_id, type_map
+from mongo_outbox._plans import Rules
+from mongo_outbox.errors import (
+    ConfigurationError,
+    InvalidAggregateError,
+    InvalidEventError,
+    UsageError,
+)
+
+OWNED = frozenset({"_version", "_sequence", "_outbox", "_due"})
+
+
+def rules(db: Any, mode: str = "collection", types: dict[str, str] | None = None) -> Rules:
+    return Rules(db, mode, ["orders"], types or {}, OWNED)
+
+
+class Session:
+    """FAKE session: the rules read only these four attributes."""
+
+    def __init__(self, client: Any, in_transaction: bool = True, has_ended: bool = False) -> None:
+        self.client = client
+        self.in_transaction = in_transaction
+        self.has_ended = has_ended
+
+
+def test_a_save_stamps_its_events_with_the_aggregate_and_leaves_out_the_fields_the_outbox_owns(
+    shop: Any,
+) -> None:
+    event = Event(type="placed")
+    document = {"_id": 7, "total": 3, "_version": 99, "_outbox": []}
+    plan = rules(shop, types={"orders": "Order"}).save(None, shop.orders, document, [event], None)
+    assert plan.body == {"_id": 7, "total": 3}
+    assert plan.stamp == {"aggregate_type": "Order", "aggregate_id": 7}
+    assert [e.id for e in plan.events] == [event.id]
+    assert plan.entries[0]["_id"] == event.id
+    assert plan.entries[0]["aggregate_type"] == "Order"
+    assert plan.given == (event,)
+
+
+def test_an_embedded_entry_keeps_its_id_under_id_because_the_array_has_no_underscore_id(
+    shop: Any,
+) -> None:
+    event = Event(type="placed")
+    plan = rules(shop, "embedded").save(None, shop.orders, {"_id": "o1"}, [event], None)
+    assert plan.entries[0]["id"] == event.id and "_id" not in plan.entries[0]
+
+
+def test_a_document_without_an_id_gets_an_object_id_as_insert_one_gives_it(shop: Any) -> None:
+    document: dict[str, Any] = {"total": 1}
+    plan = rules(shop).save(None, shop.orders, document, [], None)
+    assert isinstance(document["_id"], ObjectId) and plan.doc_id == document["_id"]
+    assert plan.stamp["aggregate_id"] == str(document["_id"])
+
+
+def test_a_read_only_document_without_an_id_is_refused_as_it_cannot_take_one(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="cannot take the one a save gives it"):
+        rules(shop).save(None, shop.orders, types.MappingProxyType({"x": 1}), [], None)
+
+
+def test_a_document_without_an_id_cannot_expect_a_version(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="without _id cannot match expected_version"):
+        rules(shop).save(None, shop.orders, {"x": 1}, [], 2)
+
+
+@pytest.mark.parametrize("version", [True, -1, 2**63, 1.0, "1"])
+def test_an_expected_version_that_is_no_64_bit_count_is_refused(shop: Any, version: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="expected_version must be an int"):
+        rules(shop).save(None, shop.orders, {"_id": 1}, [], version)
+
+
+def test_a_collection_of_another_client_is_refused_since_the_relay_would_never_see_it(
+    shop: Any,
+) -> None:
+    other: MongoClient[Any] = MongoClient("mongodb://127.0.0.1:9", connect=False)
+    try:
+        with pytest.raises(InvalidAggregateError, match="not a collection of the outbox's client"):
+            rules(shop).save(None, other.shop.orders, {"_id": 1}, [], None)
+    finally:
+        other.close()
+
+
+def test_a_namesake_database_of_the_same_client_is_refused(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="not a collection of the outbox's client"):
+        rules(shop).save(None, shop.client.other.orders, {"_id": 1}, [], None)
+
+
+def test_embedded_mode_refuses_a_collection_it_does_not_scan(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="not in this outbox's collections"):
+        rules(shop, "embedded").save(None, shop.invoices, {"_id": 1}, [], None)
+
+
+def test_embedded_mode_refuses_unacknowledged_writes_outside_a_transaction(shop: Any) -> None:
+    unacknowledged = shop.orders.with_options(write_concern=WriteConcern(w=0))
+    with pytest.raises(InvalidAggregateError, match="unacknowledged"):
+        rules(shop, "embedded").save(None, unacknowledged, {"_id": 1}, [], None)
+    # In a transaction the transaction's write concern counts, not the collection's.
+    session = Session(shop.client)
+    rules(shop, "embedded").save(session, unacknowledged, {"_id": 1}, [], None)
+
+
+def test_a_session_of_another_client_or_one_that_ended_is_refused(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="session belongs to another client"):
+        rules(shop).save(Session(object()), shop.orders, {"_id": 1}, [], None)
+    with pytest.raises(UsageError, match="the session has ended"):
+        rules(shop).save(Session(shop.client, has_ended=True), shop.orders, {"_id": 1}, [], None)
+
+
+def test_events_given_as_anything_but_a_list_of_events_are_refused(shop: Any) -> None:
+    with pytest.raises(InvalidEventError, match="must be a list of Event"):
+        rules(shop).save(None, shop.orders, {"_id": 1}, "placed", None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEventError, match="expected an Event, got dict"):
+        rules(shop).save(None, shop.orders, {"_id": 1}, [{"type": "x"}], None)  # type: ignore[list-item]
+
+
+def test_one_event_given_twice_in_a_write_is_refused(shop: Any) -> None:
+    event = Event(type="placed")
+    with pytest.raises(InvalidEventError, match="appears twice"):
+        rules(shop).save(None, shop.orders, {"_id": 1}, [event, event], None)
+
+
+def test_an_event_stamped_for_another_aggregate_is_refused(shop: Any) -> None:
+    event = Event(type="placed", aggregate_id=2)
+    with pytest.raises(InvalidEventError, match="publishes as 1"):
+        rules(shop).save(None, shop.orders, {"_id": 1}, [event], None)
+
+
+@pytest.mark.parametrize(
+    ("doc_id", "why"),
+    [
+        (str(ObjectId()), "spelled like an ObjectId"),
+        (str(uuid.uuid4()), "spelled like an ObjectId or UUID"),
+        (2**63, "does not fit in a 64-bit integer"),
+        (1.5, "type float is not supported"),
+    ],
+)
+def test_an_id_whose_events_could_not_name_their_aggregate_alone_is_refused(
+    doc_id: Any, why: str
+) -> None:
+    with pytest.raises(InvalidAggregateError, match=why):
+        aggregate_id(doc_id, "orders")
+
+
+def test_two_collections_cannot_publish_as_one_aggregate_type() -> None:
+    with pytest.raises(ConfigurationError, match="orders and carts would both publish as 'Order'"):
+        type_map({"orders": "Order", "carts": "Order"}, ["orders", "carts"])
+
+
+def test_a_document_that_mongodb_could_not_store_is_refused_before_the_write(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match=r"key '\$x' cannot be stored"):
+        rules(shop).save(None, shop.orders, {"_id": 1, "a": {"$x": 1}}, [], None)
+    with pytest.raises(InvalidAggregateError, match="cannot be stored in orders"):
+        rules(shop).save(None, shop.orders, {"_id": 1, "a": object()}, [], None)
+    with pytest.raises(InvalidAggregateError, match="too large"):
+        rules(shop).save(None, shop.orders, {"_id": 1, "a": "x" * 17_000_000}, [], None)
+
+
+def test_embedded_events_count_towards_their_documents_size(shop: Any) -> None:
+    big = [Event(type="x", payload={"blob": "x" * 6_000_000}) for _ in range(3)]
+    rules(shop).save(None, shop.orders, {"_id": 1}, big, None)  # each entry its own document
+    with pytest.raises(
+        InvalidAggregateError, match="the document with its new events is too large"
+    ):
+        rules(shop, "embedded").save(None, shop.orders, {"_id": 1}, big, None)
+
+
+def test_an_update_expecting_no_aggregate_must_be_an_upsert(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="pass upsert=True"):
+        rules(shop).update(None, shop.orders, {"_id": 1}, {"$set": {"a": 1}}, [], False, 0)
+
+
+def test_an_upsert_expecting_a_stored_version_does_not_insert(shop: Any) -> None:
+    plan = rules(shop).update(None, shop.orders, {"_id": 1}, {"$set": {"a": 1}}, [], True, 4)
+    assert plan.upsert is False
+    plan = rules(shop).update(None, shop.orders, {"_id": 1}, {"$set": {"a": 1}}, [], True, None)
+    assert plan.upsert is True
+
+
+def test_an_upsert_may_not_name_a_field_the_outbox_owns_in_its_filter(shop: Any) -> None:
+    query = {"_id": 1, "$or": [{"_version": 3}, {"a": 1}]}
+    with pytest.raises(InvalidAggregateError, match="names '_version', a field the outbox owns"):
+        rules(shop).update(None, shop.orders, query, {"$set": {"a": 1}}, [], True, None)
+
+
+def test_an_update_that_the_driver_could_not_send_is_refused_before_the_write(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="the filter or update cannot be sent"):
+        rules(shop).update(None, shop.orders, {"_id": 1}, {"$inc": {"a": 2**64}}, [], False, None)
+
+
+def test_a_uuid_id_needs_its_representation_on_the_database_to_reserve_event_ids(
+    shop: Any,
+) -> None:
+    with pytest.raises(InvalidAggregateError, match="needs a uuidRepresentation on the database"):
+        rules(shop, "embedded").check_registry_id(uuid.uuid4(), "orders")
+    standard = CodecOptions(uuid_representation=UuidRepresentation.STANDARD)
+    rules(shop.client.get_database("shop", codec_options=standard), "embedded").check_registry_id(
+        uuid.uuid4(), "orders"
+    )
+
+
+def test_delete_and_add_events_are_refused_in_embedded_mode(shop: Any) -> None:
+    with pytest.raises(UsageError, match="not available in embedded mode"):
+        rules(shop, "embedded").delete(None, shop.orders, {"_id": 1}, [], None)
+    with pytest.raises(UsageError, match="add_events is for collection mode"):
+        rules(shop, "embedded").add(Session(shop.client), shop.orders, 1, [])
+
+
+def test_deleting_what_must_not_exist_is_refused(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match="there is nothing to delete"):
+        rules(shop).delete(None, shop.orders, {"_id": 1}, [], 0)
+
+
+def test_add_events_needs_the_callers_open_transaction(shop: Any) -> None:
+    for session in (None, Session(shop.client, in_transaction=False)):
+        with pytest.raises(UsageError, match="inside an open transaction"):
+            rules(shop).add(session, shop.orders, 1, [Event(type="x")])
+    plan = rules(shop).add(Session(shop.client), shop.orders, 1, [Event(type="x")])
+    assert plan.query == {"_id": 1} and plan.kind == "add"
