@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -133,6 +134,18 @@ def _check_crash_marks(path: Path, module: Any) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     global MONGO
+    if sys.version_info < (3, 11):
+        # Seen only on 3.10, in the RabbitMQ outage tests (a gate refuses, hangs or drops the
+        # connection): aiormq leaves the transport of a connection attempt that failed or was
+        # cancelled mid-handshake (client_call cancels it in a task of its own on 3.10) to the
+        # garbage collector, which warns in whichever later test it runs. Not traced further
+        # (docs/testing.md). Only that warning, only there; any other still fails.
+        for line in (
+            "ignore:unclosed transport <_SelectorSocketTransport:ResourceWarning",
+            "ignore:Exception ignored in. <function _SelectorTransport.__del__"
+            ":pytest.PytestUnraisableExceptionWarning",
+        ):
+            config.addinivalue_line("filterwarnings", line)
     MONGO = start_mongo()
 
 
