@@ -414,13 +414,9 @@ class TransactionsOverWire:
             return _not_in_transaction(name)
         if name == "commitTransaction" and self.committed.get(key) == number:
             return {"ok": 1.0}  # a retried commit of a committed transaction
-        return {
-            "ok": 0.0,
-            "code": NO_SUCH_TRANSACTION,
-            "codeName": "NoSuchTransaction",
-            "errmsg": f"Transaction with txnNumber {number} has been aborted.",
-            "errorLabels": [TRANSIENT],
-        }
+        return _transient(
+            NO_SUCH_TRANSACTION, f"Transaction with txnNumber {number} has been aborted."
+        )
 
     def _abandon(self, key: str) -> None:
         self.running.pop(key, None)
@@ -461,13 +457,8 @@ class TransactionsOverWire:
         conflict = CONFLICT_MARK in text
         if conflict or reply.get("code") == NO_SUCH_TRANSACTION:
             self._abandon(key)
-            return {
-                "ok": 0.0,
-                "code": WRITE_CONFLICT if conflict else NO_SUCH_TRANSACTION,
-                "codeName": "WriteConflict" if conflict else "NoSuchTransaction",
-                "errmsg": text.split(CONFLICT_MARK, 1)[0].strip(),
-                "errorLabels": [TRANSIENT],
-            }
+            code = WRITE_CONFLICT if conflict else NO_SUCH_TRANSACTION
+            return _transient(code, text.split(CONFLICT_MARK, 1)[0].strip())
         failed = not reply.get("ok") or bool(reply.get("writeErrors"))
         if failed and name not in ("commitTransaction", "abortTransaction"):
             self._abandon(key)  # a server aborts a transaction whose command failed
@@ -502,6 +493,18 @@ class TransactionsOverWire:
                 self._abandon(key)
             elif txn.session.transaction_active:
                 txn.session.abort_transaction()
+
+
+def _transient(code: int, message: str) -> dict[str, Any]:
+    """A server's reply to a command of a transaction that conflicted or is gone: retry it."""
+    name = "WriteConflict" if code == WRITE_CONFLICT else "NoSuchTransaction"
+    return {
+        "ok": 0.0,
+        "code": code,
+        "codeName": name,
+        "errmsg": message,
+        "errorLabels": [TRANSIENT],
+    }
 
 
 def _not_in_transaction(name: str) -> dict[str, Any]:
