@@ -40,8 +40,8 @@ from benchmarks.common import (
     unique,
 )
 from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
-from mongo_outbox._rounds import Rounds
-from mongo_outbox._store import Claim
+from mongo_outbox._relay.rounds import Rounds
+from mongo_outbox._relay.store.base import Claim
 from mongo_outbox.publishers import MemoryPublisher, Publisher
 from mongo_outbox.publishers.base import message_headers
 

@@ -3,7 +3,7 @@ trickling databases (B and C, an event each every ``SPACING`` s) while a third (
 backlog of ``BACKLOG`` events, all three in one process (change streams, embedded mode), as a
 ratio to B and C served alone, measured in the same run.
 
-Measured before turns (``_turns.py``): B's and C's p50 1.3 s, 21 s and 10.8 s in three runs (max
+Measured before turns (``_relay.turns``): B's and C's p50 1.3 s, 21 s and 10.8 s in three runs (max
 67 s), against 0.59 s alone. The goal: p50 at most 1 s with A's backlog draining. The broker is
 an in-process publisher that notes when each event reached it (what the relay does, not a
 broker's latency, is measured).

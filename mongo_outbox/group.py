@@ -1,7 +1,7 @@
 """RelayGroup: any number of processes share an outbox's partitions, each publishing its own.
 
 An outbox with ``partitions=P`` stores each entry's partition (``_partitions``). Every member of
-a group beats a heartbeat in the members collection (``_members``), counts the live members
+a group beats a heartbeat in the members collection (``_relay.group``), counts the live members
 ``N`` and wants its fair share, ``P // N`` or one more, by rank; for each partition it wants it
 runs a worker that stands by until it holds that partition's lease, then publishes it: polling
 rounds filtered on the partition, or a change stream ``$match``-ed on it with its own checkpoint.
@@ -31,13 +31,13 @@ from typing import Literal
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._members import Membership, share
-from mongo_outbox._partition_workers import PollingWorker, StreamWorker, Worker
 from mongo_outbox._partitions import check_config
-from mongo_outbox._rounds import Rounds, pause
+from mongo_outbox._relay.group.members import Membership, share
+from mongo_outbox._relay.group.workers import PollingWorker, StreamWorker, Worker
+from mongo_outbox._relay.rounds import Rounds, pause
+from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.turns import Turns
 from mongo_outbox._steps import run_async
-from mongo_outbox._store import store_for
-from mongo_outbox._turns import Turns
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe

@@ -11,7 +11,7 @@ from typing import Any
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
-from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
+from mongo_outbox._relay.rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher

@@ -6,7 +6,7 @@ process, the event loop, MongoDB and, if the caller passes the same one to each,
 and its connection. Side by side, a database with a backlog ran round after round and the
 others' events waited behind its claims, waves and settles (a trickling tenant's p50 went from
 0.6 s to 10-21 s while another drained 5,000 events), so their rounds' claims and settles
-take turns (``_turns.py``): one at a time, the next turn to the next database in rotation that
+take turns (``_relay/turns.py``): one at a time, the next turn to the next database in rotation that
 has one waiting, with smaller rounds while several databases are active.
 """
 
@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 
-from mongo_outbox._turns import Turns
+from mongo_outbox._relay.turns import Turns
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
 from mongo_outbox.group import GroupStatus, RelayGroup

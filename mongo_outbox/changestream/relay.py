@@ -10,7 +10,7 @@ watches from that time. One relay per name is active: a leader lease in the chec
 renewed in the background while the relay works, with a fencing token that every checkpoint
 write must still match (see ``checkpoint``). The moment a renewal fails, publishing stops.
 
-Publishing, ordering, retries and parking are the polling relay's (``_rounds``); every outbox
+Publishing, ordering, retries and parking are the polling relay's (``_relay.rounds``); every outbox
 query goes through the store: the stream only tells the relay what to claim.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
 
 from mongo_outbox import metrics
-from mongo_outbox._rounds import Rounds, pause
+from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,

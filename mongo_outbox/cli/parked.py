@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from mongo_outbox._store import batches, store_for
+from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.store.base import batches
 from mongo_outbox.cli.common import (
     Failure,
     Target,

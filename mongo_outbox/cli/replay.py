@@ -11,7 +11,7 @@ from datetime import datetime
 
 import click
 
-from mongo_outbox._replay import Replayed, replay
+from mongo_outbox._relay.replay import Replayed, replay
 from mongo_outbox.cli.brokers import Broker, broker_options, sample_event
 from mongo_outbox.cli.common import (
     Failure,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Event, Inbox, Outbox
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.store import store_for
 from tests.support.console import TOKEN, dead_letter, leases, park, served
 from tests.support.servers import MongoServer
 

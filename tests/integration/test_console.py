@@ -31,7 +31,7 @@ SIGNED = Credentials(token=TOKEN)
 
 async def parked_ids(db: Any, mode: str = "collection") -> set[str]:
     outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
-    from mongo_outbox._store import store_for
+    from mongo_outbox._relay.store import store_for
 
     return {e["_id"] for e in await store_for(outbox).parked()}
 

@@ -17,7 +17,7 @@ from mongo_outbox import (
     PollingRelay,
     RelayGroup,
 )
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.store import store_for
 from mongo_outbox.publishers import MemoryPublisher, Publisher, RabbitMQPublisher
 from mongo_outbox.settings import RelaySettings
 from tests.support.brokers import FaultyGate

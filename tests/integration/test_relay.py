@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.store import store_for
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.outboxes import (

@@ -21,7 +21,7 @@ from mongo_outbox import (
     RelaySettings,
     UsageError,
 )
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.store import store_for
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.changestream_sources import ScriptedSource
 from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_one_by_one

@@ -81,7 +81,8 @@ from mongo_outbox import (
     PollingRelay,
     RelaySettings,
 )
-from mongo_outbox._store import Claim, store_for
+from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.store.base import Claim
 from mongo_outbox.changestream import ChangeBatch
 from mongo_outbox.errors import describe
 from tests.support.outbox_storage import Storage

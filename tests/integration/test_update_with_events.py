@@ -21,7 +21,7 @@ from mongo_outbox import (
     PollingRelay,
     Saved,
 )
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.store import store_for
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.apis import APIS, Writer
 from tests.support.contents import contents

@@ -18,7 +18,7 @@ from pymongo.errors import (
 )
 
 from mongo_outbox import Outbox
-from mongo_outbox._embedded_store import EmbeddedStore
+from mongo_outbox._relay.store.embedded import EmbeddedStore
 from mongo_outbox.changestream import WatchSource, triage
 from mongo_outbox.changestream.source import database_of
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mongo_outbox._members import share
+from mongo_outbox._relay.group.members import share
 
 
 @given(

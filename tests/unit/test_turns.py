@@ -1,5 +1,5 @@
 """Turns: the rounds of several tenants in one process take turns in rotation, each a short
-one while others are active (``mongo_outbox/_turns.py``). Pure asyncio, no server."""
+one while others are active (``mongo_outbox/_relay/turns.py``). Pure asyncio, no server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from mongo_outbox._turns import Turns
+from mongo_outbox._relay.turns import Turns
 
 
 async def test_a_busy_tenant_yields_to_each_waiting_tenant_in_rotation() -> None:

@@ -1,6 +1,6 @@
 """The relay's storage seam: how a relay claims pending events and records what happened to
 them. Every outbox query of the relays goes through a ``Store``; the two modes implement it in
-``_collection_store`` and ``_embedded_store``.
+``store.collection`` and ``store.embedded``, and ``store_for`` (the package's face) picks one.
 
 A claim is a lease and a value. ``claim`` marks entries (collection mode) or aggregate documents
 (embedded mode) with a fresh token and a due time ``lease`` ahead, and returns a ``Claim`` that
@@ -140,17 +140,6 @@ class Store(Protocol):
         occurred at or after ``since`` (and before ``until``), of ``types`` and
         ``aggregates`` (their ``aggregate_id``) when given, sorted by aggregate and then
         sequence. Embedded mode keeps no published entries: ``UsageError``."""
-
-
-def store_for(outbox: Outbox, partition: int | None = None) -> Store:
-    """The store of ``outbox``; with ``partition``, one that claims, wakes and counts that
-    partition's entries only (a relay group member's view)."""
-    from mongo_outbox._collection_store import CollectionStore
-    from mongo_outbox._embedded_store import EmbeddedStore
-
-    if outbox.mode == "embedded":
-        return EmbeddedStore(outbox, partition)
-    return CollectionStore(outbox, partition)
 
 
 def scope(outbox: Outbox, partition: int | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ relay still publishes; and it stops before the next wave the moment its caller's
 is set (a relay that lost its leader lease). Each publish runs in a producer span
 (``tracing.py``) when a tracer provider is configured.
 
-Failures are classified by ``_failures`` (see docs/failures.md).
+Failures are classified by ``failures`` (see docs/failures.md).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from datetime import datetime
 from typing import Any
 
 from mongo_outbox import metrics
-from mongo_outbox._failures import Classifier
-from mongo_outbox._store import Claim, Failure, store_for
-from mongo_outbox._turns import Turns
+from mongo_outbox._relay.failures import Classifier
+from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.store.base import Claim, Failure
+from mongo_outbox._relay.turns import Turns
 from mongo_outbox.errors import (
     BrokerUnavailableError,
     UsageError,

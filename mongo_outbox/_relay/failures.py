@@ -14,7 +14,7 @@ import logging
 from datetime import timedelta
 
 from mongo_outbox import metrics
-from mongo_outbox._store import Claim, Failure
+from mongo_outbox._relay.store.base import Claim, Failure
 from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.publishers.base import unavailable

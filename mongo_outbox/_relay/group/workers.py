@@ -11,7 +11,7 @@ from typing import Protocol
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
-from mongo_outbox._rounds import Rounds, pause
+from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from mongo_outbox._rounds import Rounds
-from mongo_outbox._store import store_for
+from mongo_outbox._relay.rounds import Rounds
+from mongo_outbox._relay.store import store_for
 from mongo_outbox.errors import describe
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox
