@@ -6,7 +6,6 @@ relay them to a broker at least once and in order per aggregate (``PollingRelay`
 them effectively once.
 """
 
-from mongo_outbox.backoff import Backoff
 from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
     AggregateNotFoundError,
@@ -40,7 +39,7 @@ from mongo_outbox.inbox import (
 )
 from mongo_outbox.outbox import Outbox, Saved
 from mongo_outbox.relay import PollingRelay, RelayStats
-from mongo_outbox.settings import RelaySettings
+from mongo_outbox.settings import Backoff, RelaySettings
 from mongo_outbox.upcasters import Upcasters
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from mongo_outbox._inbox_store import failures
+from mongo_outbox._inbox.store import failures
 from mongo_outbox.cli.common import (
     Failure,
     Target,

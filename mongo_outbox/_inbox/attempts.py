@@ -14,11 +14,11 @@ from typing import Any
 from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from mongo_outbox._driver import start_session
-from mongo_outbox._inbox_store import Claim, Identity, InboxStore, Taken, attempts_of
-from mongo_outbox.backoff import Backoff
+from mongo_outbox._inbox.outcomes import DeadLetter, Outcome, Result
+from mongo_outbox._inbox.store import Claim, Identity, InboxStore, Taken, attempts_of
 from mongo_outbox.errors import PoisonMessage, describe
 from mongo_outbox.events import Event
-from mongo_outbox.inbox import DeadLetter, Outcome, Result
+from mongo_outbox.settings import Backoff
 
 log = logging.getLogger(__name__)
 

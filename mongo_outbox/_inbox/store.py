@@ -25,8 +25,8 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta
+from typing import Any, Protocol
 
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
@@ -34,10 +34,20 @@ from pymongo.errors import DuplicateKeyError
 from mongo_outbox._driver import aggregate
 from mongo_outbox.events import Event, utc_now
 
-if TYPE_CHECKING:
-    from mongo_outbox.inbox import Inbox
-
 Identity = dict[str, str]
+
+
+class InboxSettings(Protocol):
+    """What the store reads of a ``mongo_outbox.inbox.Inbox``: where its records live, whose
+    they are and how long they hold. That module builds stores, so this one names what it needs
+    instead of importing it."""
+
+    db: Any
+    consumer: str
+    collection: Any
+    handlers: Any
+    retention: timedelta
+    processing_lease: timedelta
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,7 @@ class Taken:
 class InboxStore:
     """The records of one inbox, read and written with codec options of the library's own."""
 
-    def __init__(self, inbox: Inbox) -> None:
+    def __init__(self, inbox: InboxSettings) -> None:
         self.inbox = inbox
         self.coll = inbox.collection
         self.handlers = inbox.handlers
