@@ -29,10 +29,7 @@ without parsing the message.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mongo_outbox.events import Event
+from typing import Any
 
 
 class OutboxError(Exception):
@@ -82,30 +79,6 @@ class IncompatibleEventError(OutboxError):
     @property
     def newer(self) -> bool:
         return self.version > self.supported
-
-    @classmethod
-    def newer_than(cls, event: Event, supported: int, reader: str) -> IncompatibleEventError:
-        return cls(
-            f"event {event.id} ({event.type}) is version {event.version}, newer than the "
-            f"version {supported} {reader} reads: deploy a reader that knows it",
-            event_id=event.id,
-            event_type=event.type,
-            version=event.version,
-            supported=supported,
-        )
-
-    @classmethod
-    def older_than(
-        cls, event: Event, supported: int, missing: int, reader: str
-    ) -> IncompatibleEventError:
-        return cls(
-            f"event {event.id} ({event.type}) is version {event.version}; {reader} reads "
-            f"version {supported}, and no upcaster from v{missing} is registered: register one",
-            event_id=event.id,
-            event_type=event.type,
-            version=event.version,
-            supported=supported,
-        )
 
 
 class InvalidAggregateError(OutboxError, ValueError):

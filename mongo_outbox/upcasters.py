@@ -26,14 +26,11 @@ import copy
 import inspect
 import itertools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from pydantic import BaseModel
 
 from mongo_outbox.errors import ConfigurationError, IncompatibleEventError, InvalidEventError
-
-if TYPE_CHECKING:
-    from mongo_outbox.events import Event
 
 __all__ = ["Step", "Upcasters", "version_of"]
 
@@ -42,7 +39,24 @@ Step = Callable[..., dict[str, Any]]
 version ``n + 1`` payload out. A step that takes a ``headers`` keyword gets the event's headers
 too (a copy: upcasting changes the payload and the version only)."""
 
-E = TypeVar("E", bound="Event")
+
+class Versioned(Protocol):
+    """What ``upcast`` reads of an ``Event``: named here, because ``events`` imports this
+    module."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def payload(self) -> dict[str, Any]: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+
+E = TypeVar("E", bound=Versioned)
 
 
 def version_of(model: type[BaseModel] | BaseModel) -> int:
@@ -135,12 +149,12 @@ class Upcasters:
         if target is None or event.version == target:
             return event
         if event.version > target:
-            raise IncompatibleEventError.newer_than(event, target, reader)
+            raise _newer(event, target, reader)
         steps = self._steps.get(event.type, {})
         payload: dict[str, Any] = copy.deepcopy(event.payload)
         for version in range(event.version, target):
             if version not in steps:
-                raise IncompatibleEventError.older_than(event, target, version, reader)
+                raise _older(event, target, version, reader)
             step, wants_headers = steps[version]
             result = step(payload, headers=dict(event.headers)) if wants_headers else step(payload)
             if not isinstance(result, dict):
@@ -150,12 +164,35 @@ class Upcasters:
                     event_id=event.id,
                 )
             payload = result
-        fields = {name: getattr(event, name) for name in type(event).model_fields}
+        model = cast("type[BaseModel]", type(event))  # an Event: ``Versioned`` names no fields
+        fields = {name: getattr(event, name) for name in model.model_fields}
         return type(event)(**fields | {"payload": payload, "version": target})
 
     def __repr__(self) -> str:
         chains = ", ".join(f"{t}: v{min(s)}->v{max(s) + 1}" for t, s in sorted(self._steps.items()))
         return f"Upcasters({chains})"
+
+
+def _newer(event: Versioned, supported: int, reader: str) -> IncompatibleEventError:
+    return IncompatibleEventError(
+        f"event {event.id} ({event.type}) is version {event.version}, newer than the "
+        f"version {supported} {reader} reads: deploy a reader that knows it",
+        event_id=event.id,
+        event_type=event.type,
+        version=event.version,
+        supported=supported,
+    )
+
+
+def _older(event: Versioned, supported: int, missing: int, reader: str) -> IncompatibleEventError:
+    return IncompatibleEventError(
+        f"event {event.id} ({event.type}) is version {event.version}; {reader} reads "
+        f"version {supported}, and no upcaster from v{missing} is registered: register one",
+        event_id=event.id,
+        event_type=event.type,
+        version=event.version,
+        supported=supported,
+    )
 
 
 def _takes_headers(step: Step) -> bool:

@@ -25,8 +25,8 @@ from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
 from mongo_outbox.testing import _numeric_ids
+from mongo_outbox.testing._server_codes import CURSOR_NOT_FOUND, server_error_code
 from mongo_outbox.testing._transactions import TransactionsOverWire
-from mongo_outbox.testing.emulator import CURSOR_NOT_FOUND, server_error_code
 
 FIRST_ID = 1_000_001  # far above mongoeco's own cursor ids
 DROPS = {"drop", "dropDatabase", "renameCollection"}

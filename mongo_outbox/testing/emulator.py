@@ -9,7 +9,7 @@ end of that pipe, so an emulator does not outlive a test run that was killed. It
 Python >= 3.13 and ``mongo-outbox[testing]``; what it cannot prove is listed in
 ``mongo_outbox.testing``.
 
-This module imports mongoeco only when it serves, so its server codes are importable anywhere.
+This module imports mongoeco only when it serves, so it is importable anywhere.
 """
 
 from __future__ import annotations
@@ -21,22 +21,7 @@ import sys
 import threading
 from importlib.metadata import version
 
-# The codes a replica set member answers with where mongoeco raises uncoded errors.
-CURSOR_NOT_FOUND = 43
-INVALID_RESUME_TOKEN = 260
-CHANGE_STREAM_HISTORY_LOST = 286
-
 NEEDS = "pip install 'mongo-outbox[testing]' (mongoeco[wire], Python >= 3.13)"
-
-
-def server_error_code(error: Exception) -> int | None:
-    """The code a server would answer mongoeco's uncoded change-stream error with."""
-    text = str(error)
-    if "no longer available" in text:
-        return CHANGE_STREAM_HISTORY_LOST
-    if "resume token" in text:
-        return INVALID_RESUME_TOKEN
-    return None
 
 
 def unable_to_serve() -> str | None:

@@ -18,7 +18,7 @@ except ImportError:  # mongoeco needs Python >= 3.13; the tests that use it skip
 from pymongo.errors import OperationFailure
 
 from mongo_outbox.changestream import ChangeBatch, ChangeStream
-from mongo_outbox.testing.emulator import server_error_code
+from mongo_outbox.testing._server_codes import server_error_code
 
 
 class ScriptedSource:
