@@ -47,7 +47,7 @@ from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, seconds
 from mongo_outbox.settings import interval as timespan
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import GroupStatus, State, transition
+from mongo_outbox.status import GroupStatus, State, transition
 
 __all__ = ["GroupStatus", "RelayGroup"]
 

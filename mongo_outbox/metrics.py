@@ -55,7 +55,7 @@ from typing import Any, get_args
 from mongo_outbox.errors import BrokerFullError, ConfigurationError, InvalidEventError
 from mongo_outbox.events import as_utc, utc_now
 from mongo_outbox.publishers.base import unavailable
-from mongo_outbox.stats import RelayStatus, State
+from mongo_outbox.status import RelayStatus, State
 
 __all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "use"]
 

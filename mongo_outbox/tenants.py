@@ -22,7 +22,7 @@ from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
 from mongo_outbox.group import GroupStatus, RelayGroup
 from mongo_outbox.relay import PollingRelay
-from mongo_outbox.stats import RelayStatus, State
+from mongo_outbox.status import RelayStatus, State
 
 __all__ = ["TenantRelays"]
 

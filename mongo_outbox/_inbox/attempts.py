@@ -15,7 +15,7 @@ from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailur
 
 from mongo_outbox._driver import start_session
 from mongo_outbox._inbox.outcomes import DeadLetter, Outcome, Result
-from mongo_outbox._inbox.store import Claim, Identity, InboxStore, Taken, attempts_of
+from mongo_outbox._inbox.store import ClaimRefused, Identity, InboxStore, MessageClaim, attempts_of
 from mongo_outbox.errors import PoisonMessage, describe
 from mongo_outbox.events import Event
 from mongo_outbox.settings import Backoff
@@ -90,7 +90,7 @@ class Attempts:
 
     async def leased(self, event: Event, identity: Identity, last: bool) -> Result:
         claim = await self.store.claim(identity, event)
-        if isinstance(claim, Taken):
+        if isinstance(claim, ClaimRefused):
             if claim.status in ("done", "failed"):
                 return Result(Outcome.DUPLICATE, claim.attempts)
             if claim.status == "missing":
@@ -115,7 +115,7 @@ class Attempts:
         self,
         event: Event,
         identity: Identity,
-        claim: Claim | None,
+        claim: MessageClaim | None,
         attempt: int,
         before: dict[str, Any] | None,
     ) -> Result:
@@ -131,7 +131,7 @@ class Attempts:
         self,
         event: Event,
         identity: Identity,
-        claim: Claim | None,
+        claim: MessageClaim | None,
         attempt: int,
         error: BaseException,
         last: bool,
@@ -155,7 +155,12 @@ class Attempts:
         return Result(Outcome.RETRY, attempt, delay, text)
 
     async def _poison(
-        self, event: Event, identity: Identity, claim: Claim | None, attempt: int, reason: str
+        self,
+        event: Event,
+        identity: Identity,
+        claim: MessageClaim | None,
+        attempt: int,
+        reason: str,
     ) -> Result:
         log.error("dead-lettering %s after attempt %d: %s", identity["message_id"], attempt, reason)
         # Dead letter first: if it fails, the message is retried rather than marked lost.
@@ -175,7 +180,7 @@ class Attempts:
         self,
         event: Event,
         identity: Identity,
-        claim: Claim | None,
+        claim: MessageClaim | None,
         status: str,
         attempt: int,
         error: str,
@@ -190,7 +195,7 @@ class Attempts:
             # The broker redelivers and the attempt is counted again; nothing is lost.
             log.exception("could not record the %s state of %s", status, identity["message_id"])
 
-    def _lost(self, claim: Claim, status: str) -> None:
+    def _lost(self, claim: MessageClaim, status: str) -> None:
         log.warning(
             "the claim on %s ran out and another delivery took it over before it could be "
             "marked %s: Inbox.processing_lease (%s) is shorter than the handler's run",

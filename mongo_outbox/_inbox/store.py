@@ -51,7 +51,7 @@ class InboxSettings(Protocol):
 
 
 @dataclass(frozen=True)
-class Claim:
+class MessageClaim:
     """A leased hold on one message; ``token`` fences every later write of its holder."""
 
     identity: Identity
@@ -64,7 +64,7 @@ class Claim:
 
 
 @dataclass(frozen=True)
-class Taken:
+class ClaimRefused:
     """Why a message could not be claimed."""
 
     status: str
@@ -103,7 +103,7 @@ class InboxStore:
 
     # Leased mode.
 
-    async def claim(self, identity: Identity, event: Event) -> Claim | Taken:
+    async def claim(self, identity: Identity, event: Event) -> MessageClaim | ClaimRefused:
         now = utc_now()
         token = uuid.uuid4().hex
         fields = {
@@ -115,7 +115,7 @@ class InboxStore:
         }
         try:
             await self.coll.insert_one(identity | fields | {"attempts": 1})
-            return Claim(identity, token, 1, None, None)
+            return MessageClaim(identity, token, 1, None, None)
         except DuplicateKeyError:
             pass
         record = await self.coll.find_one_and_update(
@@ -131,7 +131,7 @@ class InboxStore:
             return_document=ReturnDocument.AFTER,
         )
         if record is not None:
-            return Claim(
+            return MessageClaim(
                 identity,
                 token,
                 attempts_of(record),
@@ -140,13 +140,13 @@ class InboxStore:
             )
         current = await self.coll.find_one(identity)
         if current is None:  # pruned in between: a new message for all we know
-            return Taken("missing", 0, 0.0)
+            return ClaimRefused("missing", 0, 0.0)
         wait = 0.0
         if current["status"] == "processing":
             wait = max((current["lease_until"] - now).total_seconds(), 0.0)
-        return Taken(current["status"], attempts_of(current), wait)
+        return ClaimRefused(current["status"], attempts_of(current), wait)
 
-    async def finish(self, claim: Claim) -> bool:
+    async def finish(self, claim: MessageClaim) -> bool:
         """Mark the claimed message done; ``False`` if the claim was taken over meanwhile."""
         now = utc_now()
         result = await self.coll.update_one(
@@ -164,7 +164,7 @@ class InboxStore:
 
     async def release(
         self,
-        claim: Claim,
+        claim: MessageClaim,
         status: str,
         attempt: int,
         error: str,

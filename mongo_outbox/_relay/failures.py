@@ -14,12 +14,12 @@ import logging
 from datetime import timedelta
 
 from mongo_outbox import metrics
-from mongo_outbox._relay.store.base import Claim, Failure
+from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.publishers.base import unavailable
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.stats import RelayStats
+from mongo_outbox.status import RelayStats
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -28,7 +28,7 @@ OUTAGE_WAIT = 30.0
 
 
 class Classifier:
-    """Turns a failed publish into the relay's ``Failure``: park, wait or retry, counted in
+    """Turns a failed publish into the relay's ``PublishFailure``: park, wait or retry, counted in
     ``stats`` and in the metrics of ``relay`` (its labels, or ``None``)."""
 
     def __init__(
@@ -40,7 +40,7 @@ class Classifier:
 
     def __call__(
         self, event: Event, error: BaseException, claim: Claim, confirmed: bool
-    ) -> Failure:
+    ) -> PublishFailure:
         """Classify a failed publish; ``confirmed``: the broker confirmed others this round."""
         text = describe(error)
         self.stats.last_error = text
@@ -70,9 +70,9 @@ class Classifier:
         log.warning(
             "publishing %s failed (attempt %d), retry in %.1fs: %s", event.id, attempt, delay, text
         )
-        return Failure(event, text, utc_now() + timedelta(seconds=delay), "retry")
+        return PublishFailure(event, text, utc_now() + timedelta(seconds=delay), "retry")
 
-    def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> Failure:
+    def _wait(self, event: Event, text: str, waits: int, *, wake: bool) -> PublishFailure:
         # One warning per round says so, not one per event.
         delay = self.settings.backoff.delay(waits + 1)
         if wake:
@@ -81,9 +81,9 @@ class Classifier:
             # matter if this relay stops meanwhile, so a short backoff must not retry them all
             # in a loop.
             delay = max(delay, OUTAGE_WAIT)
-        return Failure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
+        return PublishFailure(event, text, utc_now() + timedelta(seconds=delay), "wait", wake)
 
-    def _park(self, event: Event, claim: Claim, text: str) -> Failure:
+    def _park(self, event: Event, claim: Claim, text: str) -> PublishFailure:
         attempt = claim.attempts.get(event.id, 0) + 1
         log.error("parking %s after %d attempts: %s", event.id, attempt, text)
-        return Failure(event, text, utc_now(), "park")
+        return PublishFailure(event, text, utc_now(), "park")

@@ -24,7 +24,7 @@ from typing import Any
 from mongo_outbox import metrics
 from mongo_outbox._relay.failures import Classifier
 from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import Claim, Failure
+from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox.errors import (
     BrokerUnavailableError,
@@ -39,7 +39,7 @@ from mongo_outbox.publishers.base import (
     client_call,
 )
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.stats import RelayStats, RelayStatus, State
+from mongo_outbox.status import RelayStats, RelayStatus, State
 from mongo_outbox.tracing import publishing, tracer
 
 log = logging.getLogger("mongo_outbox.relay")
@@ -233,7 +233,7 @@ class Rounds:
             self._warn(waits)
         return len(published), parked + left
 
-    def _warn(self, waits: list[Failure]) -> None:
+    def _warn(self, waits: list[PublishFailure]) -> None:
         """Tell that events wait for the broker, as the relay then behaves: during an outage it
         probes with one event every PROBE_EVERY (each failed probe is a round of its own), so
         one line starts the outage and one more per OUTAGE_LOG_EVERY says it goes on."""
@@ -265,7 +265,7 @@ class Rounds:
 
     async def publish_claim(
         self, claim: Claim, deadline: float = math.inf, lost: asyncio.Event | None = None
-    ) -> tuple[list[Event], list[Failure], int]:
+    ) -> tuple[list[Event], list[PublishFailure], int]:
         """Publish a claim's events in waves, starting none after ``deadline`` (loop time).
         Returns what was published, what failed, and how many were left for lack of time."""
         published, errors, left = await self.publish_waves(claim.groups, deadline, lost)

@@ -13,7 +13,7 @@ from mongo_outbox.changestream.source import (
     WatchSource,
     triage,
 )
-from mongo_outbox.stats import RelayStatus
+from mongo_outbox.status import RelayStatus
 
 __all__ = [
     "ChangeBatch",

@@ -40,7 +40,7 @@ from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import RelayStats, RelayStatus, State, transition
+from mongo_outbox.status import RelayStats, RelayStatus, State, transition
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
-from mongo_outbox.stats import RelayStatus, State, transition
+from mongo_outbox.status import RelayStatus, State, transition
 
 log = logging.getLogger("mongo_outbox.group")
 

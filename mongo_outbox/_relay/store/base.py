@@ -73,7 +73,10 @@ Kind = Literal["retry", "wait", "park"]
 
 
 @dataclass(frozen=True)
-class Failure:
+class PublishFailure:
+    """What ``settle`` records of an event whose publish failed: its error, when it is due
+    again, and which of the three kinds of failure it was."""
+
     event: Event
     error: str
     retry_at: datetime
@@ -100,7 +103,7 @@ class Store(Protocol):
         """Lease what these change-stream changes brought, under the same rules as ``claim``."""
 
     async def settle(
-        self, claim: Claim, published: Sequence[Event], failed: Sequence[Failure]
+        self, claim: Claim, published: Sequence[Event], failed: Sequence[PublishFailure]
     ) -> None:
         """Mark ``published`` as published, apply ``failed`` (what queues behind a failure in
         its aggregate waits as long), and release whatever else ``claim`` holds."""

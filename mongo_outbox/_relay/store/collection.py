@@ -19,7 +19,7 @@ from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import decode, ours, shown
 from mongo_outbox._partitions import partition_of
-from mongo_outbox._relay.store.base import RECHECK, Backlog, Claim, Failure, batches, scope
+from mongo_outbox._relay.store.base import RECHECK, Backlog, Claim, PublishFailure, batches, scope
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -189,7 +189,7 @@ class CollectionStore:
         )
 
     async def settle(
-        self, claim: Claim, published: Sequence[Event], failed: Sequence[Failure]
+        self, claim: Claim, published: Sequence[Event], failed: Sequence[PublishFailure]
     ) -> None:
         now = utc_now()
         token = claim.token

@@ -28,7 +28,7 @@ from mongo_outbox._aggregates import type_of
 from mongo_outbox._codec import decode, numbered, ours
 from mongo_outbox._event_ids import Holder, PublishedIds
 from mongo_outbox._partitions import partition_of
-from mongo_outbox._relay.store.base import Backlog, Claim, Failure, scope
+from mongo_outbox._relay.store.base import Backlog, Claim, PublishFailure, scope
 from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -215,7 +215,7 @@ class EmbeddedStore(ParkedEntries):
     # -- settling ---------------------------------------------------------------------------
 
     async def settle(
-        self, claim: Claim, published: Sequence[Event], failed: Sequence[Failure]
+        self, claim: Claim, published: Sequence[Event], failed: Sequence[PublishFailure]
     ) -> None:
         now = utc_now()
         done: dict[tuple[str, Any], list[str]] = defaultdict(list)
