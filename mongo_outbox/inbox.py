@@ -68,6 +68,13 @@ __all__ = [
     "inbox_guard",
 ]
 
+log = logging.getLogger(__name__)
+
+Handler = Callable[..., Awaitable[None]]
+
+MAX_ID_LENGTH = 512
+"""The longest message id or source accepted, in characters."""
+
 # The inbox reads its own dates back whatever the user's client decodes them as (naive
 # datetimes, or DatetimeMS with ``datetime_conversion=DATETIME_MS``), and its records as dicts.
 _CODEC: CodecOptions[dict[str, Any]] = CodecOptions(
@@ -223,12 +230,7 @@ def _until(setting: str, value: Duration) -> timedelta:
     return period
 
 
-log = logging.getLogger(__name__)
-
-Handler = Callable[..., Awaitable[None]]
-
-MAX_ID_LENGTH = 512
-"""The longest message id or source accepted, in characters."""
+# -- the guard: runs a handler against an Inbox ------------------------------------------------
 
 
 def inbox_guard(
