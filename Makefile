@@ -27,13 +27,19 @@ FAST ?= not broker and not crash and not model and not slow
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -m '$(FAST)' $(PYTEST_ARGS)
 
-# The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv.
-test-oldest: $(BIN)/.installed
+# The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv. The tests
+# of the emulator itself (`testground`: its transactions, MongoDB's spec tests) run once, in `make
+# test`: this leg starts the same emulator from the same .venv, so they would check it twice.
+OLDEST_VENV := .venv-oldest
+$(OLDEST_VENV)/bin/.installed: pyproject.toml
 	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
-	test -x .venv-oldest/bin/python || $(OLDEST) -m venv .venv-oldest
-	.venv-oldest/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,console,otel,prometheus,faststream,testing,beanie,mongoengine,odmantic]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor pyyaml blinker httpx playwright \
+	test -x $(OLDEST_VENV)/bin/python || $(OLDEST) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,console,otel,prometheus,faststream,testing,beanie,mongoengine,odmantic]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor pyyaml blinker httpx playwright \
 		opentelemetry-sdk 'opentelemetry-test-utils>=0.41b0'
-	MONGOECO_PYTHON=$(abspath $(BIN)/python) .venv-oldest/bin/python -m pytest $(PYTEST_ARGS)
+	touch $@
+
+test-oldest: $(BIN)/.installed $(OLDEST_VENV)/bin/.installed
+	MONGOECO_PYTHON=$(abspath $(BIN)/python) $(OLDEST_VENV)/bin/python -m pytest -m 'not testground' $(PYTEST_ARGS)
 
 # The whole suite against docker-compose.yml's replica set, RabbitMQ, NATS and Redis (started,
 # healthy, and left running: `docker compose down` stops them). REPLSET_TEST=test-oldest runs it on

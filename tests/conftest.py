@@ -61,6 +61,10 @@ BROKER_NAMES = frozenset(
     }
 )
 
+# - `testground`: a test of the test MongoDB itself, through plain PyMongo and no library code:
+#   every test under tests/conformance (MongoDB's spec tests) and TESTGROUND_MODULES.
+TESTGROUND_MODULES = frozenset({"test_transaction_semantics.py"})
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,6 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & BROKER_FIXTURES or _names_a_broker_url(item, path, fixtures):
             item.add_marker(pytest.mark.broker)
+        if path.is_relative_to(TESTS / "conformance") or path.name in TESTGROUND_MODULES:
+            item.add_marker(pytest.mark.testground)
         if path.name.endswith("_crash.py"):
             item.add_marker(pytest.mark.crash)
         elif module is not None and path not in checked:
