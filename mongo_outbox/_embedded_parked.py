@@ -15,8 +15,8 @@ from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._event_ids import Holder, Taken
 from mongo_outbox._store import batches
+from mongo_outbox._write.event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
 
 Doomed = tuple[Holder, Event, Taken]

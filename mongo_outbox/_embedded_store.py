@@ -24,12 +24,12 @@ from typing import Any
 import bson
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._aggregates import type_of
 from mongo_outbox._codec import decode, numbered, ours
 from mongo_outbox._embedded_parked import Doomed, ParkedEntries
-from mongo_outbox._event_ids import Holder, PublishedIds
 from mongo_outbox._partitions import partition_of
 from mongo_outbox._store import Backlog, Claim, Failure, scope
+from mongo_outbox._write.aggregates import type_of
+from mongo_outbox._write.event_ids import Holder, PublishedIds
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox

@@ -35,9 +35,9 @@ from mongo_outbox._members import Membership, share
 from mongo_outbox._partition_workers import PollingWorker, StreamWorker, Worker
 from mongo_outbox._partitions import check_config
 from mongo_outbox._rounds import Rounds, pause
-from mongo_outbox._steps import run_async
 from mongo_outbox._store import store_for
 from mongo_outbox._turns import Turns
+from mongo_outbox._write.steps import run_async
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe

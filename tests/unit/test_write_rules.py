@@ -1,4 +1,4 @@
-"""The rules every write with events obeys (``_plans.Rules``, ``_stamping``, ``_aggregates``),
+"""The rules every write with events obeys (``_write/rules.py``, ``_write/aggregates.py``),
 checked before anything is written: a refusal raises while the plan is made, so no call reaches
 a database. The collections are a real client's that never connects (``tests/unit/conftest.py``):
 a rule that sent a command would fail these tests by a server selection timeout."""
@@ -16,8 +16,8 @@ from bson.codec_options import CodecOptions
 from pymongo import MongoClient, WriteConcern
 
 from mongo_outbox import Event
-from mongo_outbox._aggregates import aggregate_id, type_map
-from mongo_outbox._plans import Rules
+from mongo_outbox._write.aggregates import aggregate_id, type_map
+from mongo_outbox._write.rules import Rules
 from mongo_outbox.errors import (
     ConfigurationError,
     InvalidAggregateError,

@@ -1,6 +1,7 @@
 """The write side's step generators with scripted replies, no database: which calls a write makes
-in which order, and what it concludes from the replies (``_refusals.py``, ``_documents.py``),
-and the two drivers that perform the calls for the async and sync APIs (``_steps.py``)."""
+in which order, and what it concludes from the replies (``_write/refusals.py``,
+``_write/documents.py``), and the two drivers that perform the calls for the async and sync APIs
+(``_write/steps.py``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from mongo_outbox import Event
-from mongo_outbox._documents import DocumentWriter, bump
-from mongo_outbox._plans import Plan, Rules
-from mongo_outbox._refusals import explain
-from mongo_outbox._steps import Steps, call, listing, run_async, run_sync
+from mongo_outbox._write.documents import DocumentWriter, bump
+from mongo_outbox._write.refusals import explain
+from mongo_outbox._write.rules import Plan, Rules
+from mongo_outbox._write.steps import Steps, call, listing, run_async, run_sync
 from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,
@@ -254,7 +255,7 @@ async def test_a_cancelled_async_write_cleans_up_at_once_not_when_the_generator_
     assert log == ["cleaned up"]
 
 
-# The document writer (``_documents.py``): the calls of one write, and what a refusal means.
+# The document writer (``_write/documents.py``): the calls of one write, and what a refusal means.
 
 WRITER = DocumentWriter("collection", "_outbox", "_partition")
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)

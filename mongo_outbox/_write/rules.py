@@ -3,8 +3,9 @@ both the async ``Outbox`` and ``mongo_outbox.sync.Outbox``.
 
 A ``Plan`` is a write that passed them: the collection of the outbox's own client and database
 (and, in embedded mode, one its relay scans), the aggregate's ``_id``, its events stamped with
-``aggregate_type`` and ``aggregate_id`` (``_stamping.py``), a document, filter or update MongoDB
-will take, and sizes within MongoDB's limits. What only the server can find (an update that
+``aggregate_type`` and ``aggregate_id`` and encoded as entries (``stamped_events``,
+``entries_of``), a document, filter or update MongoDB will take, and sizes within MongoDB's
+limits. What only the server can find (an update that
 does not apply to the stored document, a document grown too large) fails the one write that
 would have stored it.
 """
@@ -12,7 +13,7 @@ would have stored it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,21 +21,23 @@ import bson
 from bson import ObjectId
 from bson.errors import InvalidDocument
 
-from mongo_outbox._aggregates import encoded_size
-from mongo_outbox._stamping import entries_of, stamped_events
-from mongo_outbox._updates import (
+from mongo_outbox._codec import encode
+from mongo_outbox._write.aggregates import aggregate_id, check_size, encoded_size, type_of
+from mongo_outbox._write.updates import (
     Update,
     check_array_filters,
     check_update,
     check_upsert_filter,
     id_of,
 )
-from mongo_outbox.errors import InvalidAggregateError, UsageError
+from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
 from mongo_outbox.events import Event
+from mongo_outbox.tracing import stamped
 
 Kind = Literal["save", "update", "delete", "add"]
 
 _INT64 = 2**63
+_ENTRY_OVERHEAD = 32  # bytes an entry gains when stored: its sequence, its array index
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Plan:
     write refuses to add them twice."""
     given: tuple[Event, ...] = ()
     """The caller's own Event objects (``events`` may be copies carrying a trace context):
-    embedded mode remembers on them where they were saved (``_core.py``)."""
+    embedded mode remembers on them where they were saved (``engine.py``)."""
 
 
 class Rules:
@@ -310,3 +313,60 @@ def _check_encodable(value: Mapping[str, Any], collection: Any, what: str) -> No
             f"{what} cannot be sent to MongoDB: {type(error).__name__}: {error}",
             collection=collection.name,
         ) from error
+
+
+def stamped_events(
+    events: Iterable[Event], name: str, doc_id: Any, aggregate_types: Mapping[str, str]
+) -> tuple[list[Event], dict[str, Any], tuple[Event, ...]]:
+    """The events, checked and carrying the current trace context (``tracing.py``), the
+    stamp that makes them the aggregate ``doc_id``'s of collection ``name``, and the caller's own
+    Event objects."""
+    stamp: dict[str, Any] = {
+        "aggregate_type": type_of(aggregate_types, name),
+        "aggregate_id": aggregate_id(doc_id, name),
+    }
+    if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
+        raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
+    seen: set[str] = set()
+    checked = []
+    for event in events:
+        if not isinstance(event, Event):
+            raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
+        if event.id in seen:
+            raise InvalidEventError(f"event id {event.id} appears twice", event_id=event.id)
+        seen.add(event.id)
+        for key, value in stamp.items():
+            given = getattr(event, key)
+            if given is not None and given != value:
+                raise InvalidEventError(
+                    f"event {event.id} has {key} {given!r}, but {name} {doc_id!r} "
+                    f"publishes as {value!r}",
+                    event_id=event.id,
+                )
+        checked.append(event)
+    # Every write API passes here: the one place events take the current trace context.
+    return stamped(checked), stamp, tuple(checked)
+
+
+def entries_of(
+    collection: Any,
+    events: list[Event],
+    stamp: dict[str, Any],
+    document_size: int,
+    mode: str,
+) -> list[dict[str, Any]]:
+    """The events as stored entries; InvalidAggregateError for sizes beyond MongoDB's."""
+    name = collection.name
+    id_key = "id" if mode == "embedded" else "_id"
+    entries = [encode(e, id_key) | stamp for e in events]
+    sizes = [
+        encoded_size(entry, collection, f"event {e.id}") + _ENTRY_OVERHEAD
+        for e, entry in zip(events, entries, strict=True)
+    ]
+    if mode == "embedded":
+        check_size(document_size + sum(sizes), name, "the document with its new events")
+    else:
+        check_size(document_size, name, "the document")
+        for event, entry_size in zip(events, sizes, strict=True):
+            check_size(entry_size, name, f"event {event.id}")
+    return entries

@@ -1,11 +1,11 @@
 """What the async ``Outbox`` and ``mongo_outbox.sync.Outbox`` share: the settings, the storage
-layout the relays read, and every write as steps (``_steps.py``), so the two APIs store the same
+layout the relays read, and every write as steps (``steps.py``), so the two APIs store the same
 documents by the same rules.
 
-A write with events, in collection mode: the aggregate document (``_documents.py``), then its
+A write with events, in collection mode: the aggregate document (``documents.py``), then its
 entries inserted into the outbox collection, in one transaction. In embedded mode: the document
 with its entries in one single-document write, after reserving in the registry the ids that can
-collide (``_event_ids.py`` says which, and why that second write loses nothing); a refused
+collide (``event_ids.py`` says which, and why that second write loses nothing); a refused
 document write takes its reservations back.
 """
 
@@ -26,14 +26,14 @@ from pymongo.errors import (
     WriteConcernError,
 )
 
-from mongo_outbox._aggregates import type_map
-from mongo_outbox._documents import DocumentWriter, bump
 from mongo_outbox._driver import DUPLICATE_KEY, is_async
-from mongo_outbox._event_ids import EventIds, forget, mark
 from mongo_outbox._partitions import check_config, config_collection, partition_of
-from mongo_outbox._plans import Plan, Rules
-from mongo_outbox._refusals import write_errors
-from mongo_outbox._steps import Steps, call
+from mongo_outbox._write.aggregates import type_map
+from mongo_outbox._write.documents import DocumentWriter, bump
+from mongo_outbox._write.event_ids import EventIds, forget, mark
+from mongo_outbox._write.refusals import write_errors
+from mongo_outbox._write.rules import Plan, Rules
+from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     ConfigurationError,
     DuplicateEventError,
@@ -83,7 +83,7 @@ _WRONG_API = {
 }
 
 
-class OutboxCore:
+class WriteEngine:
     """The settings and writes of an outbox; see ``mongo_outbox.Outbox`` for the parameters."""
 
     _ASYNC: ClassVar[bool]

@@ -15,7 +15,7 @@ event. It returns both as they are after the write, and the events are numbered 
 - delete: one ``findAndModify`` that removes the document and returns its counters.
 - add (events beside the caller's own writes): one ``findAndModify`` of ``$inc`` alone.
 
-When a write matches nothing, ``_refusals.py`` reads why: an error, or a concurrent write that got
+When a write matches nothing, ``refusals.py`` reads why: an error, or a concurrent write that got
 in first, and then the write is tried again.
 """
 
@@ -28,16 +28,16 @@ from pymongo import ReturnDocument
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
-from mongo_outbox._plans import Plan
-from mongo_outbox._refusals import (
+from mongo_outbox._write.refusals import (
     conflict,
     explain,
     not_found,
     on_id,
     too_large,
 )
-from mongo_outbox._steps import Steps, call
-from mongo_outbox._updates import guarded, with_operators
+from mongo_outbox._write.rules import Plan
+from mongo_outbox._write.steps import Steps, call
+from mongo_outbox._write.updates import guarded, with_operators
 from mongo_outbox.errors import InvalidAggregateError, InvalidCountersError
 
 _TOO_LARGE = frozenset(
@@ -153,7 +153,7 @@ class DocumentWriter:
             # nor those the relay's last settle just removed (a retry that read their
             # reservations an instant before the relay marked them published).
             # Only the ids that can be there: an id the library made, on an object no save was
-            # given before, cannot (_event_ids.py).
+            # given before, cannot (event_ids.py).
             ids = list(plan.may_be_stored)
             if ids:
                 conditions[f"{self.field}.id"] = {"$nin": ids}
