@@ -15,8 +15,8 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._write.engine import WriteEngine, Written
-from mongo_outbox._write.rules import Plan
+from mongo_outbox._write.engine import WriteEngine
+from mongo_outbox._write.plan import Plan, Written
 from mongo_outbox._write.sessions import check_free, lent
 from mongo_outbox._write.steps import run_sync
 from mongo_outbox.events import Event

@@ -2,59 +2,36 @@
 layout the relays read, and every write as steps (``steps.py``), so the two APIs store the same
 documents by the same rules.
 
-A write with events, in collection mode: the aggregate document (``documents.py``), then its
-entries inserted into the outbox collection, in one transaction. In embedded mode: the document
-with its entries in one single-document write, after reserving in the registry the ids that can
-collide (``event_ids.py`` says which, and why that second write loses nothing); a refused
-document write takes its reservations back.
+A write with events: the rules make it a ``Plan`` (``rules.py``); the layout of the outbox's mode
+(``layout.py``, chosen in ``layout_for``) records it around the aggregate document's write
+(``documents.py``). In collection mode the entries are then inserted into the outbox collection,
+in the same transaction. In embedded mode the document carries them, in one single-document
+write, after the ids that can collide were reserved in the registry (``event_ids.py`` says which,
+and why that second write loses nothing); a refused document write takes its reservations back.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from bson.errors import InvalidDocument
-from pymongo.errors import (
-    BulkWriteError,
-    DuplicateKeyError,
-    OperationFailure,
-    PyMongoError,
-    WriteConcernError,
-)
-
-from mongo_outbox._driver import DUPLICATE_KEY, is_async
+from mongo_outbox._driver import is_async
 from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._write.aggregates import type_map
+from mongo_outbox._write.collection_layout import CollectionLayout
 from mongo_outbox._write.documents import DocumentWriter, bump
-from mongo_outbox._write.event_ids import EventIds, forget, mark
-from mongo_outbox._write.refusals import write_errors
-from mongo_outbox._write.rules import Plan, Rules
-from mongo_outbox._write.steps import Steps, call
-from mongo_outbox.errors import (
-    ConfigurationError,
-    DuplicateEventError,
-    InvalidCountersError,
-    OutboxError,
-    UsageError,
-)
-from mongo_outbox.events import Event, utc_now
+from mongo_outbox._write.embedded_layout import EmbeddedLayout
+from mongo_outbox._write.event_ids import EventIds
+from mongo_outbox._write.layout import Layout, Mode
+from mongo_outbox._write.plan import Plan, Written
+from mongo_outbox._write.rules import Rules
+from mongo_outbox._write.steps import Steps
+from mongo_outbox.errors import ConfigurationError, UsageError
+from mongo_outbox.events import utc_now
 from mongo_outbox.settings import count
 
-log = logging.getLogger(__name__)
-
-Mode = Literal["collection", "embedded"]
-Written = tuple[Any, int, list[Event]]
-"""A write's result: the aggregate's ``_id``, its new version, the events as stored."""
-
-
-# What the driver raises while it encodes a command, so before sending it: a value the rules
-# could not see (they refuse what they can). Not InvalidOperation: a retry after a network error
-# raises it for a client closed meanwhile, when the first attempt may have been applied.
-_UNSENT = (InvalidDocument, OverflowError)
 _NOT_A_FIELD = frozenset({"_id", "_version", "_sequence"})
 
 
@@ -73,6 +50,19 @@ def check_field(field: Any) -> None:
             f"or _sequence), not {field!r}",
             setting="Outbox.field",
         )
+
+
+def layout_for(
+    mode: Any, db: Any, outbox: Any, collections: Sequence[str], field: str, registry: EventIds
+) -> Layout:
+    """The layout of ``mode``: the one place the write side tells the modes apart."""
+    if mode == "collection":
+        return CollectionLayout(outbox, field)
+    if mode == "embedded":
+        if not collections:
+            raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
+        return EmbeddedLayout(db, collections, field, registry)
+    raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
 
 
 _WRONG_API = {
@@ -103,8 +93,6 @@ class WriteEngine:
     ) -> None:
         if is_async(db) not in (None, self._ASYNC):
             raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
-        if mode not in ("collection", "embedded"):
-            raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
         if not db.write_concern.acknowledged:
             raise ConfigurationError(
                 f"database {db.name} writes unacknowledged (w=0): the outbox, its relays and its "
@@ -112,8 +100,9 @@ class WriteEngine:
                 setting="Outbox.db",
             )
         check_field(field)
-        if mode == "embedded" and not collections:
-            raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
+        self.event_ids = db[f"{collection}_event_ids"]
+        self._registry = EventIds(self.event_ids, retention)
+        self.layout = layout_for(mode, db, db[collection], collections, field, self._registry)
         if retention <= timedelta(0):
             raise ValueError("retention must be positive")
         self.partitions = count(partitions, "Outbox.partitions")
@@ -123,23 +112,18 @@ class WriteEngine:
         self.collection = db[collection]
         self.collections = tuple(collections)
         self.aggregate_types = type_map(aggregate_types, self.collections)
-        self.event_ids = db[f"{collection}_event_ids"]
+        # The relays' names for the embedded fields (a collection-mode outbox has them too).
         self.field = field
         self.due_field = f"{field}_due"
         self.claim_field = f"{field}_claim"
         self.wait_field = f"{field}_wait"
         self.sent_field = f"{field}_sent"
-        self.partition_field = f"{field}_partition" if mode == "embedded" else "partition"
+        self.partition_field = self.layout.partition_field
         self.config = config_collection(db, collection)
         self._config_checked = False
-        owned = {"_version", "_sequence"}
-        if mode == "embedded":
-            owned |= {field, self.due_field, self.claim_field, self.wait_field, self.sent_field}
-            owned |= {self.partition_field}
-        self._reserved = frozenset(owned)
-        self._rules = Rules(db, mode, self.collections, self.aggregate_types, self._reserved)
-        self._registry = EventIds(self.event_ids, retention)
-        self._documents = DocumentWriter(mode, field, self.partition_field)
+        self._reserved = self.layout.owned
+        self._rules = Rules(db, self.layout, self.aggregate_types, self._reserved)
+        self._documents = DocumentWriter(self.layout)
 
     def partition_of(self, aggregate_type: Any, aggregate_id: Any) -> int:
         """The partition of an aggregate's entries (0 when the outbox has one partition)."""
@@ -154,64 +138,11 @@ class WriteEngine:
     def _index_steps(self) -> Steps[None]:
         """The indexes the relay and the TTL pruning need. Idempotent."""
         yield from self._check_config()
-        if self.mode == "collection":
-            outbox = self.collection
-            if self.partitions > 1:
-                # A group member's claims: its partition's due entries.
-                yield call(
-                    outbox,
-                    "create_index",
-                    [("partition", 1), ("status", 1), ("available_at", 1)],
-                    name="relay_partition_due",
-                )
-            yield call(
-                outbox, "create_index", [("status", 1), ("available_at", 1)], name="relay_due"
-            )
-            yield call(
-                outbox,
-                "create_index",
-                [("aggregate_type", 1), ("aggregate_id", 1), ("sequence", 1)],
-                name="aggregate",
-            )
-            # Only published entries get expire_at, so pending ones never expire.
-            yield call(outbox, "create_index", "expire_at", expireAfterSeconds=0, name="ttl")
-            # Entries waiting for the broker, woken at once when it is back.
-            yield call(outbox, "create_index", "waiting", sparse=True, name="waiting")
-            return
-        for name in self.collections:
-            aggregates = self.db[name]
-            if self.partitions > 1:
-                yield call(
-                    aggregates,
-                    "create_index",
-                    [(self.partition_field, 1), (self.due_field, 1)],
-                    sparse=True,
-                    name=f"{self.field}_partition_due",
-                )
-            yield call(
-                aggregates,
-                "create_index",
-                self.due_field,
-                sparse=True,
-                name=f"{self.field}_relay_due",
-            )
-            # Parked entries stay in their documents; this finds them without a scan.
-            yield call(
-                aggregates,
-                "create_index",
-                f"{self.field}.parked",
-                sparse=True,
-                name=f"{self.field}_parked",
-            )
-            yield call(
-                aggregates, "create_index", self.wait_field, sparse=True, name=f"{self.field}_wait"
-            )
-        yield from self._registry.ensure_index()
+        yield from self.layout.indexes(self.partitions)
 
     def _transactional(self, session: Any) -> bool:
-        """Whether a write must run in a transaction of its own: collection mode writes two
-        collections, unless the caller's transaction holds them already."""
-        return self.mode == "collection" and not (session is not None and session.in_transaction)
+        """Whether a write must run in a transaction of its own."""
+        return self.layout.own_transaction(session)
 
     def _steps(self, plan: Plan, session: Any) -> Steps[Written]:
         # Outside the caller's transaction (no session): a config read, at most one upsert.
@@ -221,47 +152,7 @@ class WriteEngine:
             plan = replace(
                 plan, partition=self.partition_of(stamp["aggregate_type"], stamp["aggregate_id"])
             )
-        if self.mode == "collection":
-            return (yield from self._write(plan, session))
-        name = plan.collection.name
-        home = (plan.collection.full_name, plan.doc_id)
-        in_transaction = session is not None and session.in_transaction
-        # Remembered before the first database call, so that a concurrent save of the same
-        # object elsewhere (another task, another thread) is refused; the home not in a
-        # transaction, which the caller may abort. The copies the save returns (made from
-        # plan.events) carry the marks too.
-        ids, before = mark(plan.given, plan.events, home, in_transaction)
-        if ids:
-            plan = replace(plan, may_be_stored=tuple(ids))
-        try:
-            if ids:
-                self._rules.check_registry_id(plan.doc_id, name)
-            reserved = yield from self._registry.reserve(ids, name, plan.doc_id, session)
-        except BaseException:
-            forget(before)  # the document was not written
-            raise
-        try:
-            return (yield from self._write(plan, session))
-        except (OutboxError, OperationFailure, *_UNSENT) as refused:
-            if isinstance(refused, (WriteConcernError, InvalidCountersError)):
-                raise  # the write happened (or is in a transaction that decides)
-            # The document write was refused, or never sent, and wrote nothing: take the
-            # reservations back. (Not after a network error or a cancellation: the write may
-            # have happened.)
-            forget(before)
-            try:
-                yield from self._registry.release(reserved, name, plan.doc_id, session)
-            except PyMongoError as error:  # e.g. the transaction the refusal aborted
-                # A pending reservation has no expiry: the ids stay this document's (a retry of
-                # the save goes on with them), unless the aborted transaction took them along.
-                log.warning(
-                    "event ids %s stay reserved for %s %r unless their transaction was aborted: %s",
-                    reserved,
-                    name,
-                    plan.doc_id,
-                    error,
-                )
-            raise refused
+        return (yield from self.layout.record(plan, session, self._write))
 
     def _write(self, plan: Plan, session: Any) -> Steps[Written]:
         n = len(plan.events)
@@ -275,30 +166,5 @@ class WriteEngine:
             e.model_copy(update=plan.stamp | {"sequence": first + i})
             for i, e in enumerate(plan.events)
         ]
-        if self.mode == "collection" and events:
-            pending = {"status": "pending", "available_at": now, "attempts": 0}
-            if plan.partition is not None:
-                pending["partition"] = plan.partition
-            entries = [
-                entry | {"sequence": first + i} | pending for i, entry in enumerate(plan.entries)
-            ]
-            try:
-                if len(entries) == 1:  # the cheaper command for the commonest case
-                    yield call(self.collection, "insert_one", entries[0], session=session)
-                else:
-                    yield call(self.collection, "insert_many", entries, session=session)
-            except (BulkWriteError, DuplicateKeyError) as error:
-                if not _duplicate(error):
-                    raise
-                raise DuplicateEventError(
-                    f"an event id is already in {self.collection.name} (pending, or published "
-                    f"less than retention ago): {error}",
-                    collection=plan.collection.name,
-                ) from error
+        yield from self.layout.insert_entries(plan, first, now, session)
         return plan.doc_id, version, events
-
-
-def _duplicate(error: BulkWriteError | DuplicateKeyError) -> bool:
-    if isinstance(error, DuplicateKeyError):
-        return True
-    return any(e.get("code") == DUPLICATE_KEY for e in write_errors(error))

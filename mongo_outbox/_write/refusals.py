@@ -15,7 +15,7 @@ from typing import Any
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
-from mongo_outbox._write.rules import Plan
+from mongo_outbox._write.plan import Plan
 from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     AggregateNotFoundError,

@@ -24,12 +24,13 @@ from mongo_outbox.errors import (
     InvalidEventError,
     UsageError,
 )
+from tests.support.layouts import embedded, layout
 
 OWNED = frozenset({"_version", "_sequence", "_outbox", "_due"})
 
 
 def rules(db: Any, mode: str = "collection", types: dict[str, str] | None = None) -> Rules:
-    return Rules(db, mode, ["orders"], types or {}, OWNED)
+    return Rules(db, layout(db, mode), types or {}, OWNED)
 
 
 class Session:
@@ -208,9 +209,9 @@ def test_a_uuid_id_needs_its_representation_on_the_database_to_reserve_event_ids
     shop: Any,
 ) -> None:
     with pytest.raises(InvalidAggregateError, match="needs a uuidRepresentation on the database"):
-        rules(shop, "embedded").check_registry_id(uuid.uuid4(), "orders")
+        embedded(shop).check_registry_id(uuid.uuid4(), "orders")
     standard = CodecOptions(uuid_representation=UuidRepresentation.STANDARD)
-    rules(shop.client.get_database("shop", codec_options=standard), "embedded").check_registry_id(
+    embedded(shop.client.get_database("shop", codec_options=standard)).check_registry_id(
         uuid.uuid4(), "orders"
     )
 
