@@ -240,7 +240,7 @@ class Event(BaseModel):
     causation_id: Annotated[str | None, AfterValidator(_identity)] = None
     version: Annotated[int, Field(ge=1)] = 1
 
-    # What embedded saves did with this object (_event_ids.py): ``_given``, it was handed to a
+    # What embedded saves did with this object (_write/event_ids.py): ``_given``, it was handed to a
     # save, so its id (even one the library made) is reserved from then on; ``_home``, the
     # document (collection's full name, _id) a save outside a transaction put it in. Copies
     # (model_copy, copy, pickle) carry both along.

@@ -3,17 +3,17 @@
 Collection mode stores each event as a document of the outbox collection, written in the same
 multi-document transaction as the aggregate. Embedded mode appends the events to an array field of
 the aggregate document itself, so the aggregate and its events are one single-document write,
-after the event ids were reserved in the registry (``_event_ids.py`` says why that second write
-loses nothing).
+after the event ids were reserved in the registry (``_write/event_ids.py`` says why that second
+write loses nothing).
 
 The aggregate keeps two counters, ``_version`` (one step per write) and ``_sequence`` (one step
-per event, so events carry a gap-free per-aggregate sequence), written by ``_documents.py``.
+per event, so events carry a gap-free per-aggregate sequence), written by ``_write/documents.py``.
 
-Everything that can be checked before writing is (``_plans.py``), so bad input writes nothing;
+Everything that can be checked before writing is (``_write/rules.py``), so bad input writes nothing;
 what only the server can find (an update that does not apply to the stored document, a document
 grown too large with its pending entries) fails the one write that would have stored it, inside
 the aborted transaction in collection mode. ``mongo_outbox.sync.Outbox`` runs the same rules and
-the same writes (``_core.py``) with PyMongo's sync API.
+the same writes (``_write/engine.py``) with PyMongo's sync API.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._core import Mode, OutboxCore, Written
 from mongo_outbox._driver import start_session
-from mongo_outbox._plans import Plan
-from mongo_outbox._sessions import check_free, lent
-from mongo_outbox._steps import run_async
+from mongo_outbox._write.engine import WriteEngine
+from mongo_outbox._write.layout import Mode
+from mongo_outbox._write.plan import Plan, Written
+from mongo_outbox._write.sessions import check_free, lent
+from mongo_outbox._write.steps import run_async
 from mongo_outbox.events import Event
 
 __all__ = ["Mode", "Outbox", "Saved"]
@@ -46,7 +47,7 @@ class Saved:
     events: list[Event]
 
 
-class Outbox(OutboxCore):
+class Outbox(WriteEngine):
     """Writes aggregates with their events, and knows where the relay finds them.
 
     Parameters:

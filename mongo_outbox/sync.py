@@ -1,8 +1,8 @@
 """The write side for PyMongo's sync client (``pymongo.MongoClient``): Flask, Django, scripts.
 
 ``from mongo_outbox.sync import Outbox`` writes exactly what ``mongo_outbox.Outbox`` writes: the
-same rules, the same steps (``_core.py``), the same documents and entries. So the async relays
-(``PollingRelay``, ``ChangeStreamRelay``, in a service of their own) publish what it saved,
+same rules, the same steps (``_write/engine.py``), the same documents and entries. So the async
+relays (``PollingRelay``, ``ChangeStreamRelay``, in a service of their own) publish what it saved,
 unchanged; build theirs with ``mongo_outbox.Outbox`` over an ``AsyncMongoClient`` of the same
 database. The relays and the inbox stay async.
 """
@@ -15,17 +15,17 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._core import OutboxCore, Written
-from mongo_outbox._plans import Plan
-from mongo_outbox._sessions import check_free, lent
-from mongo_outbox._steps import run_sync
+from mongo_outbox._write.engine import WriteEngine
+from mongo_outbox._write.plan import Plan, Written
+from mongo_outbox._write.sessions import check_free, lent
+from mongo_outbox._write.steps import run_sync
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Saved
 
 __all__ = ["Outbox", "Saved"]
 
 
-class Outbox(OutboxCore):
+class Outbox(WriteEngine):
     """``mongo_outbox.Outbox`` for a ``pymongo.database.Database``: the same parameters, the
     same methods without ``await``, the same storage layout.
 

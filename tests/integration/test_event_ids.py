@@ -5,7 +5,7 @@ dropped by the broker and marked published by the relay: lost without a word.
 
 Most tests here reuse an id the caller chose (``chosen``): in embedded mode those are the ids a
 save reserves in the registry. An id the library made is not reserved at save time
-(``_event_ids.py``); its own tests are at the end.
+(``_write/event_ids.py``); its own tests are at the end.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ async def test_the_relay_takes_an_id_whose_reservation_is_missing_when_it_publis
         await outbox.save_with_events(None, db.orders, {"_id": 1}, [event])
 
 
-# Ids the library made: no registry write at save time (_event_ids.py).
+# Ids the library made: no registry write at save time (_write/event_ids.py).
 
 
 class Commands(monitoring.CommandListener):
@@ -357,7 +357,7 @@ def test_one_event_object_saved_to_two_documents_from_two_threads_goes_to_one(
     # The sync API in a threaded server: each thread checks the object's marks, then sets them.
     # The check is slowed down here so that, were the two steps not one, both threads would
     # pass it before either set the marks.
-    from mongo_outbox import _event_ids
+    from mongo_outbox._write import event_ids as _event_ids
     from mongo_outbox.sync import Outbox as SyncOutbox
 
     checked = _event_ids.to_reserve

@@ -1,5 +1,5 @@
-"""What an embedded save remembers on the caller's Event objects (``_event_ids.py``): which ids
-it must reserve, which document an object went to, and what a refused or doubtful write leaves.
+"""What an embedded save remembers on the caller's Event objects (``_write/event_ids.py``): which
+ids it must reserve, which document an object went to, and what a refused or doubtful write leaves.
 No server: the save's steps are driven by hand, and the answers they would get are made up."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure, WriteConcernError
 
 from mongo_outbox import DuplicateEventError, Event, Outbox
-from mongo_outbox._event_ids import PublishedIds, forget, remember, to_reserve
+from mongo_outbox._write.event_ids import PublishedIds, forget, remember, to_reserve
 
 HOME = ("shop.orders", 1)
 

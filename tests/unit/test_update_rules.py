@@ -1,5 +1,5 @@
 """What ``update_with_events`` accepts as a filter and an update, and how the outbox adds its own
-part (``_updates.py``): every path an update writes is checked before anything is written, so
+part (``_write/updates.py``): every path an update writes is checked before anything is written, so
 no update reaches the fields the outbox owns or the ``_id``, whichever way it names them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mongo_outbox._updates import (
+from mongo_outbox._write.updates import (
     OPERATORS,
     check_array_filters,
     check_update,

@@ -1,4 +1,4 @@
-"""The rules every write with events obeys (``_plans.Rules``, ``_stamping``, ``_aggregates``),
+"""The rules every write with events obeys (``_write/rules.py``, ``_write/aggregates.py``),
 checked before anything is written: a refusal raises while the plan is made, so no call reaches
 a database. The collections are a real client's that never connects (``tests/unit/conftest.py``):
 a rule that sent a command would fail these tests by a server selection timeout."""
@@ -16,20 +16,21 @@ from bson.codec_options import CodecOptions
 from pymongo import MongoClient, WriteConcern
 
 from mongo_outbox import Event
-from mongo_outbox._aggregates import aggregate_id, type_map
-from mongo_outbox._plans import Rules
+from mongo_outbox._write.aggregates import aggregate_id, type_map
+from mongo_outbox._write.rules import Rules
 from mongo_outbox.errors import (
     ConfigurationError,
     InvalidAggregateError,
     InvalidEventError,
     UsageError,
 )
+from tests.support.layouts import embedded, layout
 
 OWNED = frozenset({"_version", "_sequence", "_outbox", "_due"})
 
 
 def rules(db: Any, mode: str = "collection", types: dict[str, str] | None = None) -> Rules:
-    return Rules(db, mode, ["orders"], types or {}, OWNED)
+    return Rules(db, layout(db, mode), types or {}, OWNED)
 
 
 class Session:
@@ -208,9 +209,9 @@ def test_a_uuid_id_needs_its_representation_on_the_database_to_reserve_event_ids
     shop: Any,
 ) -> None:
     with pytest.raises(InvalidAggregateError, match="needs a uuidRepresentation on the database"):
-        rules(shop, "embedded").check_registry_id(uuid.uuid4(), "orders")
+        embedded(shop).check_registry_id(uuid.uuid4(), "orders")
     standard = CodecOptions(uuid_representation=UuidRepresentation.STANDARD)
-    rules(shop.client.get_database("shop", codec_options=standard), "embedded").check_registry_id(
+    embedded(shop.client.get_database("shop", codec_options=standard)).check_registry_id(
         uuid.uuid4(), "orders"
     )
 

@@ -1,6 +1,7 @@
 """The write side's step generators with scripted replies, no database: which calls a write makes
-in which order, and what it concludes from the replies (``_refusals.py``, ``_documents.py``),
-and the two drivers that perform the calls for the async and sync APIs (``_steps.py``)."""
+in which order, and what it concludes from the replies (``_write/refusals.py``,
+``_write/documents.py``), and the two drivers that perform the calls for the async and sync APIs
+(``_write/steps.py``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from mongo_outbox import Event
-from mongo_outbox._documents import DocumentWriter, bump
-from mongo_outbox._plans import Plan, Rules
-from mongo_outbox._refusals import explain
-from mongo_outbox._steps import Steps, call, listing, run_async, run_sync
+from mongo_outbox._write.documents import DocumentWriter, bump
+from mongo_outbox._write.plan import Plan
+from mongo_outbox._write.refusals import explain
+from mongo_outbox._write.rules import Rules
+from mongo_outbox._write.steps import Steps, call, listing, run_async, run_sync
 from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,
@@ -26,6 +28,7 @@ from mongo_outbox.errors import (
     InvalidAggregateError,
     InvalidCountersError,
 )
+from tests.support.layouts import layout
 from tests.support.scripted import ANY, Turn, play
 
 OWNED = frozenset({"_version", "_sequence"})
@@ -33,7 +36,7 @@ COUNTERS = {"_version": 1, "_sequence": 1, "_due": 1}
 
 
 def rules(db: Any, mode: str = "collection") -> Rules:
-    return Rules(db, mode, ["orders"], {}, OWNED)
+    return Rules(db, layout(db, mode), {}, OWNED)
 
 
 def an_update(db: Any, *, expected_version: int | None = None, upsert: bool = False) -> Plan:
@@ -254,9 +257,13 @@ async def test_a_cancelled_async_write_cleans_up_at_once_not_when_the_generator_
     assert log == ["cleaned up"]
 
 
-# The document writer (``_documents.py``): the calls of one write, and what a refusal means.
+# The document writer (``_write/documents.py``): the calls of one write, and what a refusal means.
 
-WRITER = DocumentWriter("collection", "_outbox", "_partition")
+
+def writer(db: Any) -> DocumentWriter:
+    return DocumentWriter(layout(db))
+
+
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -265,7 +272,7 @@ def test_creating_an_aggregate_is_one_plain_insert_with_its_counters(shop: Any) 
     plan = rules(shop).save(None, shop.orders, {"_id": 7, "total": 3}, events, 0)
     inserted = {"_id": 7, "total": 3, "_version": 1, "_sequence": 2}
     turn = Turn("insert_one", (inserted,), {"session": None}, target="orders")
-    assert play(WRITER.write(plan, None, NOW), turn) == (1, 2)
+    assert play(writer(shop).write(plan, None, NOW), turn) == (1, 2)
 
 
 def test_creating_an_aggregate_that_exists_is_a_conflict_but_another_unique_key_is_not(
@@ -276,13 +283,13 @@ def test_creating_an_aggregate_that_exists_is_a_conflict_but_another_unique_key_
     on_id = DuplicateKeyError("E11000", 11000, {"keyPattern": {"_id": 1}})
     with pytest.raises(ConcurrencyError, match="it exists already"):
         play(
-            WRITER.write(plan, None, NOW),
+            writer(shop).write(plan, None, NOW),
             Turn("insert_one", (inserted,), {"session": None}, raises=on_id),
         )
     on_email = DuplicateKeyError("E11000", 11000, {"keyPattern": {"email": 1}})
     with pytest.raises(DuplicateKeyError):
         play(
-            WRITER.write(plan, None, NOW),
+            writer(shop).write(plan, None, NOW),
             Turn("insert_one", (inserted,), {"session": None}, raises=on_email),
         )
 
@@ -302,7 +309,7 @@ def deleting(shop: Any, expected_version: int | None) -> tuple[Plan, Turn]:
 def test_a_delete_returns_the_counters_moved_past_the_document_it_removed(shop: Any) -> None:
     plan, delete = deleting(shop, 4)
     removed = dataclasses.replace(delete, reply={"_version": 4, "_sequence": 6})
-    assert play(WRITER.write(plan, None, NOW), removed) == (5, 7)
+    assert play(writer(shop).write(plan, None, NOW), removed) == (5, 7)
 
 
 def test_a_delete_overtaken_by_concurrent_writes_gives_up_after_three_attempts(shop: Any) -> None:
@@ -315,7 +322,7 @@ def test_a_delete_overtaken_by_concurrent_writes_gives_up_after_three_attempts(s
         find({"_id": 7}, there, "_outbox_due"),
     )
     with pytest.raises(ConcurrencyError):
-        play(WRITER.write(plan, None, NOW), *attempt, *attempt, *attempt)
+        play(writer(shop).write(plan, None, NOW), *attempt, *attempt, *attempt)
 
 
 def test_an_update_the_server_refuses_for_its_content_is_invalid_but_a_transient_error_is_not(
@@ -324,10 +331,10 @@ def test_an_update_the_server_refuses_for_its_content_is_invalid_but_a_transient
     plan = an_update(shop)
     refused = OperationFailure("Cannot apply $inc to a string", code=14)
     with pytest.raises(InvalidAggregateError, match=r"MongoDB refused the update .* \(code 14\)"):
-        play(WRITER.write(plan, None, NOW), Turn(ANY, raises=refused))
+        play(writer(shop).write(plan, None, NOW), Turn(ANY, raises=refused))
     transient = OperationFailure(
         "conflict", code=14, details={"errorLabels": ["TransientTransactionError"]}
     )
     with pytest.raises(OperationFailure) as raised:
-        play(WRITER.write(plan, None, NOW), Turn(ANY, raises=transient))
+        play(writer(shop).write(plan, None, NOW), Turn(ANY, raises=transient))
     assert raised.value is transient

@@ -15,8 +15,8 @@ from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._event_ids import Holder, Taken
 from mongo_outbox._relay.store.base import batches
+from mongo_outbox._write.event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
 
 Doomed = tuple[Holder, Event, Taken]
@@ -32,7 +32,7 @@ class ParkedEntries:
     colls: dict[str, Any]
 
     async def _park_taken(self, doomed: Sequence[Doomed], token: str) -> None:
-        """Park where they are the entries whose id another document holds (``_event_ids.py``):
+        """Park where they are the entries whose id another document holds (``_write/event_ids.py``):
         published, one of the two would be dropped by the broker as the other's duplicate."""
         parks: dict[str, list[UpdateOne]] = defaultdict(list)
         for (name, doc_id), event, ((holder, holder_id), sequence) in doomed:

@@ -3,86 +3,47 @@ both the async ``Outbox`` and ``mongo_outbox.sync.Outbox``.
 
 A ``Plan`` is a write that passed them: the collection of the outbox's own client and database
 (and, in embedded mode, one its relay scans), the aggregate's ``_id``, its events stamped with
-``aggregate_type`` and ``aggregate_id`` (``_stamping.py``), a document, filter or update MongoDB
-will take, and sizes within MongoDB's limits. What only the server can find (an update that
+``aggregate_type`` and ``aggregate_id`` (``stamped_events``) and encoded as entries (by the
+layout, ``layout.py``), a document, filter or update MongoDB will take, and sizes within
+MongoDB's limits. What only the server can find (an update that
 does not apply to the stored document, a document grown too large) fails the one write that
 would have stored it.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import bson
 from bson import ObjectId
 from bson.errors import InvalidDocument
 
-from mongo_outbox._aggregates import encoded_size
-from mongo_outbox._stamping import entries_of, stamped_events
-from mongo_outbox._updates import (
-    Update,
+from mongo_outbox._write.aggregates import aggregate_id, encoded_size, type_of
+from mongo_outbox._write.layout import Layout
+from mongo_outbox._write.plan import Plan
+from mongo_outbox._write.updates import (
     check_array_filters,
     check_update,
     check_upsert_filter,
     id_of,
 )
-from mongo_outbox.errors import InvalidAggregateError, UsageError
+from mongo_outbox.errors import InvalidAggregateError, InvalidEventError, UsageError
 from mongo_outbox.events import Event
-
-Kind = Literal["save", "update", "delete", "add"]
+from mongo_outbox.tracing import stamped
 
 _INT64 = 2**63
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One write, checked: what to write where, and the version it expects."""
-
-    kind: Kind
-    collection: Any
-    doc_id: Any
-    events: list[Event]
-    """The caller's events, checked; ``stamp`` and a sequence make them the stored ones."""
-    entries: list[dict[str, Any]]
-    """The events encoded as entries (id under ``id`` in embedded mode, else ``_id``), stamped."""
-    stamp: dict[str, Any]
-    """``aggregate_type`` and ``aggregate_id`` of the events."""
-    expected_version: int | None = None
-    body: dict[str, Any] = field(default_factory=dict)
-    """save: the document's fields, without those the outbox owns."""
-    query: dict[str, Any] = field(default_factory=dict)
-    """update, delete, add: the caller's filter (it names ``_id``)."""
-    update: Update | None = None
-    upsert: bool = False
-    array_filters: list[dict[str, Any]] | None = None
-    """update: the filters of the ``$[identifier]`` positions its operators use."""
-    partition: int | None = None
-    """The aggregate's partition, stored with its entries when the outbox has more than one."""
-    may_be_stored: tuple[str, ...] = ()
-    """Embedded mode: the event ids the document may hold already (a retry, a chosen id); the
-    write refuses to add them twice."""
-    given: tuple[Event, ...] = ()
-    """The caller's own Event objects (``events`` may be copies carrying a trace context):
-    embedded mode remembers on them where they were saved (``_core.py``)."""
-
-
 class Rules:
-    """The checks of an outbox over ``db`` in ``mode``; ``owned`` are the fields it owns."""
+    """The checks of an outbox over ``db`` whose entries ``layout`` keeps; ``owned`` are the
+    fields it owns (the layout's)."""
 
     def __init__(
-        self,
-        db: Any,
-        mode: str,
-        collections: Sequence[str],
-        aggregate_types: Mapping[str, str],
-        owned: frozenset[str],
+        self, db: Any, layout: Layout, aggregate_types: Mapping[str, str], owned: frozenset[str]
     ) -> None:
         self.db = db
-        self.mode = mode
-        self.collections = tuple(collections)
+        self.layout = layout
         self.aggregate_types = aggregate_types
         self.owned = owned
 
@@ -115,7 +76,7 @@ class Rules:
         checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
         body = {k: v for k, v in document.items() if k not in self.owned}
         size = encoded_size(body, collection, "the document")
-        entries = entries_of(collection, checked, stamp, size, self.mode)
+        entries = self.layout.entries(collection, checked, stamp, size)
         return Plan(
             "save",
             collection,
@@ -163,7 +124,7 @@ class Rules:
             {"q": query, "u": change, "f": filters or []}, collection, "the filter or update"
         )
         checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
-        entries = entries_of(collection, checked, stamp, 0, self.mode)
+        entries = self.layout.entries(collection, checked, stamp, 0)
         return Plan(
             "update",
             collection,
@@ -188,13 +149,7 @@ class Rules:
         expected_version: int | None,
     ) -> Plan:
         name = self._check_collection(collection, session)
-        if self.mode == "embedded":
-            raise UsageError(
-                f"delete_with_events is not available in embedded mode: the events of {name} "
-                "live in the document it would delete. Mark the aggregate deleted with "
-                "update_with_events and delete the document once its _outbox is empty, or use "
-                "collection mode (docs/outbox.md, 'Deleting')"
-            )
+        self.layout.check_supported("delete", name)
         _check_expected(expected_version, name)
         if expected_version == 0:
             raise InvalidAggregateError(
@@ -204,7 +159,7 @@ class Rules:
         doc_id = id_of(query, name)
         _check_encodable({"q": query}, collection, "the filter")
         checked, stamp, _ = stamped_events(events, name, doc_id, self.aggregate_types)
-        entries = entries_of(collection, checked, stamp, 0, self.mode)
+        entries = self.layout.entries(collection, checked, stamp, 0)
         return Plan(
             "delete",
             collection,
@@ -218,11 +173,7 @@ class Rules:
 
     def add(self, session: Any, collection: Any, doc_id: Any, events: Sequence[Event]) -> Plan:
         name = self._check_collection(collection, session)
-        if self.mode == "embedded":
-            raise UsageError(
-                "add_events is for collection mode; in embedded mode the events go into the "
-                "aggregate document: write them with update_with_events"
-            )
+        self.layout.check_supported("add", name)
         if session is None or not session.in_transaction:
             raise UsageError(
                 "add_events records events beside writes you make in your own transaction: call "
@@ -231,22 +182,8 @@ class Rules:
         query = {"_id": doc_id}
         _check_encodable({"q": query}, collection, "the aggregate id")
         checked, stamp, _ = stamped_events(events, name, doc_id, self.aggregate_types)
-        entries = entries_of(collection, checked, stamp, 0, self.mode)
+        entries = self.layout.entries(collection, checked, stamp, 0)
         return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
-
-    def check_registry_id(self, doc_id: Any, name: str) -> None:
-        """Embedded mode, before reserving event ids for ``doc_id``: the registry stores it with
-        the database's codec options, which may lack the uuidRepresentation its collection has."""
-        if not isinstance(doc_id, uuid.UUID):
-            return
-        try:
-            bson.encode({"_id": doc_id}, codec_options=self.db.codec_options)
-        except ValueError as error:
-            raise InvalidAggregateError(
-                f"a UUID _id needs a uuidRepresentation on the database (the client), not on "
-                f"{name} alone, to reserve event ids for it in the registry ({error})",
-                collection=name,
-            ) from error
 
     def _check_collection(self, collection: Any, session: Any) -> str:
         name: str = collection.name
@@ -259,25 +196,7 @@ class Rules:
                 f"database {self.db.name}: the relay would never see its events",
                 collection=name,
             )
-        if self.mode == "embedded" and name not in self.collections:
-            raise InvalidAggregateError(
-                f"{name} is not in this outbox's collections {list(self.collections)}: "
-                "the relay would never see its events",
-                collection=name,
-            )
-        # In a transaction (all of collection mode's writes) the transaction's write concern
-        # counts, not the collection's.
-        in_transaction = session is not None and session.in_transaction
-        if (
-            self.mode == "embedded"
-            and not in_transaction
-            and not collection.write_concern.acknowledged
-        ):
-            raise InvalidAggregateError(
-                f"{name} writes unacknowledged (w=0): the outbox could not tell whether the events "
-                "were stored; use an acknowledged write concern (the default)",
-                collection=name,
-            )
+        self.layout.check_target(collection, session)
         if session is not None:
             if session.client is not self.db.client:
                 raise InvalidAggregateError(
@@ -310,3 +229,36 @@ def _check_encodable(value: Mapping[str, Any], collection: Any, what: str) -> No
             f"{what} cannot be sent to MongoDB: {type(error).__name__}: {error}",
             collection=collection.name,
         ) from error
+
+
+def stamped_events(
+    events: Iterable[Event], name: str, doc_id: Any, aggregate_types: Mapping[str, str]
+) -> tuple[list[Event], dict[str, Any], tuple[Event, ...]]:
+    """The events, checked and carrying the current trace context (``tracing.py``), the
+    stamp that makes them the aggregate ``doc_id``'s of collection ``name``, and the caller's own
+    Event objects."""
+    stamp: dict[str, Any] = {
+        "aggregate_type": type_of(aggregate_types, name),
+        "aggregate_id": aggregate_id(doc_id, name),
+    }
+    if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
+        raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
+    seen: set[str] = set()
+    checked = []
+    for event in events:
+        if not isinstance(event, Event):
+            raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
+        if event.id in seen:
+            raise InvalidEventError(f"event id {event.id} appears twice", event_id=event.id)
+        seen.add(event.id)
+        for key, value in stamp.items():
+            given = getattr(event, key)
+            if given is not None and given != value:
+                raise InvalidEventError(
+                    f"event {event.id} has {key} {given!r}, but {name} {doc_id!r} "
+                    f"publishes as {value!r}",
+                    event_id=event.id,
+                )
+        checked.append(event)
+    # Every write API passes here: the one place events take the current trace context.
+    return stamped(checked), stamp, tuple(checked)

@@ -15,8 +15,9 @@ event. It returns both as they are after the write, and the events are numbered 
 - delete: one ``findAndModify`` that removes the document and returns its counters.
 - add (events beside the caller's own writes): one ``findAndModify`` of ``$inc`` alone.
 
-When a write matches nothing, ``_refusals.py`` reads why: an error, or a concurrent write that got
-in first, and then the write is tried again.
+The layout of the outbox's mode (``layout.py``) adds its part to each of these writes: embedded
+mode's entries, due time, partition and guards. When a write matches nothing, ``refusals.py``
+reads why: an error, or a concurrent write that got in first, and then the write is tried again.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ from pymongo import ReturnDocument
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
-from mongo_outbox._plans import Plan
-from mongo_outbox._refusals import (
+from mongo_outbox._write.layout import Layout
+from mongo_outbox._write.plan import Plan
+from mongo_outbox._write.refusals import (
     conflict,
     explain,
     not_found,
     on_id,
     too_large,
 )
-from mongo_outbox._steps import Steps, call
-from mongo_outbox._updates import guarded, with_operators
+from mongo_outbox._write.steps import Steps, call
+from mongo_outbox._write.updates import guarded, with_operators
 from mongo_outbox.errors import InvalidAggregateError, InvalidCountersError
 
 _TOO_LARGE = frozenset(
@@ -79,17 +81,10 @@ _COUNTERS = {"_version": 1, "_sequence": 1}
 
 
 class DocumentWriter:
-    """Writes aggregate documents for an outbox of ``mode`` whose entries live in ``field``."""
+    """Writes aggregate documents, with ``layout``'s part in each write."""
 
-    def __init__(self, mode: str, field: str, partition_field: str):
-        self.mode = mode
-        self.field = field
-        self.partition_field = partition_field
-        self.due_field = f"{field}_due"
-        self.claim_field = f"{field}_claim"
-        self.wait_field = f"{field}_wait"
-        self.sent_field = f"{field}_sent"
-        self._entries = field if mode == "embedded" else None
+    def __init__(self, layout: Layout):
+        self.layout = layout
 
     def write(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
         """Write the document; return its new ``_version`` and ``_sequence``."""
@@ -117,15 +112,7 @@ class DocumentWriter:
 
     def _insert(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
         n = len(plan.events)
-        document = plan.body | {"_version": 1, "_sequence": n}
-        if self.mode == "embedded":
-            document[self.field] = [
-                entry | {"sequence": i} for i, entry in enumerate(plan.entries, start=1)
-            ]
-            if n:
-                document[self.due_field] = now
-            if plan.partition is not None:
-                document[self.partition_field] = plan.partition
+        document = plan.body | {"_version": 1, "_sequence": n} | self.layout.inserted(plan, now)
         try:
             yield call(plan.collection, "insert_one", document, session=session)
         except DuplicateKeyError as error:
@@ -139,25 +126,14 @@ class DocumentWriter:
             written = yield from self._write_blind(plan, session, now)
             if written is not None:
                 return written
-            yield from explain(plan, session, self._entries, self.due_field)
+            yield from explain(plan, session, self.layout.entries_field, self.layout.due_field)
         raise conflict(plan)
 
     def _write_blind(
         self, plan: Plan, session: Any, now: datetime
     ) -> Steps[tuple[int, int] | None]:
         """One write that moves the counters where they are: no need to read them first."""
-        conditions = _version_guard(plan.expected_version)
-        embedded = self.mode == "embedded" and bool(plan.events)
-        if embedded:
-            # A retried write whose events are already pending here must not add them twice,
-            # nor those the relay's last settle just removed (a retry that read their
-            # reservations an instant before the relay marked them published).
-            # Only the ids that can be there: an id the library made, on an object no save was
-            # given before, cannot (_event_ids.py).
-            ids = list(plan.may_be_stored)
-            if ids:
-                conditions[f"{self.field}.id"] = {"$nin": ids}
-                conditions[self.sent_field] = {"$nin": ids}
+        conditions = _version_guard(plan.expected_version) | self.layout.guard(plan)
         if plan.kind == "save":
             # Replace the fields, keep the counters (and the embedded fields): one stage.
             sets = self._counted(plan, now)
@@ -167,18 +143,7 @@ class DocumentWriter:
             ours: dict[str, dict[str, Any]] = {
                 "$inc": {"_version": 1, "_sequence": len(plan.events)}
             }
-            if embedded:
-                # The entries go in unnumbered: an operator update cannot read the _sequence it
-                # moves, and their position tells their number (_codec.numbered). $max keeps a
-                # due time in the future (a relay's lease, a backoff) and makes a document
-                # with none due now.
-                # One entry is pushed as itself: "$each" is for several (the emulator charges it).
-                one = len(plan.entries) == 1
-                ours["$push"] = {self.field: plan.entries[0] if one else {"$each": plan.entries}}
-                ours["$max"] = {self.due_field: now}
-                if plan.partition is not None:
-                    # Stored by the writer, so that a relay group's members only filter on it.
-                    ours["$set"] = {self.partition_field: plan.partition}
+            ours |= self.layout.operators(plan, now)
             update = with_operators(plan.update, ours)
             query, upsert = plan.query, plan.upsert
         else:
@@ -191,37 +156,13 @@ class DocumentWriter:
         )
 
     def _counted(self, plan: Plan, now: datetime) -> dict[str, Any]:
-        """The ``$set`` stage that moves the counters (and appends embedded entries)."""
+        """The ``$set`` stage that moves the counters (and the layout's part: embedded entries)."""
         n = len(plan.events)
         sets: dict[str, Any] = {
             "_version": {"$add": [{"$ifNull": ["$_version", 0]}, 1]},
             "_sequence": {"$add": [{"$ifNull": ["$_sequence", 0]}, n]},
         }
-        if self.mode == "embedded":
-            base = {"$ifNull": ["$_sequence", 0]}
-            entries = [
-                {
-                    "$mergeObjects": [
-                        {"$literal": entry},
-                        {"sequence": {"$add": [base, i]}},
-                    ]
-                }
-                for i, entry in enumerate(plan.entries, start=1)
-            ]
-            if n or plan.kind == "save":
-                sets[self.field] = {"$concatArrays": [{"$ifNull": [f"${self.field}", []]}, entries]}
-                # Keep a live claim's due time, so a relay's lease survives a concurrent save.
-                sets[self.due_field] = (
-                    {"$ifNull": [f"${self.due_field}", now]} if n else f"${self.due_field}"
-                )
-                if plan.partition is not None:
-                    # Stored by the writer, so that a relay group's members only filter on it.
-                    sets[self.partition_field] = {"$literal": plan.partition}
-            if plan.kind == "save":
-                # The relay's own fields survive a save: $replaceWith would drop them otherwise.
-                sets[self.claim_field] = f"${self.claim_field}"
-                sets[self.wait_field] = f"${self.wait_field}"
-                sets[self.sent_field] = f"${self.sent_field}"
+        sets |= self.layout.stage(plan, now)
         return sets
 
     def _find_and_modify(
@@ -248,7 +189,7 @@ class DocumentWriter:
             return None
         if stored is None:
             return None
-        return _counters(plan, stored, session, embedded=self.mode == "embedded")
+        return _counters(plan, stored, session, in_document=self.layout.entries_field is not None)
 
     def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
         query = guarded(plan.query, _version_guard(plan.expected_version))
@@ -258,7 +199,7 @@ class DocumentWriter:
             )
             if removed is not None:
                 return _counters(plan, removed, session, moved=True)
-            yield from explain(plan, session, self._entries, self.due_field)
+            yield from explain(plan, session, self.layout.entries_field, self.layout.due_field)
         raise conflict(plan)
 
 
@@ -279,11 +220,16 @@ def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
 
 
 def _counters(
-    plan: Plan, stored: dict[str, Any], session: Any, *, moved: bool = False, embedded: bool = False
+    plan: Plan,
+    stored: dict[str, Any],
+    session: Any,
+    *,
+    moved: bool = False,
+    in_document: bool = False,
 ) -> tuple[int, int]:
     """The document's ``_version`` and ``_sequence`` after the write, as ints; ``moved``: the
     write did not move them (a delete returns the document before it), so move them here;
-    ``embedded``: the events went in with the write."""
+    ``in_document``: the events went in with the write (embedded mode)."""
     raw = stored.get("_version"), stored.get("_sequence")
     # A missing or null counter counts as 0, as $inc and the pipeline's $ifNull do.
     version, sequence = (0 if value is None else counter(value) for value in raw)
@@ -297,7 +243,7 @@ def _counters(
         if all(counter(value) is not None for value in (*before, *after)):
             return after
     in_transaction = session is not None and session.in_transaction
-    if not embedded:
+    if not in_document:
         what = (
             "Its events were not recorded: the transaction must not commit (one the outbox "
             "began is aborted)"
@@ -312,7 +258,7 @@ def _counters(
         "code write them?). " + what,
         collection=plan.collection.name,
         aggregate_id=plan.doc_id,
-        stored=embedded and not in_transaction,
+        stored=in_document and not in_transaction,
     )
 
 

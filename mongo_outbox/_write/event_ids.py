@@ -62,8 +62,8 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mongo_outbox._driver import DUPLICATE_KEY
-from mongo_outbox._refusals import write_errors
-from mongo_outbox._steps import Steps, call, listing
+from mongo_outbox._write.refusals import write_errors
+from mongo_outbox._write.steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import Event
 

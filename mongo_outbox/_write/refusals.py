@@ -15,8 +15,8 @@ from typing import Any
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
-from mongo_outbox._plans import Plan
-from mongo_outbox._steps import Steps, call
+from mongo_outbox._write.plan import Plan
+from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,
