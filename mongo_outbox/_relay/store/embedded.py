@@ -3,7 +3,7 @@ document, so every write here is a single-document write, atomic without a trans
 
 A document with something to send carries a due time (``<field>_due``, indexed sparse); a
 relay claims the document by setting ``<field>_claim``, publishes its entries, marks their ids
-published in the event-id registry (``_write/event_ids.py``: they stay taken for ``retention``), then
+published in the event-id registry (``_write.event_ids``: they stay taken for ``retention``), then
 pulls the published entries from the array. Parked entries stay in their document, flagged
 ``parked``: parking is one single-document write like every other, so no crash can lose an
 entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
@@ -28,6 +28,7 @@ from mongo_outbox._codec import decode, numbered, ours
 from mongo_outbox._partitions import partition_of
 from mongo_outbox._relay.store.base import Backlog, Claim, PublishFailure, scope
 from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries
+from mongo_outbox._write.aggregates import type_of
 from mongo_outbox._write.event_ids import Holder, PublishedIds
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -170,7 +171,7 @@ class EmbeddedStore(ParkedEntries):
         self, read: Sequence[tuple[Holder, list[tuple[Event, dict[str, Any]]]]], token: str
     ) -> dict[str, Holder]:
         """Which document each id read goes out from: its own, the id taken for that entry in the
-        registry (``_write/event_ids.py``), unless the registry has it for another entry (of another
+        registry (``_write.event_ids``), unless the registry has it for another entry (of another
         document, or of this one under another sequence) or an earlier document of this claim
         has it. The entries that lose are parked where they are: published, one of two entries
         under one id would be dropped by the broker as the other's duplicate."""

@@ -32,7 +32,7 @@ class ParkedEntries:
     colls: dict[str, Any]
 
     async def _park_taken(self, doomed: Sequence[Doomed], token: str) -> None:
-        """Park where they are the entries whose id another document holds (``_write/event_ids.py``):
+        """Park where they are the entries whose id another document holds (``_write.event_ids``):
         published, one of the two would be dropped by the broker as the other's duplicate."""
         parks: dict[str, list[UpdateOne]] = defaultdict(list)
         for (name, doc_id), event, ((holder, holder_id), sequence) in doomed:
