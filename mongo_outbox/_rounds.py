@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -27,7 +27,6 @@ from mongo_outbox._store import Claim, Failure, store_for
 from mongo_outbox._turns import Turns
 from mongo_outbox.errors import (
     BrokerUnavailableError,
-    UsageError,
 )
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
@@ -78,29 +77,12 @@ class Rounds:
         self._woke_at = float("-inf")
         self._probed_at = float("-inf")
         self._warned_at = float("-inf")
-        self._busy = False
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): a round waits for its turn."""
         self.tenant = outbox.db.name
 
     def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def exclusive(self, what: str) -> Iterator[None]:
-        """Refuse a second loop of one relay object while one runs: two loops would share one
-        stop flag, one set of stats and, for a change-stream relay, one lease."""
-        if self._busy:
-            raise UsageError(
-                f"{what}: this relay is already running a loop (run(), drain() or "
-                "publish_batch()); one relay object runs one loop at a time: create another "
-                "relay object (or process) to publish side by side"
-            )
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
 
     async def status(
         self,

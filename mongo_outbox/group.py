@@ -34,6 +34,7 @@ from pymongo.errors import PyMongoError
 from mongo_outbox._members import Membership, share
 from mongo_outbox._partition_workers import PollingWorker, StreamWorker, Worker
 from mongo_outbox._partitions import check_config
+from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._rounds import Rounds, pause
 from mongo_outbox._steps import run_async
 from mongo_outbox._store import store_for
@@ -47,7 +48,7 @@ from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import Duration, RelaySettings, seconds
 from mongo_outbox.settings import interval as timespan
 from mongo_outbox.settings import name as check_name
-from mongo_outbox.stats import GroupStatus, State, transition
+from mongo_outbox.stats import GroupStatus
 
 __all__ = ["GroupStatus", "RelayGroup"]
 
@@ -62,7 +63,7 @@ ASSIGN_BATCH = 1000
 """How many entries without a partition one query gives theirs."""
 
 
-class RelayGroup:
+class RelayGroup(Lifecycle):
     """One member of a relay group: publishes its fair share of an outbox's partitions.
 
     Run one in each process (any number, started and stopped at will); they share the outbox's
@@ -103,7 +104,7 @@ class RelayGroup:
                 f"RelayGroup.source must be 'polling' or 'changestream', not {source!r}",
                 setting="RelayGroup.source",
             )
-        self.name = check_name(name, "RelayGroup.name")
+        super().__init__(check_name(name, "RelayGroup.name"), log)
         self.source: Source = source
         self.outbox = outbox
         self.publisher = publisher
@@ -129,9 +130,6 @@ class RelayGroup:
         """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
         self._workers: dict[int, Worker] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._stopping = asyncio.Event()
-        self.state: State = "starting"
-        self.last_error: str | None = None
 
     @property
     def partitions(self) -> int:
@@ -147,22 +145,23 @@ class RelayGroup:
         worker = self._workers.get(partition)
         return worker.fence if worker is not None else None
 
-    def stop(self) -> None:
-        """Make ``run()`` give its partitions back and return; before it started, at once."""
-        self._stopping.set()
-
     async def run(self) -> None:
         """Beat, rebalance and publish until ``stop()`` or cancellation. Database errors are
         logged and retried with backoff; a partition count other than the recorded one raises
         ``ConfigurationError`` before anything is published."""
-        await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
-        # Entries saved before the outbox had partitions (or by a writer that read the record
-        # before it existed) have none, so no partition's worker would ever claim them.
-        while await self._assign_partitions() == ASSIGN_BATCH:
-            pass
-        self.state = transition(log, self.name, self.state, "active", f"member {self.member}")
+        with self._running():
+            await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
+            # Entries saved before the outbox had partitions (or by a writer that read the
+            # record before it existed) have none, so no partition's worker would ever claim them.
+            while await self._assign_partitions() == ASSIGN_BATCH:
+                pass
+            self._enter("active", f"member {self.member}")
+            await self._beat()
+
+    async def _beat(self) -> None:
+        """Beat and rebalance until ``stop()``, then give the partitions back and leave."""
         # At least once a second, whatever the lease: a newcomer is counted, and given its
-        # share, within a second or so (the heartbeat still lives ``lease``).
+        # share, within a second or so (the heartbeat still lives ``member_lease``).
         beat = min(self.lease.total_seconds() / 3, REBALANCE_EVERY)
         failures = 0
         try:
@@ -182,7 +181,6 @@ class RelayGroup:
             if self._tasks:
                 await asyncio.wait(set(self._tasks.values()))
             self._forget()
-            self.state = transition(log, self.name, self.state, "stopped", "cancelled")
             raise
         for worker in self._workers.values():
             worker.stop()
@@ -191,8 +189,6 @@ class RelayGroup:
         self._forget()
         with contextlib.suppress(PyMongoError):
             await self._membership.leave()
-        self._stopping.clear()  # a stop is consumed by the run it ended
-        self.state = transition(log, self.name, self.state, "stopped", "stop() was called")
 
     def _forget(self) -> None:
         self._workers.clear()
@@ -248,7 +244,7 @@ class RelayGroup:
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
-            relay._rounds.turns = self.turns
+            relay.turns = self.turns
             return StreamWorker(relay)
         lease = Checkpoint(self._leases, name, self.lease)
         lease.owner = self.member

@@ -1,0 +1,1 @@
+"""The relay layer behind the public fronts ``relay``, ``changestream`` and ``group``."""
