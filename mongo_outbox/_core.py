@@ -42,7 +42,7 @@ from mongo_outbox.errors import (
     UsageError,
 )
 from mongo_outbox.events import Event, utc_now
-from mongo_outbox.settings import count
+from mongo_outbox.settings import Duration, check_count, check_name, check_timedelta
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class OutboxCore:
         mode: Mode = "collection",
         collection: str = "outbox",
         collections: Sequence[str] = (),
-        retention: timedelta = timedelta(days=7),
+        retention: Duration = timedelta(days=7),
         field: str = "_outbox",
         aggregate_types: Mapping[str, str] | None = None,
         partitions: int = 1,
@@ -104,7 +104,10 @@ class OutboxCore:
         if is_async(db) not in (None, self._ASYNC):
             raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
         if mode not in ("collection", "embedded"):
-            raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
+            raise ConfigurationError(
+                f"Outbox.mode must be 'collection' or 'embedded', not {mode!r}",
+                setting="Outbox.mode",
+            )
         if not db.write_concern.acknowledged:
             raise ConfigurationError(
                 f"database {db.name} writes unacknowledged (w=0): the outbox, its relays and its "
@@ -113,10 +116,14 @@ class OutboxCore:
             )
         check_field(field)
         if mode == "embedded" and not collections:
-            raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
-        if retention <= timedelta(0):
-            raise ValueError("retention must be positive")
-        self.partitions = count(partitions, "Outbox.partitions")
+            raise ConfigurationError(
+                "Outbox.collections: embedded mode needs collections=[...]: the relay scans only "
+                "those",
+                setting="Outbox.collections",
+            )
+        retention = check_timedelta(retention, "Outbox.retention")
+        check_name(collection, "Outbox.collection")
+        self.partitions = check_count(partitions, "Outbox.partitions")
         self.db = db
         self.mode: Mode = mode
         self.retention = retention

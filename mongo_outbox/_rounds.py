@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from mongo_outbox import metrics
@@ -142,7 +142,9 @@ class Rounds:
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            claim = await self.store.claim(limit, self.settings.lease, until)
+            claim = await self.store.claim(
+                limit, timedelta(seconds=self.settings.claim_lease), until
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
@@ -156,7 +158,9 @@ class Rounds:
         whether some could not be claimed and deserve a sweep soon)."""
         async with self._turn():
             started = asyncio.get_running_loop().time()
-            claim = await self.store.claim_changes(changes, self.settings.lease)
+            claim = await self.store.claim_changes(
+                changes, timedelta(seconds=self.settings.claim_lease)
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
@@ -188,7 +192,7 @@ class Rounds:
         rest)."""
         if not claim.groups and not claim.held:
             return 0, 0
-        deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
+        deadline = started + self.settings.claim_lease * 0.9 - self.settings.publish_timeout
         # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
@@ -239,7 +243,7 @@ class Rounds:
             waits[0].error,
             len(waits),
             PROBE_EVERY,
-            self.settings.timeout,
+            self.settings.publish_timeout,
             retry,
             OUTAGE_LOG_EVERY,
         )
@@ -358,7 +362,7 @@ class Rounds:
             return BrokerUnavailableError(f"{name}: {reason}", event_id=event.id)
 
         try:
-            return await client_call(call, self.settings.timeout, failed)
+            return await client_call(call, self.settings.publish_timeout, failed)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - any publisher failure is classified

@@ -16,7 +16,8 @@ from the partition's checkpoint); entries a dead holder claimed come back after 
 lease, in order, as with any relay.
 
 A member that stops gives its partitions back at once; one that dies lets its heartbeat and
-leases run out, and the others take its partitions over within about ``lease`` and a second.
+leases run out, and the others take its partitions over within about ``member_lease`` and a
+second.
 """
 
 from __future__ import annotations
@@ -45,9 +46,14 @@ from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, seconds
-from mongo_outbox.settings import interval as timespan
-from mongo_outbox.settings import name as check_name
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+    check_timedelta,
+)
 from mongo_outbox.stats import GroupStatus
 
 __all__ = ["GroupStatus", "RelayGroup"]
@@ -76,11 +82,11 @@ class RelayGroup(Lifecycle):
         source: ``"polling"`` (rounds of claims per partition) or ``"changestream"`` (a change
             stream per partition, with its own checkpoint).
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
-        lease: how long a member's heartbeat and partition leases last without renewal (they
-            are renewed every third of it); a dead member's partitions are taken over within
-            about this and a second. At least 2.5 times ``settings.publish_timeout``: a member
-            stops starting publishes ``publish_timeout`` before eight tenths of the lease
-            since its last renewal, so the last ones end before the lease can.
+        member_lease: how long a member's heartbeat and partition leases last without renewal
+            (they are renewed every third of it); a dead member's partitions are taken over
+            within about this and a second. At least 2.5 times ``settings.publish_timeout``: a
+            member stops starting publishes ``publish_timeout`` before eight tenths of the
+            lease since its last renewal, so the last ones end before the lease can.
         interval: polling: how long a partition's worker sleeps when nothing is pending.
         checkpoints: the collection of the partition leases (and change-stream checkpoints).
         members: the collection of the members' heartbeats.
@@ -94,7 +100,7 @@ class RelayGroup(Lifecycle):
         name: str = "relay-group",
         source: Source = "polling",
         settings: RelaySettings | None = None,
-        lease: Duration = 30.0,
+        member_lease: Duration = 30.0,
         interval: Duration = 1.0,
         checkpoints: str = "outbox_relays",
         members: str = "outbox_relay_members",
@@ -108,23 +114,25 @@ class RelayGroup(Lifecycle):
         self.source: Source = source
         self.outbox = outbox
         self.publisher = publisher
-        self.settings = settings or RelaySettings()
-        self.lease = timespan(lease, "RelayGroup.lease")
-        timeout = self.settings.timeout
-        if self.lease.total_seconds() < 2.5 * timeout:
+        self.settings = check_relay_settings(settings, "RelayGroup.settings")
+        check_name(checkpoints, "RelayGroup.checkpoints")
+        check_name(members, "RelayGroup.members")
+        self.member_lease = check_timedelta(member_lease, "RelayGroup.member_lease")
+        timeout = self.settings.publish_timeout
+        if self.member_lease.total_seconds() < 2.5 * timeout:
             # A member stops starting publishes publish_timeout before 0.8 of its lease, so the
             # ones it started end before another member can take the partition: that leaves
             # time for renewals only with a lease of at least 2.5 times publish_timeout.
             raise ConfigurationError(
-                f"RelayGroup.lease ({self.lease.total_seconds():g} s) must be at least 2.5 "
-                f"times RelaySettings.publish_timeout ({timeout:g} s)",
-                setting="RelayGroup.lease",
+                f"RelayGroup.member_lease ({self.member_lease.total_seconds():g} s) must be at "
+                f"least 2.5 times RelaySettings.publish_timeout ({timeout:g} s)",
+                setting="RelayGroup.member_lease",
             )
-        self.interval = seconds(interval, "RelayGroup.interval")
+        self.interval = check_seconds(interval, "RelayGroup.interval")
         self.member = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self._leases = outbox.db[checkpoints]
         self._checkpoints = checkpoints
-        self._membership = Membership(outbox.db[members], self.name, self.member, self.lease)
+        self._membership = Membership(outbox.db[members], self.name, self.member, self.member_lease)
         self._store = store_for(outbox)
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
@@ -162,7 +170,7 @@ class RelayGroup(Lifecycle):
         """Beat and rebalance until ``stop()``, then give the partitions back and leave."""
         # At least once a second, whatever the lease: a newcomer is counted, and given its
         # share, within a second or so (the heartbeat still lives ``member_lease``).
-        beat = min(self.lease.total_seconds() / 3, REBALANCE_EVERY)
+        beat = min(self.member_lease.total_seconds() / 3, REBALANCE_EVERY)
         failures = 0
         try:
             while not self._stopping.is_set():
@@ -240,13 +248,13 @@ class RelayGroup(Lifecycle):
                 name=name,
                 partition=k,
                 settings=self.settings,
-                leader_lease=self.lease,
+                leader_lease=self.member_lease,
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
             relay.turns = self.turns
             return StreamWorker(relay)
-        lease = Checkpoint(self._leases, name, self.lease)
+        lease = Checkpoint(self._leases, name, self.member_lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k, relay=name)
         rounds.turns = self.turns

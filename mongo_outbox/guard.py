@@ -40,7 +40,7 @@ from mongo_outbox.errors import (
 )
 from mongo_outbox.events import Event
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome, Result
-from mongo_outbox.settings import count
+from mongo_outbox.settings import check_count
 from mongo_outbox.tracing import consuming, outcome, record_failure
 from mongo_outbox.upcasters import Upcasters
 
@@ -75,7 +75,7 @@ def inbox_guard(
     """
     if not isinstance(inbox, Inbox):
         raise TypeError(f"inbox_guard needs an Inbox, not {type(inbox).__name__}")
-    max_attempts = count(max_attempts, "inbox_guard.max_attempts")
+    max_attempts = check_count(max_attempts, "inbox_guard.max_attempts")
     if backoff is not None and not isinstance(backoff, Backoff):
         raise ConfigurationError(
             f"inbox_guard.backoff must be a Backoff, not {type(backoff).__name__}",

@@ -28,7 +28,7 @@ from pymongo.errors import OperationFailure
 
 from mongo_outbox.errors import ConfigurationError, DeadLettered, RetryLater, UsageError
 from mongo_outbox.events import Event, as_utc, utc_now
-from mongo_outbox.settings import Duration, count, interval
+from mongo_outbox.settings import Duration, check_count, check_timedelta
 
 if TYPE_CHECKING:
     from mongo_outbox._inbox_store import InboxStore
@@ -178,7 +178,7 @@ class Inbox:
         ``last_error`` and ``failed_at``. ``event_type`` keeps one type, ``since`` what failed
         at or after that time, ``limit`` at most that many."""
         if limit is not None:
-            limit = count(limit, "Inbox.failed.limit")
+            limit = check_count(limit, "Inbox.failed.limit")
         return await self._store().failed(event_type, _aware(since), limit)
 
     async def requeue(
@@ -219,7 +219,7 @@ def _aware(at: datetime | None) -> datetime | None:
 
 def _until(setting: str, value: Duration) -> timedelta:
     try:
-        period = interval(value, setting)
+        period = check_timedelta(value, setting)
         utc_now() + period  # every record's expiry is computed like this
     except OverflowError:
         raise ConfigurationError(f"{setting} is too long: {value!r}", setting=setting) from None

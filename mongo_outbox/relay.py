@@ -15,8 +15,13 @@ from mongo_outbox._rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, seconds
-from mongo_outbox.settings import name as check_name
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+)
 from mongo_outbox.stats import GroupStatus, RelayStats, RelayStatus, State
 
 if TYPE_CHECKING:
@@ -86,8 +91,8 @@ class PollingRelay(Lifecycle):
         name = check_name(name, "PollingRelay.name")
         self._gauges = metrics.RelayGauges(name, outbox.db.name)
         super().__init__(name, log, self._gauges)
-        self.settings = settings or RelaySettings()
-        self.interval = seconds(interval, "PollingRelay.interval")
+        self.settings = check_relay_settings(settings, "PollingRelay.settings")
+        self.interval = check_seconds(interval, "PollingRelay.interval")
         self.outbox = outbox
         self.publisher = publisher
         self._rounds = Rounds(outbox, publisher, self.settings, relay=self.name)

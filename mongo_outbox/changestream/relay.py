@@ -35,12 +35,18 @@ from mongo_outbox.changestream.source import (
     WatchSource,
     triage,
 )
-from mongo_outbox.errors import ChangeStreamError, describe
+from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
-from mongo_outbox.settings import name as check_name
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+    check_timedelta,
+)
 from mongo_outbox.stats import RelayStats, RelayStatus
 
 if TYPE_CHECKING:
@@ -93,10 +99,21 @@ class ChangeStreamRelay(Lifecycle):
         name = check_name(name, "ChangeStreamRelay.name")
         self._gauges = metrics.RelayGauges(name, outbox.db.name, partition)
         super().__init__(name, log, self._gauges)
-        self.settings = settings or RelaySettings()
-        self.max_wait = seconds(max_wait, "ChangeStreamRelay.max_wait")
-        self.leader_lease = interval(leader_lease, "ChangeStreamRelay.leader_lease")
-        self.sweep_interval = seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")
+        self.settings = check_relay_settings(settings, "ChangeStreamRelay.settings")
+        if partition is not None and (
+            isinstance(partition, bool)
+            or not isinstance(partition, int)
+            or not 0 <= partition < outbox.partitions
+        ):
+            raise ConfigurationError(
+                f"ChangeStreamRelay.partition must be None or one of the outbox's partitions "
+                f"(0 to {outbox.partitions - 1}), not {partition!r}",
+                setting="ChangeStreamRelay.partition",
+            )
+        check_name(checkpoints, "ChangeStreamRelay.checkpoints")
+        self.max_wait = check_seconds(max_wait, "ChangeStreamRelay.max_wait")
+        self.leader_lease = check_timedelta(leader_lease, "ChangeStreamRelay.leader_lease")
+        self.sweep_interval = check_seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")
         self.outbox = outbox
         self.publisher = publisher
         self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)

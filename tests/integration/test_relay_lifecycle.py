@@ -63,7 +63,7 @@ async def test_one_change_stream_relay_runs_one_loop_at_a_time(db: Any) -> None:
 
 async def test_one_group_member_runs_one_loop_at_a_time(db: Any) -> None:
     outbox = make_outbox(db, "collection", partitions=2)
-    member = RelayGroup(outbox, MemoryPublisher(), lease=3.0, settings=GROUP)
+    member = RelayGroup(outbox, MemoryPublisher(), member_lease=3.0, settings=GROUP)
     task = asyncio.create_task(member.run())
     await asyncio.sleep(0)
     with pytest.raises(UsageError, match="one loop at a time"):
@@ -76,7 +76,7 @@ async def test_one_group_member_runs_one_loop_at_a_time(db: Any) -> None:
 async def test_a_group_member_that_cannot_start_ends_failed_with_its_error(db: Any) -> None:
     await make_outbox(db, "collection", partitions=4).ensure_indexes()
     outbox = make_outbox(db, "collection", partitions=2)
-    member = RelayGroup(outbox, MemoryPublisher(), lease=3.0, settings=GROUP)
+    member = RelayGroup(outbox, MemoryPublisher(), member_lease=3.0, settings=GROUP)
     with pytest.raises(ConfigurationError, match="records partitions=4"):
         await member.run()
     assert member.state == "failed"

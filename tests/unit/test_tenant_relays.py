@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import Outbox, PollingRelay, RelayStatus, UsageError
+from mongo_outbox import (
+    ChangeStreamRelay,
+    Outbox,
+    PollingRelay,
+    RelayGroup,
+    RelayStatus,
+    UsageError,
+)
 from mongo_outbox.publishers import MemoryPublisher
 from mongo_outbox.relay import Relay
 from mongo_outbox.stats import State
@@ -81,6 +88,18 @@ async def test_a_relay_of_ones_own_runs_stops_and_reports_like_the_librarys(
     tenants.stop()
     await asyncio.wait_for(task, 5)
     assert tenants.state == "stopped" and [r.state for r in mine] == ["stopped", "stopped"]
+
+
+async def test_the_librarys_three_relays_are_relays(offline: AsyncMongoClient[Any]) -> None:
+    outbox = Outbox(offline.shop, partitions=2)
+    publisher = MemoryPublisher()
+    relays = [
+        PollingRelay(outbox, publisher),
+        ChangeStreamRelay(outbox, publisher, name="r"),
+        RelayGroup(outbox, publisher),
+    ]
+    assert all(isinstance(relay, Relay) for relay in relays)
+    assert TenantRelays(relays[:1]).relays == {"shop": relays[0]}
 
 
 async def test_it_runs_beside_the_librarys_relays_and_only_theirs_take_turns(
