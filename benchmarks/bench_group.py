@@ -60,7 +60,9 @@ async def member(uri: str, db_name: str, lease: float) -> None:
     mongo = client(uri)
     outbox = Outbox(mongo[db_name], partitions=PARTITIONS)
     settings = RelaySettings(batch_size=200, max_in_flight=8, publish_timeout=2.0, claim_lease=20.0)
-    group = RelayGroup(outbox, CpuPublisher(COST), lease=lease, interval=0.05, settings=settings)
+    group = RelayGroup(
+        outbox, CpuPublisher(COST), member_lease=lease, interval=0.05, settings=settings
+    )
     await group.run()
 
 

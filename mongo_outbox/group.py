@@ -16,7 +16,8 @@ from the partition's checkpoint); entries a dead holder claimed come back after 
 lease, in order, as with any relay.
 
 A member that stops gives its partitions back at once; one that dies lets its heartbeat and
-leases run out, and the others take its partitions over within about ``lease`` and a second.
+leases run out, and the others take its partitions over within about ``member_lease`` and a
+second.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pymongo.errors import PyMongoError
 from mongo_outbox._partitions import check_config
 from mongo_outbox._relay.group.members import Membership, share
 from mongo_outbox._relay.group.workers import PollingWorker, StreamWorker, Worker
+from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
@@ -44,10 +46,15 @@ from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, seconds
-from mongo_outbox.settings import interval as timespan
-from mongo_outbox.settings import name as check_name
-from mongo_outbox.status import GroupStatus, State, transition
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+    check_timedelta,
+)
+from mongo_outbox.status import GroupStatus
 
 __all__ = ["GroupStatus", "RelayGroup"]
 
@@ -62,7 +69,7 @@ ASSIGN_BATCH = 1000
 """How many entries without a partition one query gives theirs."""
 
 
-class RelayGroup:
+class RelayGroup(Lifecycle):
     """One member of a relay group: publishes its fair share of an outbox's partitions.
 
     Run one in each process (any number, started and stopped at will); they share the outbox's
@@ -75,11 +82,11 @@ class RelayGroup:
         source: ``"polling"`` (rounds of claims per partition) or ``"changestream"`` (a change
             stream per partition, with its own checkpoint).
         settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
-        lease: how long a member's heartbeat and partition leases last without renewal (they
-            are renewed every third of it); a dead member's partitions are taken over within
-            about this and a second. At least 2.5 times ``settings.publish_timeout``: a member
-            stops starting publishes ``publish_timeout`` before eight tenths of the lease
-            since its last renewal, so the last ones end before the lease can.
+        member_lease: how long a member's heartbeat and partition leases last without renewal
+            (they are renewed every third of it); a dead member's partitions are taken over
+            within about this and a second. At least 2.5 times ``settings.publish_timeout``: a
+            member stops starting publishes ``publish_timeout`` before eight tenths of the
+            lease since its last renewal, so the last ones end before the lease can.
         interval: polling: how long a partition's worker sleeps when nothing is pending.
         checkpoints: the collection of the partition leases (and change-stream checkpoints).
         members: the collection of the members' heartbeats.
@@ -93,7 +100,7 @@ class RelayGroup:
         name: str = "relay-group",
         source: Source = "polling",
         settings: RelaySettings | None = None,
-        lease: Duration = 30.0,
+        member_lease: Duration = 30.0,
         interval: Duration = 1.0,
         checkpoints: str = "outbox_relays",
         members: str = "outbox_relay_members",
@@ -103,35 +110,34 @@ class RelayGroup:
                 f"RelayGroup.source must be 'polling' or 'changestream', not {source!r}",
                 setting="RelayGroup.source",
             )
-        self.name = check_name(name, "RelayGroup.name")
+        super().__init__(check_name(name, "RelayGroup.name"), log)
         self.source: Source = source
         self.outbox = outbox
         self.publisher = publisher
-        self.settings = settings or RelaySettings()
-        self.lease = timespan(lease, "RelayGroup.lease")
-        timeout = self.settings.timeout
-        if self.lease.total_seconds() < 2.5 * timeout:
+        self.settings = check_relay_settings(settings, "RelayGroup.settings")
+        check_name(checkpoints, "RelayGroup.checkpoints")
+        check_name(members, "RelayGroup.members")
+        self.member_lease = check_timedelta(member_lease, "RelayGroup.member_lease")
+        timeout = self.settings.publish_timeout
+        if self.member_lease.total_seconds() < 2.5 * timeout:
             # A member stops starting publishes publish_timeout before 0.8 of its lease, so the
             # ones it started end before another member can take the partition: that leaves
             # time for renewals only with a lease of at least 2.5 times publish_timeout.
             raise ConfigurationError(
-                f"RelayGroup.lease ({self.lease.total_seconds():g} s) must be at least 2.5 "
-                f"times RelaySettings.publish_timeout ({timeout:g} s)",
-                setting="RelayGroup.lease",
+                f"RelayGroup.member_lease ({self.member_lease.total_seconds():g} s) must be at "
+                f"least 2.5 times RelaySettings.publish_timeout ({timeout:g} s)",
+                setting="RelayGroup.member_lease",
             )
-        self.interval = seconds(interval, "RelayGroup.interval")
+        self.interval = check_seconds(interval, "RelayGroup.interval")
         self.member = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self._leases = outbox.db[checkpoints]
         self._checkpoints = checkpoints
-        self._membership = Membership(outbox.db[members], self.name, self.member, self.lease)
+        self._membership = Membership(outbox.db[members], self.name, self.member, self.member_lease)
         self._store = store_for(outbox)
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
         self._workers: dict[int, Worker] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._stopping = asyncio.Event()
-        self.state: State = "starting"
-        self.last_error: str | None = None
 
     @property
     def partitions(self) -> int:
@@ -147,23 +153,24 @@ class RelayGroup:
         worker = self._workers.get(partition)
         return worker.fence if worker is not None else None
 
-    def stop(self) -> None:
-        """Make ``run()`` give its partitions back and return; before it started, at once."""
-        self._stopping.set()
-
     async def run(self) -> None:
         """Beat, rebalance and publish until ``stop()`` or cancellation. Database errors are
         logged and retried with backoff; a partition count other than the recorded one raises
         ``ConfigurationError`` before anything is published."""
-        await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
-        # Entries saved before the outbox had partitions (or by a writer that read the record
-        # before it existed) have none, so no partition's worker would ever claim them.
-        while await self._assign_partitions() == ASSIGN_BATCH:
-            pass
-        self.state = transition(log, self.name, self.state, "active", f"member {self.member}")
+        with self._running():
+            await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
+            # Entries saved before the outbox had partitions (or by a writer that read the
+            # record before it existed) have none, so no partition's worker would ever claim them.
+            while await self._assign_partitions() == ASSIGN_BATCH:
+                pass
+            self._enter("active", f"member {self.member}")
+            await self._beat()
+
+    async def _beat(self) -> None:
+        """Beat and rebalance until ``stop()``, then give the partitions back and leave."""
         # At least once a second, whatever the lease: a newcomer is counted, and given its
-        # share, within a second or so (the heartbeat still lives ``lease``).
-        beat = min(self.lease.total_seconds() / 3, REBALANCE_EVERY)
+        # share, within a second or so (the heartbeat still lives ``member_lease``).
+        beat = min(self.member_lease.total_seconds() / 3, REBALANCE_EVERY)
         failures = 0
         try:
             while not self._stopping.is_set():
@@ -182,7 +189,6 @@ class RelayGroup:
             if self._tasks:
                 await asyncio.wait(set(self._tasks.values()))
             self._forget()
-            self.state = transition(log, self.name, self.state, "stopped", "cancelled")
             raise
         for worker in self._workers.values():
             worker.stop()
@@ -191,8 +197,6 @@ class RelayGroup:
         self._forget()
         with contextlib.suppress(PyMongoError):
             await self._membership.leave()
-        self._stopping.clear()  # a stop is consumed by the run it ended
-        self.state = transition(log, self.name, self.state, "stopped", "stop() was called")
 
     def _forget(self) -> None:
         self._workers.clear()
@@ -244,13 +248,13 @@ class RelayGroup:
                 name=name,
                 partition=k,
                 settings=self.settings,
-                leader_lease=self.lease,
+                leader_lease=self.member_lease,
                 checkpoints=self._checkpoints,
             )
             relay.checkpoint.owner = self.member
-            relay._rounds.turns = self.turns
+            relay.turns = self.turns
             return StreamWorker(relay)
-        lease = Checkpoint(self._leases, name, self.lease)
+        lease = Checkpoint(self._leases, name, self.member_lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k, relay=name)
         rounds.turns = self.turns

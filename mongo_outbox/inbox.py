@@ -53,7 +53,7 @@ from mongo_outbox.errors import (
     describe,
 )
 from mongo_outbox.events import Event, as_utc, utc_now
-from mongo_outbox.settings import Backoff, Duration, count, interval
+from mongo_outbox.settings import Backoff, Duration, check_count, check_timedelta
 from mongo_outbox.tracing import consuming, outcome, record_failure
 from mongo_outbox.upcasters import Upcasters
 
@@ -185,7 +185,7 @@ class Inbox:
         ``last_error`` and ``failed_at``. ``event_type`` keeps one type, ``since`` what failed
         at or after that time, ``limit`` at most that many."""
         if limit is not None:
-            limit = count(limit, "Inbox.failed.limit")
+            limit = check_count(limit, "Inbox.failed.limit")
         return await self._store().failed(event_type, _aware(since), limit)
 
     async def requeue(
@@ -223,7 +223,7 @@ def _aware(at: datetime | None) -> datetime | None:
 
 def _until(setting: str, value: Duration) -> timedelta:
     try:
-        period = interval(value, setting)
+        period = check_timedelta(value, setting)
         utc_now() + period  # every record's expiry is computed like this
     except OverflowError:
         raise ConfigurationError(f"{setting} is too long: {value!r}", setting=setting) from None
@@ -254,7 +254,7 @@ def inbox_guard(
     """
     if not isinstance(inbox, Inbox):
         raise TypeError(f"inbox_guard needs an Inbox, not {type(inbox).__name__}")
-    max_attempts = count(max_attempts, "inbox_guard.max_attempts")
+    max_attempts = check_count(max_attempts, "inbox_guard.max_attempts")
     if backoff is not None and not isinstance(backoff, Backoff):
         raise ConfigurationError(
             f"inbox_guard.backoff must be a Backoff, not {type(backoff).__name__}",

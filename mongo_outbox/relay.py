@@ -2,29 +2,67 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
+from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import PROBE_EVERY, Rounds, pause
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, seconds
-from mongo_outbox.settings import name as check_name
-from mongo_outbox.status import RelayStats, RelayStatus, State, transition
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+)
+from mongo_outbox.status import GroupStatus, RelayStats, RelayStatus, State
 
-__all__ = ["PollingRelay", "RelayStats"]
+if TYPE_CHECKING:
+    from mongo_outbox._relay.turns import Turns
+
+__all__ = ["PollingRelay", "Relay", "RelayStats"]
 
 log = logging.getLogger(__name__)
 
 
-class PollingRelay:
+@runtime_checkable
+class Relay(Protocol):
+    """What every relay offers: ``PollingRelay``, ``ChangeStreamRelay``, a ``RelayGroup`` member,
+    or one of your own; ``TenantRelays`` runs any of them.
+
+    ``run()`` relays until ``stop()`` (also one called before it started) or cancellation, and
+    raises what it cannot retry. ``state`` is ``starting`` until then, ``standby`` or ``active``
+    while it runs, ``stopped`` or ``failed`` after; ``last_error`` is the latest error it met,
+    as ``describe()`` writes it. ``outbox`` is the outbox it publishes.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def last_error(self) -> str | None: ...
+
+    async def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    async def status(self) -> RelayStatus | GroupStatus: ...
+
+
+class PollingRelay(Lifecycle):
     """Publishes an outbox's pending events, in sequence order per aggregate.
 
     Several relays may run side by side, in one process or many: each claims a batch with a
@@ -50,46 +88,43 @@ class PollingRelay:
         interval: Duration = 1.0,
         name: str = "polling-relay",
     ) -> None:
-        self.name = check_name(name, "PollingRelay.name")
-        self.settings = settings or RelaySettings()
-        self.interval = seconds(interval, "PollingRelay.interval")
+        name = check_name(name, "PollingRelay.name")
+        self._gauges = metrics.RelayGauges(name, outbox.db.name)
+        super().__init__(name, log, self._gauges)
+        self.settings = check_relay_settings(settings, "PollingRelay.settings")
+        self.interval = check_seconds(interval, "PollingRelay.interval")
         self.outbox = outbox
         self.publisher = publisher
         self._rounds = Rounds(outbox, publisher, self.settings, relay=self.name)
-        self._stopping = asyncio.Event()
-        self.state: State = "starting"
-        self.last_error: str | None = None
-        self._gauges = metrics.RelayGauges(self.name, outbox.db.name)
 
     @property
     def stats(self) -> RelayStats:
         return self._rounds.stats
 
+    @property
+    def turns(self) -> Turns | None:
+        """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
+        return self._rounds.turns
+
+    @turns.setter
+    def turns(self, turns: Turns | None) -> None:
+        self._rounds.turns = turns
+
     async def drain(self) -> int:
         """Publish everything due now; return how many events were published. Entries that
         fail are left for a later retry, not waited for; entries due later (saved meanwhile,
         say) are left to ``run()``."""
-        with self._rounds.exclusive("drain()"):
+        with self._exclusive("drain()"):
             return await self._rounds.drain()
 
     async def run(self) -> None:
         """Relay until ``stop()`` (also one called before ``run()`` started) or cancellation.
         Database errors are logged and retried with backoff."""
-        with self._rounds.exclusive("run()"):
-            try:
-                # Active once its gauges were read: a probe that sees it active can scrape them.
-                async with self._gauges.refreshing(self.status):
-                    self._enter("active", "run() started")
-                    await self._relay()
-            except asyncio.CancelledError:
-                self._enter("stopped", "cancelled")
-                raise
-            except BaseException as error:
-                self.last_error = describe(error)
-                self._enter("failed", self.last_error)
-                raise
-            self._stopping.clear()  # a stop is consumed by the run it ended
-            self._enter("stopped", "stop() was called")
+        with self._running():
+            # Active once its gauges were read: a probe that sees it active can scrape them.
+            async with self._gauges.refreshing(self.status):
+                self._enter("active", "run() started")
+                await self._relay()
 
     async def _relay(self) -> None:
         failures = 0
@@ -109,10 +144,6 @@ class PollingRelay:
                 idle = min(self.interval, PROBE_EVERY) if self._rounds.outage else self.interval
                 await pause(self._stopping, idle)
 
-    def stop(self) -> None:
-        """Make ``run()`` return after its current round; before it started, at once."""
-        self._stopping.set()
-
     async def status(self) -> RelayStatus:
         """What an operator needs to see, as ``ChangeStreamRelay.status()`` reports it: ``state``
         is ``starting`` until ``run()``, ``active`` while it runs, then ``stopped`` (or
@@ -128,7 +159,7 @@ class PollingRelay:
     async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:
         """One round: claim (what is due by ``until``, default now), publish, settle. Returns
         (published, more may be waiting)."""
-        with self._rounds.exclusive("publish_batch()"):
+        with self._exclusive("publish_batch()"):
             return await self._rounds.batch(until)
 
     async def parked(self) -> list[dict[str, Any]]:
@@ -142,6 +173,3 @@ class PollingRelay:
         earlier parked entries of their aggregates, so none overtakes another. Returns how
         many were requeued (ids that are not parked are ignored)."""
         return await self._rounds.store.requeue(event_ids)
-
-    def _enter(self, state: State, reason: str) -> None:
-        self.state = self._gauges.state = transition(log, self.name, self.state, state, reason)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from mongo_outbox.errors import ConfigurationError
@@ -16,7 +16,9 @@ Duration = float | int | timedelta
 """Seconds as a number, or a ``timedelta``."""
 
 
-def seconds(value: Duration, setting: str, *, minimum: float = 0.0, zero: bool = False) -> float:
+def check_seconds(
+    value: Duration, setting: str, *, minimum: float = 0.0, zero: bool = False
+) -> float:
     """``value`` in seconds, refused unless finite and above ``minimum`` (or equal to it when
     ``zero`` allows it): a zero or negative interval would busy-loop."""
     if isinstance(value, timedelta):
@@ -36,12 +38,12 @@ def seconds(value: Duration, setting: str, *, minimum: float = 0.0, zero: bool =
     return number
 
 
-def interval(value: Duration, setting: str) -> timedelta:
-    """``seconds()``, as the ``timedelta`` that database timestamps are computed with."""
-    return timedelta(seconds=seconds(value, setting))
+def check_timedelta(value: Duration, setting: str) -> timedelta:
+    """``check_seconds()``, as the ``timedelta`` that database timestamps are computed with."""
+    return timedelta(seconds=check_seconds(value, setting))
 
 
-def count(value: int, setting: str, *, minimum: int = 1) -> int:
+def check_count(value: int, setting: str, *, minimum: int = 1) -> int:
     """A whole number ``>= minimum``; ``True`` and ``2.0`` are refused, not coerced."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigurationError(
@@ -52,7 +54,7 @@ def count(value: int, setting: str, *, minimum: int = 1) -> int:
     return value
 
 
-def name(value: str, setting: str) -> str:
+def check_name(value: str, setting: str) -> str:
     """A non-empty ``str`` without NUL: a name that MongoDB stores and logs show."""
     if not isinstance(value, str) or not value or "\x00" in value:
         raise ConfigurationError(
@@ -73,8 +75,8 @@ class Backoff:
 
     def __post_init__(self) -> None:
         # Normalised once, so a timedelta works as well as seconds.
-        object.__setattr__(self, "initial", seconds(self.initial, "Backoff.initial"))
-        object.__setattr__(self, "maximum", seconds(self.maximum, "Backoff.maximum"))
+        object.__setattr__(self, "initial", check_seconds(self.initial, "Backoff.initial"))
+        object.__setattr__(self, "maximum", check_seconds(self.maximum, "Backoff.maximum"))
         if self.initial > self.maximum:  # type: ignore[operator]
             raise ConfigurationError(
                 "Backoff.initial must not exceed Backoff.maximum", setting="Backoff.initial"
@@ -97,9 +99,9 @@ class Backoff:
         return random.uniform(0, ceiling)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RelaySettings:
-    """How a relay publishes; shared by ``PollingRelay`` and ``ChangeStreamRelay``.
+    """How a relay publishes; shared by ``PollingRelay``, ``ChangeStreamRelay`` and ``RelayGroup``.
 
     Parameters:
         batch_size: entries claimed per round.
@@ -113,40 +115,62 @@ class RelaySettings:
             ``parked()``); ``None`` retries for ever. Failures for want of a broker do not
             count (see docs/failures.md).
         backoff: delays between retries of a failed entry.
+
+    Durations are given as seconds or timedeltas, and read back as seconds (``float``).
     """
 
-    batch_size: int = 100
-    max_in_flight: int = 256
-    publish_timeout: Duration = 10.0
-    claim_lease: Duration = 30.0
-    max_attempts: int | None = 10
-    backoff: Backoff = field(default_factory=Backoff)
+    batch_size: int
+    max_in_flight: int
+    publish_timeout: float
+    claim_lease: float
+    max_attempts: int | None
+    backoff: Backoff
 
-    def __post_init__(self) -> None:
-        count(self.batch_size, "RelaySettings.batch_size")
-        count(self.max_in_flight, "RelaySettings.max_in_flight")
-        if self.max_attempts is not None:
-            count(self.max_attempts, "RelaySettings.max_attempts")
-        if not isinstance(self.backoff, Backoff):
+    def __init__(
+        self,
+        batch_size: int = 100,
+        max_in_flight: int = 256,
+        publish_timeout: Duration = 10.0,
+        claim_lease: Duration = 30.0,
+        max_attempts: int | None = 10,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        batch_size = check_count(batch_size, "RelaySettings.batch_size")
+        max_in_flight = check_count(max_in_flight, "RelaySettings.max_in_flight")
+        if max_attempts is not None:
+            max_attempts = check_count(max_attempts, "RelaySettings.max_attempts")
+        if not isinstance(backoff, Backoff):
             raise ConfigurationError(
-                f"RelaySettings.backoff must be a Backoff, not {type(self.backoff).__name__}",
+                f"RelaySettings.backoff must be a Backoff, not {type(backoff).__name__}",
                 setting="RelaySettings.backoff",
             )
-        timeout = seconds(self.publish_timeout, "RelaySettings.publish_timeout")
-        lease = seconds(self.claim_lease, "RelaySettings.claim_lease")
+        timeout = check_seconds(publish_timeout, "RelaySettings.publish_timeout")
+        lease = check_seconds(claim_lease, "RelaySettings.claim_lease")
         if timeout * 2 > lease:
             raise ConfigurationError(
                 f"RelaySettings.claim_lease ({lease:g} s) must be at least twice publish_timeout "
                 f"({timeout:g} s): else a claim could run out while its publish may still succeed",
                 setting="RelaySettings.claim_lease",
             )
-        object.__setattr__(self, "publish_timeout", timeout)
-        object.__setattr__(self, "claim_lease", lease)
+        checked = {
+            "batch_size": batch_size,
+            "max_in_flight": max_in_flight,
+            "publish_timeout": timeout,
+            "claim_lease": lease,
+            "max_attempts": max_attempts,
+            "backoff": backoff,
+        }
+        # Frozen: set once here, so every reader gets checked values (durations in seconds).
+        for field_name, value in checked.items():
+            object.__setattr__(self, field_name, value)
 
-    @property
-    def timeout(self) -> float:
-        return float(self.publish_timeout)  # type: ignore[arg-type]
 
-    @property
-    def lease(self) -> timedelta:
-        return timedelta(seconds=float(self.claim_lease))  # type: ignore[arg-type]
+def check_relay_settings(value: RelaySettings | None, setting: str) -> RelaySettings:
+    """``value``, or the default ``RelaySettings()`` for ``None``."""
+    if value is None:
+        return RelaySettings()
+    if not isinstance(value, RelaySettings):
+        raise ConfigurationError(
+            f"{setting} must be a RelaySettings, not {type(value).__name__}", setting=setting
+        )
+    return value

@@ -16,27 +16,33 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from mongo_outbox._relay.turns import Turns
-from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import UsageError
-from mongo_outbox.group import GroupStatus, RelayGroup
-from mongo_outbox.relay import PollingRelay
-from mongo_outbox.status import RelayStatus, State
+from mongo_outbox.relay import Relay
+from mongo_outbox.status import GroupStatus, RelayStatus, State
 
 __all__ = ["TenantRelays"]
 
 log = logging.getLogger(__name__)
 
-Relay = PollingRelay | ChangeStreamRelay | RelayGroup
+
+@runtime_checkable
+class _TakesTurns(Protocol):
+    """A relay whose rounds can take turns with the other tenants' (the library's relays)."""
+
+    turns: Turns | None
 
 
 class TenantRelays:
     """Runs one relay per database in one process, side by side.
 
     Parameters:
-        relays: a ``PollingRelay``, ``ChangeStreamRelay`` or ``RelayGroup`` member per outbox,
-            each over the ``Outbox`` of its own database. They may share a publisher.
+        relays: a ``Relay`` per outbox (``PollingRelay``, ``ChangeStreamRelay``, a
+            ``RelayGroup`` member, or one of your own), each over the ``Outbox`` of its own
+            database. They may share a publisher. The library's relays take turns (see above);
+            one of your own runs beside them as it is.
 
     ``run()`` runs them all until ``stop()``. If one fails, the others are stopped (giving their
     leases up) and ``run()`` raises that failure: a process is healthy or it exits, so a
@@ -46,9 +52,10 @@ class TenantRelays:
     def __init__(self, relays: Sequence[Relay]) -> None:
         self.relays: dict[str, Relay] = {}
         for relay in relays:
-            if not isinstance(relay, PollingRelay | ChangeStreamRelay | RelayGroup):
+            if not isinstance(relay, Relay):
                 raise UsageError(
-                    f"TenantRelays takes PollingRelay, ChangeStreamRelay or RelayGroup objects, "
+                    "TenantRelays takes relays (objects with name, outbox, state, last_error, "
+                    f"run(), stop() and status(): see mongo_outbox.relay.Relay), "
                     f"not {type(relay).__name__}"
                 )
             database = relay.outbox.db.name
@@ -65,10 +72,8 @@ class TenantRelays:
         self.turns = Turns()
         """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
         for relay in self.relays.values():
-            if isinstance(relay, RelayGroup):
-                relay.turns = self.turns  # its partitions' rounds, created as it takes them
-            else:
-                relay._rounds.turns = self.turns
+            if isinstance(relay, _TakesTurns):
+                relay.turns = self.turns
         self._stopping = False
 
     async def run(self) -> None:

@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from mongo_outbox import metrics
@@ -28,7 +28,6 @@ from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox.errors import (
     BrokerUnavailableError,
-    UsageError,
 )
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
@@ -79,29 +78,12 @@ class Rounds:
         self._woke_at = float("-inf")
         self._probed_at = float("-inf")
         self._warned_at = float("-inf")
-        self._busy = False
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): a round waits for its turn."""
         self.tenant = outbox.db.name
 
     def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def exclusive(self, what: str) -> Iterator[None]:
-        """Refuse a second loop of one relay object while one runs: two loops would share one
-        stop flag, one set of stats and, for a change-stream relay, one lease."""
-        if self._busy:
-            raise UsageError(
-                f"{what}: this relay is already running a loop (run(), drain() or "
-                "publish_batch()); one relay object runs one loop at a time: create another "
-                "relay object (or process) to publish side by side"
-            )
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
 
     async def status(
         self,
@@ -161,7 +143,9 @@ class Rounds:
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            claim = await self.store.claim(limit, self.settings.lease, until)
+            claim = await self.store.claim(
+                limit, timedelta(seconds=self.settings.claim_lease), until
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
@@ -175,7 +159,9 @@ class Rounds:
         whether some could not be claimed and deserve a sweep soon)."""
         async with self._turn():
             started = asyncio.get_running_loop().time()
-            claim = await self.store.claim_changes(changes, self.settings.lease)
+            claim = await self.store.claim_changes(
+                changes, timedelta(seconds=self.settings.claim_lease)
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
@@ -207,7 +193,7 @@ class Rounds:
         rest)."""
         if not claim.groups and not claim.held:
             return 0, 0
-        deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
+        deadline = started + self.settings.claim_lease * 0.9 - self.settings.publish_timeout
         # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
@@ -258,7 +244,7 @@ class Rounds:
             waits[0].error,
             len(waits),
             PROBE_EVERY,
-            self.settings.timeout,
+            self.settings.publish_timeout,
             retry,
             OUTAGE_LOG_EVERY,
         )
@@ -377,7 +363,7 @@ class Rounds:
             return BrokerUnavailableError(f"{name}: {reason}", event_id=event.id)
 
         try:
-            return await client_call(call, self.settings.timeout, failed)
+            return await client_call(call, self.settings.publish_timeout, failed)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - any publisher failure is classified

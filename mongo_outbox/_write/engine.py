@@ -30,7 +30,7 @@ from mongo_outbox._write.rules import Rules
 from mongo_outbox._write.steps import Steps
 from mongo_outbox.errors import ConfigurationError, UsageError
 from mongo_outbox.events import utc_now
-from mongo_outbox.settings import count
+from mongo_outbox.settings import Duration, check_count, check_name, check_timedelta
 
 _NOT_A_FIELD = frozenset({"_id", "_version", "_sequence"})
 
@@ -60,9 +60,15 @@ def layout_for(
         return CollectionLayout(outbox, field)
     if mode == "embedded":
         if not collections:
-            raise ValueError("embedded mode needs collections=[...]: the relay scans only those")
+            raise ConfigurationError(
+                "Outbox.collections: embedded mode needs collections=[...]: the relay scans only "
+                "those",
+                setting="Outbox.collections",
+            )
         return EmbeddedLayout(db, collections, field, registry)
-    raise ValueError(f"mode must be 'collection' or 'embedded', not {mode!r}")
+    raise ConfigurationError(
+        f"Outbox.mode must be 'collection' or 'embedded', not {mode!r}", setting="Outbox.mode"
+    )
 
 
 _WRONG_API = {
@@ -86,7 +92,7 @@ class WriteEngine:
         mode: Mode = "collection",
         collection: str = "outbox",
         collections: Sequence[str] = (),
-        retention: timedelta = timedelta(days=7),
+        retention: Duration = timedelta(days=7),
         field: str = "_outbox",
         aggregate_types: Mapping[str, str] | None = None,
         partitions: int = 1,
@@ -100,12 +106,12 @@ class WriteEngine:
                 setting="Outbox.db",
             )
         check_field(field)
+        retention = check_timedelta(retention, "Outbox.retention")
+        check_name(collection, "Outbox.collection")
         self.event_ids = db[f"{collection}_event_ids"]
         self._registry = EventIds(self.event_ids, retention)
         self.layout = layout_for(mode, db, db[collection], collections, field, self._registry)
-        if retention <= timedelta(0):
-            raise ValueError("retention must be positive")
-        self.partitions = count(partitions, "Outbox.partitions")
+        self.partitions = check_count(partitions, "Outbox.partitions")
         self.db = db
         self.mode: Mode = mode
         self.retention = retention

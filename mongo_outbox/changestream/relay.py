@@ -20,11 +20,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
 
 from mongo_outbox import metrics
+from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
@@ -34,13 +35,22 @@ from mongo_outbox.changestream.source import (
     WatchSource,
     triage,
 )
-from mongo_outbox.errors import ChangeStreamError, describe
+from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import Publisher
-from mongo_outbox.settings import Duration, RelaySettings, interval, seconds
-from mongo_outbox.settings import name as check_name
-from mongo_outbox.status import RelayStats, RelayStatus, State, transition
+from mongo_outbox.settings import (
+    Duration,
+    RelaySettings,
+    check_name,
+    check_relay_settings,
+    check_seconds,
+    check_timedelta,
+)
+from mongo_outbox.status import RelayStats, RelayStatus
+
+if TYPE_CHECKING:
+    from mongo_outbox._relay.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +59,7 @@ RELEASE_WAIT = 2.0
 its last attempt was lost) before it leaves it to run out."""
 
 
-class ChangeStreamRelay:
+class ChangeStreamRelay(Lifecycle):
     """Publishes an outbox by following its change stream.
 
     Parameters:
@@ -87,23 +97,31 @@ class ChangeStreamRelay:
         partition: int | None = None,
     ) -> None:
         name = check_name(name, "ChangeStreamRelay.name")
-        self.settings = settings or RelaySettings()
-        self.max_wait = seconds(max_wait, "ChangeStreamRelay.max_wait")
-        self.leader_lease = interval(leader_lease, "ChangeStreamRelay.leader_lease")
-        self.sweep_interval = seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")
+        self._gauges = metrics.RelayGauges(name, outbox.db.name, partition)
+        super().__init__(name, log, self._gauges)
+        self.settings = check_relay_settings(settings, "ChangeStreamRelay.settings")
+        if partition is not None and (
+            isinstance(partition, bool)
+            or not isinstance(partition, int)
+            or not 0 <= partition < outbox.partitions
+        ):
+            raise ConfigurationError(
+                f"ChangeStreamRelay.partition must be None or one of the outbox's partitions "
+                f"(0 to {outbox.partitions - 1}), not {partition!r}",
+                setting="ChangeStreamRelay.partition",
+            )
+        check_name(checkpoints, "ChangeStreamRelay.checkpoints")
+        self.max_wait = check_seconds(max_wait, "ChangeStreamRelay.max_wait")
+        self.leader_lease = check_timedelta(leader_lease, "ChangeStreamRelay.leader_lease")
+        self.sweep_interval = check_seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")
         self.outbox = outbox
         self.publisher = publisher
-        self.name = name
         self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
         self._rounds = Rounds(outbox, publisher, self.settings, partition, relay=name)
-        self.state: State = "starting"
-        self._gauges = metrics.RelayGauges(name, outbox.db.name, partition)
         self.recoveries = 0
-        self.last_error: str | None = None
         self._sweep_due = 0.0
         self._saved_at = float("-inf")
-        self._stopping = asyncio.Event()
         self._lost = asyncio.Event()
         # Whether the lease in the database may be this object's: only then does a stop give it
         # up, so that a standby stops at once during a MongoDB outage instead of waiting on a
@@ -114,7 +132,7 @@ class ChangeStreamRelay:
 
     async def drain(self) -> int:
         """Publish everything pending now (a sweep of the collections); return how many."""
-        with self._rounds.exclusive("drain()"):
+        with self._exclusive("drain()"):
             return await self._rounds.drain()
 
     async def run(self) -> None:
@@ -122,7 +140,7 @@ class ChangeStreamRelay:
         stand by until this process holds the lease, then follow the stream. Resumable errors
         resume from the checkpoint with backoff; an error no retry can fix raises
         ChangeStreamError. ``stop()`` gives the lease up."""
-        with self._rounds.exclusive("run()"):
+        with self._running():
             # Cancellation stands for a crash (the lease runs out); anything else gives it up.
             cancelled = False
             try:
@@ -131,20 +149,23 @@ class ChangeStreamRelay:
             except asyncio.CancelledError:
                 cancelled = True
                 self.checkpoint.fence = None  # no more writes; the lease in the database runs out
-                self._enter("stopped", "cancelled")
                 raise
             finally:
                 if not cancelled:
                     await self._release()
-            self._stopping.clear()  # a stop is consumed by the run it ended
-            self._enter("stopped", "stop() was called")
-
-    def stop(self) -> None:
-        self._stopping.set()
 
     @property
     def stats(self) -> RelayStats:
         return self._rounds.stats
+
+    @property
+    def turns(self) -> Turns | None:
+        """Shared with other tenants' relays (``TenantRelays``): each round waits its turn."""
+        return self._rounds.turns
+
+    @turns.setter
+    def turns(self, turns: Turns | None) -> None:
+        self._rounds.turns = turns
 
     async def status(self) -> RelayStatus:
         doc = await self.checkpoint.load()
@@ -235,8 +256,7 @@ class ChangeStreamRelay:
             except LeaseLost as error:
                 self._enter("standby", str(error))
             except ChangeStreamError as error:
-                self.last_error = str(error)
-                self._enter("failed", str(error))
+                self._fail(error)  # before the lease is given up: a probe sees it failed at once
                 raise
             except PyMongoError as error:
                 failures += 1
@@ -390,11 +410,6 @@ class ChangeStreamRelay:
             wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)
         self._sweep_due = asyncio.get_running_loop().time() + wait
         return total
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _enter(self, state: State, reason: str) -> None:
-        self.state = self._gauges.state = transition(log, self.name, self.state, state, reason)
 
 
 async def _close(stream: ChangeStream) -> None:

@@ -49,7 +49,7 @@ from mongo_outbox.errors import ChangeStreamError, ConfigurationError
 from mongo_outbox.group import RelayGroup
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
-from mongo_outbox.settings import RelaySettings, count, seconds
+from mongo_outbox.settings import RelaySettings, check_count, check_seconds
 from mongo_outbox.tenants import TenantRelays
 
 log = logging.getLogger("mongo_outbox.cli")
@@ -65,7 +65,7 @@ def _default(relay: type, parameter: str) -> float:
 # The change-stream relay's leader lease and a group member's lease are defaults of their own:
 # a member's must leave room for a publish within it (at least 2.5 times the publish timeout).
 LEADER_LEASE = _default(ChangeStreamRelay, "leader_lease")
-MEMBER_LEASE = _default(RelayGroup, "lease")
+MEMBER_LEASE = _default(RelayGroup, "member_lease")
 
 
 @click.command()
@@ -88,8 +88,14 @@ MEMBER_LEASE = _default(RelayGroup, "lease")
 @option(
     "--leader-lease",
     type=float,
-    help=f"Seconds a lease lasts without renewal [default: {LEADER_LEASE:g}; a group member's: "
-    f"{MEMBER_LEASE:g}].",
+    help="Seconds the change-stream relay's leader lease lasts without renewal "
+    f"[default: {LEADER_LEASE:g}].",
+)
+@option(
+    "--member-lease",
+    type=float,
+    help="With --partitions: seconds a member's heartbeat and partition leases last without "
+    f"renewal [default: {MEMBER_LEASE:g}].",
 )
 @option("--sweep-interval", type=float, default=30.0, show_default=True, help="Seconds.")
 @option("--stop-timeout", type=float, default=10.0, show_default=True, help="Seconds to stop.")
@@ -98,7 +104,7 @@ MEMBER_LEASE = _default(RelayGroup, "lease")
     type=int,
     default=None,
     help="Run as a member of relay group --name over an outbox of this many partitions "
-    "(the writers' count); --leader-lease is the member's lease.",
+    "(the writers' count); --member-lease is the member's lease.",
 )
 @option(
     "--drain",
@@ -168,23 +174,34 @@ class _Plan:
             claim_lease=given["claim_lease"],
             publish_timeout=given["publish_timeout"],
         )
-        self.interval = seconds(given["interval"], "--interval")
-        self.max_wait = seconds(given["max_wait"], "--max-wait")
+        self.interval = check_seconds(given["interval"], "--interval")
+        self.max_wait = check_seconds(given["max_wait"], "--max-wait")
         self.partitions: int | None = given.get("partitions")
-        lease = given["leader_lease"]
-        if lease is None:
-            lease = LEADER_LEASE if self.partitions is None else MEMBER_LEASE
-        self.leader_lease = seconds(lease, "--leader-lease")
-        self.sweep_interval = seconds(given["sweep_interval"], "--sweep-interval")
-        self.stop_timeout = seconds(given["stop_timeout"], "--stop-timeout")
-        self.linger = seconds(given["metrics_linger"], "--metrics-linger", zero=True)
+        leader_lease, member_lease = given["leader_lease"], given["member_lease"]
+        # Each lease is its own relay's: one given to the other kind would be silently unused.
+        if self.partitions is None and member_lease is not None:
+            raise Failure("--member-lease is a group member's lease: give --partitions too")
+        if self.partitions is not None and leader_lease is not None:
+            raise Failure(
+                "--leader-lease is the change-stream relay's lease; a group member's (with "
+                "--partitions) is --member-lease"
+            )
+        self.leader_lease = check_seconds(
+            LEADER_LEASE if leader_lease is None else leader_lease, "--leader-lease"
+        )
+        self.member_lease = check_seconds(
+            MEMBER_LEASE if member_lease is None else member_lease, "--member-lease"
+        )
+        self.sweep_interval = check_seconds(given["sweep_interval"], "--sweep-interval")
+        self.stop_timeout = check_seconds(given["stop_timeout"], "--stop-timeout")
+        self.linger = check_seconds(given["metrics_linger"], "--metrics-linger", zero=True)
         if self.partitions is not None:
-            count(self.partitions, "--partitions")
-            if self.leader_lease < 2.5 * self.settings.timeout:
+            check_count(self.partitions, "--partitions")
+            if self.member_lease < 2.5 * self.settings.publish_timeout:
                 raise ConfigurationError(
-                    f"a group member's lease ({self.leader_lease:g} s) must be at least 2.5 "
-                    f"times --publish-timeout ({self.settings.timeout:g} s)",
-                    setting="--leader-lease",
+                    f"a group member's lease ({self.member_lease:g} s) must be at least 2.5 "
+                    f"times --publish-timeout ({self.settings.publish_timeout:g} s)",
+                    setting="--member-lease",
                 )
         self.sample = sample_event(target.collections)
         broker.check(self.sample)
@@ -208,7 +225,7 @@ class _Plan:
                 name=self.name,
                 source="polling" if self.polling else "changestream",
                 settings=self.settings,
-                lease=self.leader_lease,
+                member_lease=self.member_lease,
                 interval=self.interval,
                 checkpoints=self.checkpoints,
             )

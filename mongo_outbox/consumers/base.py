@@ -44,7 +44,7 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event
 from mongo_outbox.guard import MAX_ID_LENGTH, Guarded, check_message_id
 from mongo_outbox.inbox import Outcome
-from mongo_outbox.settings import count
+from mongo_outbox.settings import check_count
 from mongo_outbox.tracing import receiving
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def check_source(source: str | None, setting: str) -> None:
 
 def delivery_limit_of(value: int | None, setting: str) -> int | None:
     """A broker's delivery limit: ``None`` (unknown or unlimited) or a count ``>= 0``."""
-    return None if value is None else count(value, setting, minimum=0)
+    return None if value is None else check_count(value, setting, minimum=0)
 
 
 def aggregate_key(headers: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -25,7 +25,7 @@ from mongo_outbox.consumers.base import (
 from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.guard import Guarded
 from mongo_outbox.inbox import Outcome
-from mongo_outbox.settings import count
+from mongo_outbox.settings import check_count
 
 try:
     from nats.aio.msg import Msg
@@ -122,8 +122,10 @@ async def consume_nats(
             raise ConfigurationError(
                 f"{setting} must be a non-empty str, not {value!r}", setting=setting
             )
-    batch = count(batch, "consume_nats.batch")
-    limit = batch if max_in_flight is None else count(max_in_flight, "consume_nats.max_in_flight")
+    batch = check_count(batch, "consume_nats.batch")
+    limit = (
+        batch if max_in_flight is None else check_count(max_in_flight, "consume_nats.max_in_flight")
+    )
     check_source(source, "consume_nats.source")
     stop = stop or asyncio.Event()
     subscription = await js.pull_subscribe(subject, durable=durable, stream=stream)

@@ -32,7 +32,7 @@ from mongo_outbox.consumers.base import (
 )
 from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.guard import Guarded
-from mongo_outbox.settings import Duration, count, seconds
+from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:
     import redis.asyncio
@@ -111,10 +111,14 @@ async def consume_redis(
             "consume_redis needs a consumer name and a dead-letter stream other than the stream",
             setting="consume_redis.dead_letter_stream",
         )
-    idle = seconds(claim_idle, "consume_redis.claim_idle")
+    idle = check_seconds(claim_idle, "consume_redis.claim_idle")
     limit_deliveries = delivery_limit_of(max_deliveries, "consume_redis.max_deliveries") or None
-    batch = count(batch, "consume_redis.batch")
-    limit = batch if max_in_flight is None else count(max_in_flight, "consume_redis.max_in_flight")
+    batch = check_count(batch, "consume_redis.batch")
+    limit = (
+        batch
+        if max_in_flight is None
+        else check_count(max_in_flight, "consume_redis.max_in_flight")
+    )
     check_source(source, "consume_redis.source")
     stop = stop or asyncio.Event()
     entries = Entries(client, stream, group, consumer, dead, int(idle * 1000))

@@ -42,7 +42,7 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
-from mongo_outbox.settings import Duration, seconds
+from mongo_outbox.settings import Duration, check_seconds
 
 try:
     from faststream import exceptions as faststream_errors
@@ -122,7 +122,7 @@ class FastStreamPublisher:
         self.destination = destination
         self.exchange = exchange
         self.stream = stream
-        self.timeout = seconds(timeout, "FastStreamPublisher.timeout")
+        self.timeout = check_seconds(timeout, "FastStreamPublisher.timeout")
         self.closed = False
         self._classify = _classifier(self.kind)
 

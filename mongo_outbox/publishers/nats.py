@@ -18,7 +18,7 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
-from mongo_outbox.settings import Duration, seconds
+from mongo_outbox.settings import Duration, check_seconds
 
 try:
     import nats
@@ -130,7 +130,7 @@ class NatsPublisher:
     ) -> None:
         self.js = js
         self.subject = subject
-        self.timeout = seconds(timeout, "NatsPublisher.timeout")
+        self.timeout = check_seconds(timeout, "NatsPublisher.timeout")
         self.closed = False
         self.connection: Client | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
@@ -151,7 +151,7 @@ class NatsPublisher:
         as long as it takes; the first connection must succeed within ``2 * timeout`` or
         ``ConnectionError`` is raised. Logs and errors show ``url`` without its credentials.
         """
-        wait = seconds(timeout, "NatsPublisher.timeout")
+        wait = check_seconds(timeout, "NatsPublisher.timeout")
         shown = redact_url(url)
 
         async def log_error(error: Exception) -> None:

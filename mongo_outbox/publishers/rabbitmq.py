@@ -29,7 +29,7 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
-from mongo_outbox.settings import Duration, seconds
+from mongo_outbox.settings import Duration, check_seconds
 
 try:
     import aio_pika
@@ -102,7 +102,7 @@ class RabbitMQPublisher:
     ) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
-        self.timeout = seconds(timeout, "RabbitMQPublisher.timeout")
+        self.timeout = check_seconds(timeout, "RabbitMQPublisher.timeout")
         self.closed = False
         self.connection: AbstractRobustConnection | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
@@ -127,7 +127,7 @@ class RabbitMQPublisher:
 
         Raises ``ConnectionError`` when RabbitMQ cannot be reached; it shows ``url`` without
         its password."""
-        wait = seconds(timeout, "RabbitMQPublisher.timeout")
+        wait = check_seconds(timeout, "RabbitMQPublisher.timeout")
         try:
             connection = await aio_pika.connect_robust(url, timeout=wait)
         except (aiormq.exceptions.AMQPError, OSError, asyncio.TimeoutError) as error:

@@ -32,7 +32,7 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
-from mongo_outbox.settings import Duration, count, seconds
+from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:
     import redis.asyncio
@@ -140,8 +140,10 @@ class RedisStreamsPublisher:
     ) -> None:
         self.redis: Any = client  # redis-py types its commands as "awaitable or not": untyped here
         self.stream = stream
-        self.maxlen = None if maxlen is None else count(maxlen, "RedisStreamsPublisher.maxlen")
-        self.timeout = seconds(timeout, "RedisStreamsPublisher.timeout")
+        self.maxlen = (
+            None if maxlen is None else check_count(maxlen, "RedisStreamsPublisher.maxlen")
+        )
+        self.timeout = check_seconds(timeout, "RedisStreamsPublisher.timeout")
         self.closed = False
         self.owned = False
         """Whether ``aclose`` closes the client (``connect`` opened it)."""
@@ -159,7 +161,7 @@ class RedisStreamsPublisher:
 
         Raises ``ConnectionError`` when Redis cannot be reached; it shows ``url`` without its
         password."""
-        wait = seconds(timeout, "RedisStreamsPublisher.timeout")
+        wait = check_seconds(timeout, "RedisStreamsPublisher.timeout")
         try:
             # A blocking pool: a publish waits for a free connection (up to the timeout) rather
             # than failing as an outage when many are in flight.

@@ -58,7 +58,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from mongo_outbox.errors import ConfigurationError
-from mongo_outbox.settings import seconds
+from mongo_outbox.settings import check_seconds
 
 __all__ = ["Emulator", "NatsServer", "start_emulator", "start_nats"]
 
@@ -111,7 +111,7 @@ def start_emulator(
     this one. It raises ``ConfigurationError`` when that interpreter cannot run the emulator
     (too old, or without ``mongo-outbox[testing]``) or the emulator does not answer within
     ``startup_timeout``."""
-    limit = seconds(startup_timeout, "start_emulator.startup_timeout")
+    limit = check_seconds(startup_timeout, "start_emulator.startup_timeout")
     python = python or os.environ.get("MONGOECO_PYTHON") or sys.executable
     try:
         # stderr is inherited: a crash's traceback goes where the caller's own errors go.
@@ -195,7 +195,7 @@ def start_nats(
     within ``startup_timeout``."""
     from mongo_outbox.testing.nats_server import NEEDS, find_binary
 
-    limit = seconds(startup_timeout, "start_nats.startup_timeout")
+    limit = check_seconds(startup_timeout, "start_nats.startup_timeout")
     binary = binary or find_binary()
     if binary is None:
         raise ConfigurationError(f"no nats-server found: {NEEDS}", setting="start_nats.binary")

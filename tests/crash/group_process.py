@@ -70,7 +70,7 @@ async def main(
         publisher,
         name="orders-group",
         source=source,  # type: ignore[arg-type]
-        lease=LEASE,
+        member_lease=LEASE,
         interval=0.05,
         settings=RelaySettings(
             claim_lease=2.0,

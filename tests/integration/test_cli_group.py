@@ -17,7 +17,7 @@ def member(mongo: MongoServer, db: Any, stream: str, partitions: int) -> Service
         "--polling",
         "--interval=0.1",
         f"--partitions={partitions}",
-        "--leader-lease=3",
+        "--member-lease=3",
         "--publish-timeout=1",
         f"--uri={mongo.uri}",
         f"--db={db.name}",

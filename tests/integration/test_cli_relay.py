@@ -123,6 +123,19 @@ BAD = [
         id="routing-key",
     ),
     pytest.param(["--uri={uri}", *NATS, "--claim-lease=0"], "--claim-lease", id="lease"),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--member-lease=30"], "--partitions", id="member-lease-alone"
+    ),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--partitions=2", "--leader-lease=30"],
+        "is --member-lease",
+        id="leader-lease-of-a-member",
+    ),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--partitions=2", "--member-lease=5"],
+        "--member-lease",
+        id="member-lease-too-short",
+    ),
     pytest.param(["--uri={uri}"], "--nats URL or --rabbitmq URL", id="no-broker"),
     pytest.param(["--uri={uri}", *NATS, "--mode=embedded"], "--collections", id="embedded"),
     pytest.param([*NATS], "--uri", id="no-uri"),

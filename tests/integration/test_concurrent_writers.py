@@ -29,7 +29,8 @@ def relays(kind: str, outbox: Outbox, publisher: MemoryPublisher) -> list[Any]:
     if kind == "changestream":
         return [ChangeStreamRelay(outbox, publisher, name="orders-relay", settings=FAST)]
     return [
-        RelayGroup(outbox, publisher, lease=3.0, interval=0.05, settings=FAST) for _ in range(2)
+        RelayGroup(outbox, publisher, member_lease=3.0, interval=0.05, settings=FAST)
+        for _ in range(2)
     ]
 
 

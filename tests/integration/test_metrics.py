@@ -258,7 +258,7 @@ async def test_a_polling_group_reports_each_partition_it_publishes(
         publisher,
         name="pgroup",
         source="polling",
-        lease=3.0,
+        member_lease=3.0,
         interval=0.05,
         settings=RelaySettings(claim_lease=2.0, publish_timeout=0.5),
     )

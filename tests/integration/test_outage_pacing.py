@@ -97,7 +97,7 @@ def relay_of(kind: str, outbox: Outbox, publisher: Counting) -> tuple[Any, int]:
         return PollingRelay(outbox, publisher, settings=TINY, interval=0.01), 1
     if kind == "changestream":
         return ChangeStreamRelay(outbox, publisher, name="paced", settings=TINY), 1
-    group = RelayGroup(outbox, publisher, settings=TINY, lease=3.0, interval=0.01)
+    group = RelayGroup(outbox, publisher, settings=TINY, member_lease=3.0, interval=0.01)
     return group, outbox.partitions
 
 

@@ -28,7 +28,7 @@ FAST = RelaySettings(claim_lease=2.0, publish_timeout=0.5)
 
 
 def group(outbox: Outbox, publisher: MemoryPublisher, **options: Any) -> RelayGroup:
-    return RelayGroup(outbox, publisher, lease=3.0, interval=0.05, settings=FAST, **options)
+    return RelayGroup(outbox, publisher, member_lease=3.0, interval=0.05, settings=FAST, **options)
 
 
 async def stop_all(members: list[RelayGroup], tasks: list[asyncio.Task[None]]) -> None:

@@ -39,7 +39,7 @@ async def test_a_slow_broker_never_lets_two_polling_relays_publish_an_event_twic
     relays = [PollingRelay(outbox, broker, settings=settings, interval=0.05) for _ in range(2)]
     tasks = [asyncio.create_task(r.run()) for r in relays]
     await broker.wait_for(len(saved), timeout=30)
-    await asyncio.sleep(settings.lease.total_seconds())  # a late duplicate would arrive by now
+    await asyncio.sleep(settings.claim_lease)  # a late duplicate would arrive by now
     for relay in relays:
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)

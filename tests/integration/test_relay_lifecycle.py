@@ -16,8 +16,10 @@ import pytest
 from mongo_outbox import (
     Backoff,
     ChangeStreamRelay,
+    ConfigurationError,
     Event,
     PollingRelay,
+    RelayGroup,
     RelaySettings,
     UsageError,
 )
@@ -27,6 +29,7 @@ from tests.support.changestream_sources import ScriptedSource
 from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_one_by_one
 
 FAST = Backoff(initial=0.01, maximum=0.05)
+GROUP = RelaySettings(claim_lease=2.0, publish_timeout=0.5)
 
 
 async def test_one_polling_relay_runs_one_loop_at_a_time(db: Any) -> None:
@@ -56,6 +59,28 @@ async def test_one_change_stream_relay_runs_one_loop_at_a_time(db: Any) -> None:
             await second
     relay.stop()
     await asyncio.wait_for(task, 5)
+
+
+async def test_one_group_member_runs_one_loop_at_a_time(db: Any) -> None:
+    outbox = make_outbox(db, "collection", partitions=2)
+    member = RelayGroup(outbox, MemoryPublisher(), member_lease=3.0, settings=GROUP)
+    task = asyncio.create_task(member.run())
+    await asyncio.sleep(0)
+    with pytest.raises(UsageError, match="one loop at a time"):
+        await member.run()
+    member.stop()
+    await asyncio.wait_for(task, 10)
+    assert member.state == "stopped"
+
+
+async def test_a_group_member_that_cannot_start_ends_failed_with_its_error(db: Any) -> None:
+    await make_outbox(db, "collection", partitions=4).ensure_indexes()
+    outbox = make_outbox(db, "collection", partitions=2)
+    member = RelayGroup(outbox, MemoryPublisher(), member_lease=3.0, settings=GROUP)
+    with pytest.raises(ConfigurationError, match="records partitions=4"):
+        await member.run()
+    assert member.state == "failed"
+    assert member.last_error is not None and "ConfigurationError" in member.last_error
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -177,3 +177,18 @@ def test_the_sync_outbox_offers_every_write_of_the_async_one_without_await() -> 
     for function in (getattr(mongo_outbox.sync.Outbox, name) for name in writes):
         for annotation in inspect.get_annotations(function).values():
             assert "mongo_outbox._" not in str(annotation)
+
+
+def test_each_lease_is_named_by_whose_it_is_and_each_setting_has_one_name() -> None:
+    leases = {
+        mongo_outbox.RelaySettings: "claim_lease",
+        mongo_outbox.ChangeStreamRelay: "leader_lease",
+        mongo_outbox.RelayGroup: "member_lease",
+        mongo_outbox.Inbox: "processing_lease",
+    }
+    for owner, lease in leases.items():
+        parameters = inspect.signature(owner).parameters
+        assert lease in parameters and "lease" not in parameters, owner
+    settings = mongo_outbox.RelaySettings()
+    assert not hasattr(settings, "timeout") and not hasattr(settings, "lease")
+    assert (settings.publish_timeout, settings.claim_lease) == (10.0, 30.0)

@@ -74,7 +74,7 @@ def test_a_bad_count_is_refused_with_the_setting_named(setting: str, value: Any)
 
 
 def test_durations_take_seconds_or_timedeltas_alike() -> None:
-    assert RelaySettings(publish_timeout=timedelta(seconds=2), claim_lease=4).timeout == 2.0
+    assert RelaySettings(publish_timeout=timedelta(seconds=2), claim_lease=4).publish_timeout == 2.0
     assert Backoff(initial=timedelta(milliseconds=250)).initial == 0.25
     assert change_relay_with(leader_lease=timedelta(seconds=3)).leader_lease == timedelta(seconds=3)
 

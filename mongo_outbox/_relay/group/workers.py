@@ -107,7 +107,7 @@ class PollingWorker:
                         self.partition,
                         self.lease.fence,
                     )
-                    margin = self.rounds.settings.timeout
+                    margin = self.rounds.settings.publish_timeout
                     async with self.lease.renewed(margin) as lost:
                         await self._publish(lost)
                     self._enter("standby", "the partition lease was lost or given back")

@@ -34,7 +34,7 @@ from mongo_outbox.cli.common import (
 )
 from mongo_outbox.cli.console.auth import TOKEN, USER, Credentials, CredentialsError
 from mongo_outbox.cli.relay import _databases
-from mongo_outbox.settings import count, seconds
+from mongo_outbox.settings import check_count, check_seconds
 
 log = logging.getLogger("mongo_outbox.cli")
 
@@ -112,8 +112,10 @@ def console(
 
     try:
         credentials = Credentials.from_env(os.environ)
-        every = seconds(sample_interval, "--sample-interval")
-        keep = count(max(1, round(seconds(history, "--history") * 60 / every)), "--history")
+        every = check_seconds(sample_interval, "--sample-interval")
+        keep = check_count(
+            max(1, round(check_seconds(history, "--history") * 60 / every)), "--history"
+        )
     except (CredentialsError, ValueError) as error:
         raise Failure(str(error)) from None
     settings = Settings(

@@ -1,0 +1,123 @@
+"""``TenantRelays`` runs any ``Relay``: the library's, or an object of one's own with the same
+few members (``mongo_outbox.relay.Relay``), not only the classes it knows."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from mongo_outbox import (
+    ChangeStreamRelay,
+    Outbox,
+    PollingRelay,
+    RelayGroup,
+    RelayStatus,
+    UsageError,
+)
+from mongo_outbox.publishers import MemoryPublisher
+from mongo_outbox.relay import Relay
+from mongo_outbox.status import State
+from mongo_outbox.tenants import TenantRelays
+
+
+@pytest.fixture
+async def offline() -> AsyncIterator[AsyncMongoClient[Any]]:
+    """A client that never connects: nothing here sends a command (see conftest.py)."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        "mongodb://127.0.0.1:9", connect=False, serverSelectionTimeoutMS=200
+    )
+    yield client
+    await client.close()
+
+
+class HandmadeRelay:
+    """A relay that is none of the library's classes: it only has a Relay's members."""
+
+    def __init__(self, outbox: Outbox, name: str) -> None:
+        self.name = name
+        self.outbox = outbox
+        self.state: State = "starting"
+        self.last_error: str | None = None
+        self._stopping = asyncio.Event()
+        self.running = asyncio.Event()
+
+    async def run(self) -> None:
+        self.state = "active"
+        self.running.set()
+        await self._stopping.wait()
+        self.state = "stopped"
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def status(self) -> RelayStatus:
+        return RelayStatus(
+            name=self.name,
+            state=self.state,
+            active=self.state == "active",
+            last_checkpoint_at=None,
+            pending=0,
+            oldest_pending_age=timedelta(0),
+            parked=0,
+            publish_failures=0,
+            recoveries=0,
+            last_error=self.last_error,
+        )
+
+
+async def test_a_relay_of_ones_own_runs_stops_and_reports_like_the_librarys(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    mine = [HandmadeRelay(Outbox(offline[db]), f"mine-{db}") for db in ("shop", "billing")]
+    assert all(isinstance(relay, Relay) for relay in mine)
+    tenants = TenantRelays(mine)
+    assert tenants.state == "starting"
+    task = asyncio.ensure_future(tenants.run())
+    await asyncio.wait_for(asyncio.gather(*(r.running.wait() for r in mine)), 5)
+    assert tenants.state == "active"
+    statuses = await tenants.status()
+    assert {db: s.name for db, s in statuses.items()} == {
+        "shop": "mine-shop",
+        "billing": "mine-billing",
+    }
+    tenants.stop()
+    await asyncio.wait_for(task, 5)
+    assert tenants.state == "stopped" and [r.state for r in mine] == ["stopped", "stopped"]
+
+
+async def test_the_librarys_three_relays_are_relays(offline: AsyncMongoClient[Any]) -> None:
+    outbox = Outbox(offline.shop, partitions=2)
+    publisher = MemoryPublisher()
+    relays = [
+        PollingRelay(outbox, publisher),
+        ChangeStreamRelay(outbox, publisher, name="r"),
+        RelayGroup(outbox, publisher),
+    ]
+    assert all(isinstance(relay, Relay) for relay in relays)
+    assert TenantRelays(relays[:1]).relays == {"shop": relays[0]}
+
+
+async def test_it_runs_beside_the_librarys_relays_and_only_theirs_take_turns(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    polling = PollingRelay(Outbox(offline.shop), MemoryPublisher())
+    mine = HandmadeRelay(Outbox(offline.billing), "mine")
+    tenants = TenantRelays([polling, mine])
+    assert polling.turns is tenants.turns
+    assert not hasattr(mine, "turns")
+
+
+async def test_an_object_without_a_relays_members_is_refused(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    with pytest.raises(UsageError, match="not Outbox"):
+        TenantRelays([Outbox(offline.shop)])  # type: ignore[list-item]
+    half = HandmadeRelay(Outbox(offline.shop), "half")
+    del half.outbox
+    with pytest.raises(UsageError, match=r"mongo_outbox\.relay\.Relay\), not HandmadeRelay"):
+        TenantRelays([half])
