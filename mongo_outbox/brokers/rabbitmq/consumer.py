@@ -1,7 +1,7 @@
 """Run a guarded handler on RabbitMQ messages through aio-pika, and settle them.
 
 RabbitMQ has no delayed negative acknowledgement. ``consume_rabbitmq`` sends a message to retry
-through a retry queue (``_rabbitmq_retry``): a confirmed copy waits out the delay in the broker,
+through a retry queue (``_retry_queues``): a confirmed copy waits out the delay in the broker,
 and the original is acknowledged, so it holds no prefetch slot and its delay survives a crash of
 the consumer. Where there are no retry queues (``handle_rabbitmq_message``, ``retry_queues=False``,
 or a copy the broker did not take) the message is held by its task for the delay, then requeued.
@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mongo_outbox.consumers._rabbitmq_retry import RetryQueues
+from mongo_outbox.brokers.rabbitmq._retry_queues import RetryQueues
 from mongo_outbox.consumers.base import (
     Dispatcher,
     Rejected,

@@ -39,7 +39,7 @@ try:
     import redis.exceptions
 
     # Imports redis too: after the check that names the extra.
-    from mongo_outbox.consumers._redis_entries import Delivery, Entries, Reader
+    from mongo_outbox.brokers.redis._entries import Entries, PendingEntry, Reader
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the Redis consumer needs the redis extra: pip install 'mongo-outbox[redis]'"
@@ -129,7 +129,7 @@ async def consume_redis(
             if stop.is_set():
                 break
             in_flight = {
-                d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, Delivery)
+                d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, PendingEntry)
             }
             wanted = min(batch, limit - len(dispatcher.in_flight))
             try:
@@ -157,7 +157,7 @@ async def consume_redis(
 async def _keep_alive(entries: Entries, dispatcher: Dispatcher, every: float) -> None:
     while True:
         await asyncio.sleep(every)
-        ids = [d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, Delivery)]
+        ids = [d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, PendingEntry)]
         if not ids:
             continue
         try:

@@ -1,0 +1,89 @@
+"""One package per broker, and the table that lists them.
+
+Everything about a broker lives in its package (``nats``, ``rabbitmq``, ``redis``,
+``faststream``):
+
+- ``publisher``: the adapter a relay publishes through;
+- ``consumer``: the helpers that run an ``inbox_guard``-ed handler on its messages;
+- ``errors``: the one classification of its client's errors (an outage, a full broker, the
+  event's own fault), used by every path to that broker: its own publisher and FastStream's.
+
+Users import from the public fronts: ``mongo_outbox.publishers``, ``mongo_outbox.consumers``
+and ``mongo_outbox.faststream``, which find a name in ``BROKERS`` and import its module only
+then, so that each broker's client stays an optional extra: importing this table imports none.
+Adding a broker means one package here and one entry in ``BROKERS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BROKERS", "Broker", "consumer_names", "publisher_names", "resolve"]
+
+
+@dataclass(frozen=True)
+class Broker:
+    """One broker's entry in the table.
+
+    Parameters:
+        name: its package, ``mongo_outbox.brokers.<name>``.
+        extra: the extra that installs its client: ``pip install 'mongo-outbox[<extra>]'``.
+        publishers: what its ``publisher`` module gives ``mongo_outbox.publishers``.
+        consumers: what its ``consumer`` module gives ``mongo_outbox.consumers``.
+    """
+
+    name: str
+    extra: str
+    publishers: tuple[str, ...] = ()
+    consumers: tuple[str, ...] = ()
+
+    def module(self, part: str) -> Any:
+        """Its ``publisher``, ``consumer`` or ``errors`` module, imported now (with its
+        client: ``ImportError`` naming the extra when the client is missing)."""
+        return importlib.import_module(f"{__name__}.{self.name}.{part}")
+
+
+BROKERS: dict[str, Broker] = {
+    broker.name: broker
+    for broker in (
+        Broker(
+            "nats",
+            extra="nats",
+            publishers=("NatsPublisher",),
+            consumers=("consume_nats", "handle_nats_message"),
+        ),
+        Broker(
+            "rabbitmq",
+            extra="rabbitmq",
+            publishers=("RabbitMQPublisher",),
+            consumers=("consume_rabbitmq", "handle_rabbitmq_message"),
+        ),
+        Broker(
+            "redis",
+            extra="redis",
+            publishers=("RedisStreamsPublisher",),
+            consumers=("consume_redis",),
+        ),
+        # Its consumer side (inbox_handler) is public as mongo_outbox.faststream.
+        Broker("faststream", extra="faststream", publishers=("FastStreamPublisher",)),
+    )
+}
+
+
+def publisher_names() -> list[str]:
+    return [name for broker in BROKERS.values() for name in broker.publishers]
+
+
+def consumer_names() -> list[str]:
+    return [name for broker in BROKERS.values() for name in broker.consumers]
+
+
+def resolve(name: str, part: str) -> Any:
+    """The object called ``name`` in the ``part`` module (``publisher`` or ``consumer``) of the
+    broker that lists it; ``AttributeError`` when no broker does."""
+    for broker in BROKERS.values():
+        if name in (broker.publishers if part == "publisher" else broker.consumers):
+            return getattr(broker.module(part), name)
+    raise AttributeError(name)
