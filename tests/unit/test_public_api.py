@@ -138,13 +138,19 @@ IMPORT_PATHS = {
         "inbox_guard",
     ],
     "mongo_outbox.outbox": ["Outbox", "Saved"],
-    "mongo_outbox.publishers": ["BatchPublisher", "MemoryPublisher", "Publisher"],
+    # Each broker's adapter: from the package, not from a module of its own (they live in
+    # mongo_outbox.brokers.<name> since each broker got a package).
+    "mongo_outbox.publishers": [
+        "BatchPublisher",
+        "FastStreamPublisher",
+        "MemoryPublisher",
+        "NatsPublisher",
+        "Publisher",
+        "RabbitMQPublisher",
+        "RedisStreamsPublisher",
+    ],
     "mongo_outbox.publishers.base": ["BatchPublisher", "Publisher"],
-    "mongo_outbox.publishers.faststream": ["FastStreamPublisher"],
     "mongo_outbox.publishers.memory": ["MemoryPublisher"],
-    "mongo_outbox.publishers.nats": ["NatsPublisher"],
-    "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
-    "mongo_outbox.publishers.redis": ["RedisStreamsPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }
