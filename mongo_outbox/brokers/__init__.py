@@ -17,10 +17,11 @@ Adding a broker means one package here and one entry in ``BROKERS``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BROKERS", "Broker", "consumer_names", "publisher_names", "resolve"]
+__all__ = ["BROKERS", "Broker", "consumer_names", "front", "publisher_names", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +88,17 @@ def resolve(name: str, part: str) -> Any:
         if name in (broker.publishers if part == "publisher" else broker.consumers):
             return getattr(broker.module(part), name)
     raise AttributeError(name)
+
+
+def front(module: str, part: str) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of a public front (``module``): the names of the brokers'
+    ``part`` modules, each imported when first asked for, so that a broker's client stays an
+    optional extra."""
+
+    def attribute(name: str) -> Any:
+        try:
+            return resolve(name, part)
+        except AttributeError:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}") from None
+
+    return attribute

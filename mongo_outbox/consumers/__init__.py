@@ -8,9 +8,9 @@ holds what they share, including the outcome-to-broker table.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mongo_outbox.brokers import resolve
+from mongo_outbox.brokers import front
 from mongo_outbox.consumers.base import Rejected
 
 if TYPE_CHECKING:
@@ -28,9 +28,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Import a broker's helpers only when asked for, so its client stays an optional extra.
-    try:
-        return resolve(name, "consumer")
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = front(__name__, "consumer")

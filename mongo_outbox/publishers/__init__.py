@@ -6,9 +6,9 @@ imports it when it is first asked for (``mongo_outbox.brokers.BROKERS`` says whe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mongo_outbox.brokers import resolve
+from mongo_outbox.brokers import front
 from mongo_outbox.publishers.base import BatchPublisher, Publisher
 from mongo_outbox.publishers.memory import MemoryPublisher
 
@@ -29,9 +29,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Import a broker adapter only when asked for, so its client stays an optional extra.
-    try:
-        return resolve(name, "publisher")
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = front(__name__, "publisher")
