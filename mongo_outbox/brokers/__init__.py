@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BROKERS", "Broker", "consumer_names", "front", "publisher_names", "resolve"]
+__all__ = ["BROKERS", "BrokerPackage", "front", "resolve"]
 
 
 @dataclass(frozen=True)
-class Broker:
+class BrokerPackage:
     """One broker's entry in the table.
 
     Parameters:
@@ -46,39 +46,31 @@ class Broker:
         return importlib.import_module(f"{__name__}.{self.name}.{part}")
 
 
-BROKERS: dict[str, Broker] = {
+BROKERS: dict[str, BrokerPackage] = {
     broker.name: broker
     for broker in (
-        Broker(
+        BrokerPackage(
             "nats",
             extra="nats",
             publishers=("NatsPublisher",),
             consumers=("consume_nats", "handle_nats_message"),
         ),
-        Broker(
+        BrokerPackage(
             "rabbitmq",
             extra="rabbitmq",
             publishers=("RabbitMQPublisher",),
             consumers=("consume_rabbitmq", "handle_rabbitmq_message"),
         ),
-        Broker(
+        BrokerPackage(
             "redis",
             extra="redis",
             publishers=("RedisStreamsPublisher",),
             consumers=("consume_redis",),
         ),
         # Its consumer side (inbox_handler) is public as mongo_outbox.faststream.
-        Broker("faststream", extra="faststream", publishers=("FastStreamPublisher",)),
+        BrokerPackage("faststream", extra="faststream", publishers=("FastStreamPublisher",)),
     )
 }
-
-
-def publisher_names() -> list[str]:
-    return [name for broker in BROKERS.values() for name in broker.publishers]
-
-
-def consumer_names() -> list[str]:
-    return [name for broker in BROKERS.values() for name in broker.consumers]
 
 
 def resolve(name: str, part: str) -> Any:

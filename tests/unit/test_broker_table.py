@@ -11,15 +11,17 @@ import pytest
 
 import mongo_outbox.consumers
 import mongo_outbox.publishers
-from mongo_outbox.brokers import BROKERS, consumer_names, publisher_names, resolve
+from mongo_outbox.brokers import BROKERS, resolve
 
 SHARED_PUBLISHERS = {"BatchPublisher", "MemoryPublisher", "Publisher"}
 SHARED_CONSUMERS = {"Rejected"}
 
 
 def test_the_table_lists_exactly_the_fronts_broker_names() -> None:
-    assert set(publisher_names()) == set(mongo_outbox.publishers.__all__) - SHARED_PUBLISHERS
-    assert set(consumer_names()) == set(mongo_outbox.consumers.__all__) - SHARED_CONSUMERS
+    publishers = {name for broker in BROKERS.values() for name in broker.publishers}
+    consumers = {name for broker in BROKERS.values() for name in broker.consumers}
+    assert publishers == set(mongo_outbox.publishers.__all__) - SHARED_PUBLISHERS
+    assert consumers == set(mongo_outbox.consumers.__all__) - SHARED_CONSUMERS
 
 
 @pytest.mark.parametrize("name", sorted(BROKERS))
