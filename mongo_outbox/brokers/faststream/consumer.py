@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel
 
-from mongo_outbox.backoff import Backoff
 from mongo_outbox.consumers.base import (
     Rejected,
     check_source,
@@ -42,6 +41,7 @@ from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMes
 from mongo_outbox.events import Event
 from mongo_outbox.guard import Guarded, inbox_guard
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
+from mongo_outbox.settings import Backoff
 from mongo_outbox.upcasters import Upcasters
 
 try:
