@@ -11,7 +11,9 @@ Everything about a broker lives in its package (``nats``, ``rabbitmq``, ``redis`
 Users import from the public fronts: ``mongo_outbox.publishers``, ``mongo_outbox.consumers``
 and ``mongo_outbox.faststream``, which find a name in ``BROKERS`` and import its module only
 then, so that each broker's client stays an optional extra: importing this table imports none.
-Adding a broker means one package here and one entry in ``BROKERS``.
+Adding a broker means one package here and one entry in ``BROKERS``; for the command line to
+publish to it as well, one ``Broker`` subclass in ``cli/brokers.py`` (its options and messages
+are the command line's).
 """
 
 from __future__ import annotations
