@@ -21,8 +21,8 @@ CALLS_IN_FLIGHT = 64  # under redis-py's default pool of 100 connections, one pe
 async def run(uri: str) -> list[str]:
     from redis.asyncio import Redis
 
+    from mongo_outbox.brokers.redis.publisher import entry_of
     from mongo_outbox.publishers import RedisStreamsPublisher
-    from mongo_outbox.publishers.redis import entry_of
 
     header(f"Redis Streams publish throughput ({REDIS_URL})")
     redis: Any = Redis.from_url(REDIS_URL)

@@ -1,6 +1,8 @@
 """The broker options of the commands that publish (``relay``, ``replay``): NATS JetStream
 (``--nats URL --subject TEMPLATE``) or RabbitMQ (``--rabbitmq URL --exchange NAME --routing-key
-TEMPLATE``), each with its environment twin.
+TEMPLATE``), each with its environment twin. Each broker is a ``Broker`` subclass listed in
+``COMMAND_LINE``: its options, how it renders a destination and how it connects; its publisher
+comes from its package in ``mongo_outbox.brokers``.
 
 A template is rendered against a sample event before anything connects, so a typo fails the
 command at once instead of parking every event it publishes.
@@ -8,13 +10,15 @@ command at once instead of parking every event it publishes.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from mongo_outbox.brokers import BROKERS
 from mongo_outbox.cli.common import Failure, hide, one_line, option
 from mongo_outbox.errors import ConfigurationError, InvalidEventError
 from mongo_outbox.events import Event
@@ -31,67 +35,157 @@ PROBE_TIMEOUT = 3.0
 """Seconds a broker has to answer the first connection before the command gives up."""
 
 
-@dataclass(frozen=True)
-class Broker:
-    kind: str  # "nats" | "rabbitmq"
+class Broker(abc.ABC):
+    """The broker a publishing command was given, with its settings: what the command needs of
+    it. Each broker the command line publishes to is one subclass, listed in ``COMMAND_LINE``."""
+
+    name: ClassVar[str]
+    """Its package in ``mongo_outbox.brokers``, and its URL option (``--nats``)."""
+    url_help: ClassVar[str]
+    options: ClassVar[tuple[tuple[str, dict[str, Any]], ...]]
+    """Its own options beyond its URL, each a flag and its click settings."""
+    naming_flag: ClassVar[str]
+    """The option of the template the destination is rendered from."""
     url: str
     naming: str
-    exchange: str = EXCHANGE
-    declare: bool = True
-    """RabbitMQ: declare the exchange (the default one, or --declare-exchange), or require it."""
 
-    @property
-    def flag(self) -> str:
-        return "--subject" if self.kind == "nats" else "--routing-key"
+    @classmethod
+    @abc.abstractmethod
+    def given(cls, url: str, values: dict[str, Any]) -> Broker:
+        """The broker at ``url``, from the values of its ``options`` (by parameter name)."""
+        raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        if self.kind == "nats":
-            return f"NATS {hide(self.url)}, subject {self.naming}"
-        return f"RabbitMQ {hide(self.url)}, exchange {self.exchange}, routing key {self.naming}"
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def render(self, sample: Event) -> str:
+        """The destination ``naming`` gives ``sample``; ``InvalidEventError`` if it has none."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    async def open(self, sample: Event, waits: bool) -> Publisher:
+        raise NotImplementedError
 
     def check(self, sample: Event) -> str:
         """Render the template for ``sample``; a one-line failure if it cannot be."""
         try:
-            if self.kind == "nats":
-                from mongo_outbox.publishers.nats import subject_of
-
-                return subject_of(self.naming, sample)
-            from mongo_outbox.publishers.rabbitmq import routing_key_of
-
-            return routing_key_of(self.naming, sample)
+            return self.render(sample)
         except ImportError:
-            raise Failure(f"--{self.kind} needs pip install 'mongo-outbox[{self.kind}]'") from None
+            extra = BROKERS[self.name].extra
+            raise Failure(f"--{self.name} needs pip install 'mongo-outbox[{extra}]'") from None
         except InvalidEventError as error:
             raise Failure(
-                f"bad {self.flag} {self.naming!r}: {one_line(error)} (a template takes the "
-                "event's fields: {type}, {aggregate_type}, {aggregate_id}, {sequence}, {id}...)"
+                f"bad {self.naming_flag} {self.naming!r}: {one_line(error)} (a template takes "
+                "the event's fields: {type}, {aggregate_type}, {aggregate_id}, {sequence}, {id}...)"
             ) from None
 
     async def connect(self, sample: Event, *, waits: bool = True) -> Publisher:
-        """Connect (a one-line failure if the broker does not answer), and warn when no
-        JetStream stream takes the sample's subject: saying that its events wait for one
-        (a relay, which ``waits``) or fail (a replay)."""
+        """Connect (a one-line failure if the broker does not answer); ``waits``: whether the
+        command's events wait for a destination that is missing (a relay) or fail (a replay)."""
         try:
-            if self.kind == "nats":
-                from mongo_outbox.publishers.nats import NatsPublisher
-
-                await _probe_nats(self.url)
-                nats = await NatsPublisher.connect(self.url, subject=self.naming)
-                await _warn_without_stream(nats, self.check(sample), waits)
-                return nats
-            from mongo_outbox.publishers.rabbitmq import RabbitMQPublisher
-
-            try:
-                return await RabbitMQPublisher.connect(
-                    self.url, exchange=self.exchange, routing_key=self.naming, declare=self.declare
-                )
-            except ConfigurationError as error:
-                raise Failure(
-                    f"{one_line(error)}: a misspelling? Create it, or pass --declare-exchange "
-                    "to have it declared as a durable topic exchange"
-                ) from None
+            return await self.open(sample, waits)
         except (ConnectionError, OSError, TimeoutError) as error:
             raise Failure(f"broker unreachable: {one_line(error)}") from None
+
+
+@dataclass(frozen=True)
+class Nats(Broker):
+    name: ClassVar[str] = "nats"
+    url_help: ClassVar[str] = "Publish to NATS JetStream (servers comma-separated)."
+    options: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = (
+        ("--subject", {"metavar": "TEMPLATE", "help": f"NATS subject [default: {SUBJECT}]."}),
+    )
+    naming_flag: ClassVar[str] = "--subject"
+    url: str
+    naming: str
+
+    @classmethod
+    def given(cls, url: str, values: dict[str, Any]) -> Broker:
+        return cls(url, values["subject"] or SUBJECT)
+
+    def describe(self) -> str:
+        return f"NATS {hide(self.url)}, subject {self.naming}"
+
+    def render(self, sample: Event) -> str:
+        from mongo_outbox.brokers.nats.publisher import subject_of
+
+        return subject_of(self.naming, sample)
+
+    async def open(self, sample: Event, waits: bool) -> Publisher:
+        """Warn when no JetStream stream takes the sample's subject: saying that its events
+        wait for one (a relay, which ``waits``) or fail (a replay)."""
+        from mongo_outbox.brokers.nats.publisher import NatsPublisher
+
+        await _probe_nats(self.url)
+        nats = await NatsPublisher.connect(self.url, subject=self.naming)
+        await _warn_without_stream(nats, self.check(sample), waits)
+        return nats
+
+
+@dataclass(frozen=True)
+class RabbitMQ(Broker):
+    name: ClassVar[str] = "rabbitmq"
+    url_help: ClassVar[str] = "Publish to RabbitMQ."
+    options: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = (
+        (
+            "--exchange",
+            {"metavar": "NAME", "help": f"RabbitMQ topic exchange [default: {EXCHANGE}]."},
+        ),
+        (
+            "--routing-key",
+            {"metavar": "TEMPLATE", "help": f"RabbitMQ routing key [default: {ROUTING_KEY}]."},
+        ),
+        (
+            "--declare-exchange",
+            {
+                "is_flag": True,
+                "help": "Declare --exchange (a durable topic exchange) if it does not exist; "
+                f"without it, a named exchange must exist (the default, {EXCHANGE}, is always "
+                "declared).",
+            },
+        ),
+    )
+    naming_flag: ClassVar[str] = "--routing-key"
+    url: str
+    naming: str
+    exchange: str = EXCHANGE
+    declare: bool = True
+    """Declare the exchange (the default one, or --declare-exchange), or require it."""
+
+    @classmethod
+    def given(cls, url: str, values: dict[str, Any]) -> Broker:
+        # The default exchange is declared; one the user names must exist, unless they ask
+        # for it to be declared: a misspelled name would otherwise be a new, unbound exchange.
+        exchange = values["exchange"]
+        declare = values["declare_exchange"] or exchange is None
+        return cls(url, values["routing_key"] or ROUTING_KEY, exchange or EXCHANGE, declare)
+
+    def describe(self) -> str:
+        return f"RabbitMQ {hide(self.url)}, exchange {self.exchange}, routing key {self.naming}"
+
+    def render(self, sample: Event) -> str:
+        from mongo_outbox.brokers.rabbitmq.publisher import routing_key_of
+
+        return routing_key_of(self.naming, sample)
+
+    async def open(self, sample: Event, waits: bool) -> Publisher:
+        from mongo_outbox.brokers.rabbitmq.publisher import RabbitMQPublisher
+
+        try:
+            return await RabbitMQPublisher.connect(
+                self.url, exchange=self.exchange, routing_key=self.naming, declare=self.declare
+            )
+        except ConfigurationError as error:
+            raise Failure(
+                f"{one_line(error)}: a misspelling? Create it, or pass --declare-exchange "
+                "to have it declared as a durable topic exchange"
+            ) from None
+
+
+COMMAND_LINE: dict[str, type[Broker]] = {broker.name: broker for broker in (Nats, RabbitMQ)}
+"""The brokers the publishing commands take, in the order ``--help`` lists them."""
 
 
 async def _probe_nats(url: str) -> None:
@@ -148,60 +242,41 @@ def broker_options(function: F) -> F:
     """Add the broker options to a command, which receives them as one ``broker: Broker``."""
 
     @functools.wraps(function)
-    def command(
-        nats: str | None,
-        subject: str | None,
-        rabbitmq: str | None,
-        exchange: str | None,
-        routing_key: str | None,
-        declare_exchange: bool,
-        **rest: Any,
-    ) -> Any:
-        if bool(nats) == bool(rabbitmq):
-            raise Failure("name one broker: --nats URL or --rabbitmq URL")
-        if nats:
-            if exchange or routing_key or declare_exchange:
-                raise Failure(
-                    "--exchange, --routing-key and --declare-exchange are for --rabbitmq; "
-                    "use --subject"
-                )
-            hide(nats)
-            return function(broker=Broker("nats", nats, subject or SUBJECT), **rest)
-        assert rabbitmq is not None
-        if subject:
-            raise Failure("--subject is for --nats; use --routing-key")
-        hide(rabbitmq)
-        # The default exchange is declared; one the user names must exist, unless they ask
-        # for it to be declared: a misspelled name would otherwise be a new, unbound exchange.
-        declare = declare_exchange or exchange is None
-        naming = routing_key or ROUTING_KEY
-        broker = Broker("rabbitmq", rabbitmq, naming, exchange or EXCHANGE, declare)
-        return function(broker=broker, **rest)
+    def command(**given: Any) -> Any:
+        urls = {name: given.pop(name) for name in COMMAND_LINE}
+        values = {
+            name: {_parameter(flag): given.pop(_parameter(flag)) for flag, _ in broker.options}
+            for name, broker in COMMAND_LINE.items()
+        }
+        chosen = [name for name, url in urls.items() if url]
+        if len(chosen) != 1:
+            named = " or ".join(f"--{name} URL" for name in COMMAND_LINE)
+            raise Failure(f"name one broker: {named}")
+        broker = COMMAND_LINE[chosen[0]]
+        for other in COMMAND_LINE.values():
+            if other is not broker and any(values[other.name].values()):
+                raise Failure(f"{_listed(other)} for --{other.name}; use {broker.naming_flag}")
+        hide(urls[broker.name])
+        return function(broker=broker.given(urls[broker.name], values[broker.name]), **given)
 
-    options = [
-        option(
-            "--nats", metavar="URL", help="Publish to NATS JetStream (servers comma-separated)."
-        ),
-        option("--subject", metavar="TEMPLATE", help=f"NATS subject [default: {SUBJECT}]."),
-        option("--rabbitmq", metavar="URL", help="Publish to RabbitMQ."),
-        option(
-            "--exchange", metavar="NAME", help=f"RabbitMQ topic exchange [default: {EXCHANGE}]."
-        ),
-        option(
-            "--routing-key",
-            metavar="TEMPLATE",
-            help=f"RabbitMQ routing key [default: {ROUTING_KEY}].",
-        ),
-        option(
-            "--declare-exchange",
-            is_flag=True,
-            help=f"Declare --exchange (a durable topic exchange) if it does not exist; without "
-            f"it, a named exchange must exist (the default, {EXCHANGE}, is always declared).",
-        ),
-    ]
-    for add in reversed(options):
-        command = add(command)
+    # Applied last to first, so that --help lists them in COMMAND_LINE's order.
+    for broker in reversed(COMMAND_LINE.values()):
+        for flag, settings in reversed(broker.options):
+            command = option(flag, **settings)(command)
+        command = option(f"--{broker.name}", metavar="URL", help=broker.url_help)(command)
     return command  # type: ignore[return-value]
+
+
+def _parameter(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _listed(broker: type[Broker]) -> str:
+    """``--a is``, ``--a and --b are``, ``--a, --b and --c are``: a broker's own options."""
+    flags = [flag for flag, _ in broker.options]
+    if len(flags) == 1:
+        return f"{flags[0]} is"
+    return f"{', '.join(flags[:-1])} and {flags[-1]} are"
 
 
 def sample_event(collections: tuple[str, ...]) -> Event:

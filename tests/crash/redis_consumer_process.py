@@ -16,12 +16,12 @@ from typing import Any
 from pymongo import AsyncMongoClient
 from redis.asyncio import Redis
 
-import mongo_outbox.consumers._redis_entries as consumer
+import mongo_outbox.brokers.redis._entries as consumer
 from mongo_outbox.consumers import consume_redis
 from tests.support.crash import CRASH_ON, billing, die
 
 
-class DieOnAck(consumer.Delivery):
+class DieOnAck(consumer.PendingEntry):
     """An entry whose acknowledgement, for the n-th one, kills the process instead."""
 
     count = 0
@@ -40,7 +40,7 @@ async def main(
     client: Any = AsyncMongoClient(uri, tz_aware=True)
     guarded = billing(client[db_name], transactional, point)
     DieOnAck.point = point
-    consumer.Delivery = DieOnAck  # type: ignore[misc]
+    consumer.PendingEntry = DieOnAck  # type: ignore[misc]
     redis = Redis.from_url(url)
     # A claim_idle longer than the test: the entries it took are reclaimed by the test's own
     # consumer, not by this one. One entry at a time: the emulator cannot run transactions

@@ -17,7 +17,7 @@ from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 from pydantic import BaseModel, ConfigDict
 
 from mongo_outbox import Backoff, Event, Inbox, PoisonMessage
-from mongo_outbox.consumers._rabbitmq_retry import retry_buckets
+from mongo_outbox.brokers.rabbitmq._retry_queues import retry_buckets
 from mongo_outbox.faststream import inbox_handler
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.amqp import publish_without_message_id

@@ -14,8 +14,8 @@ import aio_pika
 import pytest
 
 from mongo_outbox import Backoff, Event
+from mongo_outbox.brokers.rabbitmq._retry_queues import retry_buckets
 from mongo_outbox.consumers import consume_rabbitmq
-from mongo_outbox.consumers._rabbitmq_retry import retry_buckets
 from mongo_outbox.publishers import RabbitMQPublisher
 from tests.support.crash import billing
 from tests.support.servers import RABBITMQ_URL, MongoServer

@@ -421,7 +421,7 @@ async def test_nats_logs_hide_credentials_when_the_server_goes_away(
     try:
         await private_nats.kill()
         deadline = time.monotonic() + 10
-        while not [r for r in caplog.records if r.name == "mongo_outbox.publishers.nats"]:
+        while not [r for r in caplog.records if r.name == "mongo_outbox.brokers.nats.publisher"]:
             assert time.monotonic() < deadline, "the lost connection was never logged"
             await asyncio.sleep(0.05)
     finally:

@@ -15,8 +15,8 @@ import aio_pika
 import pytest
 
 from mongo_outbox import Backoff, Event, Inbox, PoisonMessage, inbox_guard
+from mongo_outbox.brokers.rabbitmq._retry_queues import RETRIES_HEADER, RetryQueues, retry_buckets
 from mongo_outbox.consumers import consume_rabbitmq
-from mongo_outbox.consumers._rabbitmq_retry import RETRIES_HEADER, RetryQueues, retry_buckets
 from tests.support.queues import ready_count
 from tests.support.waiting import until
 

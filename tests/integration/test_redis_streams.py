@@ -26,10 +26,10 @@ from mongo_outbox import (
     PoisonMessage,
     inbox_guard,
 )
+from mongo_outbox.brokers.redis.publisher import entry_of
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
 from mongo_outbox.publishers.base import message_headers
-from mongo_outbox.publishers.redis import entry_of
 from tests.support.billing import (
     concurrency,
     guarded_billing,
@@ -172,7 +172,7 @@ async def test_a_pending_entry_trimmed_away_is_logged_as_lost_not_dropped_silent
         stream, entry_of(Event(type="e", aggregate_type="orders")), maxlen=0, approximate=False
     )
     guarded = guarded_billing(db)
-    with caplog.at_level(logging.ERROR, logger="mongo_outbox.consumers.redis"):
+    with caplog.at_level(logging.ERROR, logger="mongo_outbox.brokers.redis.consumer"):
         async with consuming(redis, stream, guarded, claim_idle=0.1):
             await until(lambda: no_pending(redis, stream), timeout=15)
     assert any("lost to this group" in r.getMessage() for r in caplog.records)
@@ -186,7 +186,7 @@ async def test_a_stream_trimmed_past_what_the_group_read_is_logged(
     # Published faster than the group reads, into a stream that keeps only ten entries.
     for _ in range(30):
         await redis.xadd(stream, entry_of(Event(type="e")), maxlen=10, approximate=False)
-    with caplog.at_level(logging.ERROR, logger="mongo_outbox.consumers.redis"):
+    with caplog.at_level(logging.ERROR, logger="mongo_outbox.brokers.redis.consumer"):
         async with consuming(redis, stream, guarded_billing(db), batch=concurrency(mongo)):
             await until(lambda: no_pending_and_read(redis, stream), timeout=15)
     assert await db.invoices.count_documents({}) == 10  # what was left of the thirty

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mongo_outbox.publishers.redis import RedisStreamsPublisher
+from mongo_outbox.brokers.redis.publisher import RedisStreamsPublisher
 
 
 async def test_a_redis_password_in_the_query_is_not_in_the_connection_error() -> None:

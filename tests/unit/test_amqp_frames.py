@@ -14,7 +14,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from mongo_outbox import Event
-from mongo_outbox.publishers._amqp_confirms import Encoder
+from mongo_outbox.brokers.rabbitmq._confirms import Encoder
 from mongo_outbox.publishers.base import message_headers
 
 

@@ -76,8 +76,8 @@ def test_every_redis_error_is_classified_alike_through_faststream_and_the_redis_
     on (a failover, a persistence failure, a full server), FastStream's path waits on too."""
     from redis import exceptions
 
-    from mongo_outbox.publishers.faststream import _classifier
-    from mongo_outbox.publishers.redis import classify
+    from mongo_outbox.brokers.faststream.errors import classifier
+    from mongo_outbox.brokers.redis.errors import classify
 
     errors = [
         exceptions.ReadOnlyError("You can't write against a read only replica."),
@@ -93,7 +93,7 @@ def test_every_redis_error_is_classified_alike_through_faststream_and_the_redis_
         exceptions.ConnectionError("Connection refused"),
     ]
     event = Event(type="order.placed")
-    through_faststream = _classifier("Redis")
+    through_faststream = classifier("Redis")
     for error in errors:
         mine, theirs = classify(error, event, "events"), through_faststream(error, event, "events")
         assert mine is not None, error

@@ -137,13 +137,26 @@ IMPORT_PATHS = {
         "inbox_guard",
     ],
     "mongo_outbox.outbox": ["Outbox", "Saved"],
-    "mongo_outbox.publishers": ["BatchPublisher", "MemoryPublisher", "Publisher"],
+    # Each broker's adapter lives in mongo_outbox.brokers.<name>; the fronts below, and the
+    # module paths of before, import it from there.
+    "mongo_outbox.publishers": [
+        "BatchPublisher",
+        "FastStreamPublisher",
+        "MemoryPublisher",
+        "NatsPublisher",
+        "Publisher",
+        "RabbitMQPublisher",
+        "RedisStreamsPublisher",
+    ],
     "mongo_outbox.publishers.base": ["BatchPublisher", "Publisher"],
     "mongo_outbox.publishers.faststream": ["FastStreamPublisher"],
-    "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.publishers.nats": ["NatsPublisher"],
     "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher"],
     "mongo_outbox.publishers.redis": ["RedisStreamsPublisher"],
+    "mongo_outbox.consumers.nats": ["consume_nats", "handle_nats_message"],
+    "mongo_outbox.consumers.rabbitmq": ["consume_rabbitmq", "handle_rabbitmq_message"],
+    "mongo_outbox.consumers.redis": ["consume_redis"],
+    "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }

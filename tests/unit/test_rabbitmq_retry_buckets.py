@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mongo_outbox import Backoff
-from mongo_outbox.consumers._rabbitmq_retry import (
+from mongo_outbox.brokers.rabbitmq._retry_queues import (
     MAX_BUCKETS,
     bucket_for,
     retry_buckets,

@@ -1,6 +1,6 @@
 """The Redis commands behind ``consume_redis``: reading and reclaiming entries (``Reader``) and
-settling each one (``Delivery``). An entry is settled by its delivery: ``XACK``; a move to the
-dead-letter stream (``XADD`` there and ``XACK`` here in one ``MULTI``); or a new idle time
+settling each one (``PendingEntry``). An entry is settled by its delivery: ``XACK``; a move to
+the dead-letter stream (``XADD`` there and ``XACK`` here in one ``MULTI``); or a new idle time
 (``XCLAIM ... IDLE ... JUSTID`` by its owner), which decides when a reclaim takes it again.
 """
 
@@ -16,7 +16,7 @@ import redis.exceptions
 
 from mongo_outbox.consumers.base import decode
 
-log = logging.getLogger("mongo_outbox.consumers.redis")  # the logger users configure
+log = logging.getLogger("mongo_outbox.brokers.redis.consumer")  # the logger users configure
 
 BLOCK_MS = 500  # how long XREADGROUP waits for entries: how soon the loop notices a stop
 _TRIM_CHECK_EVERY = 10.0  # seconds between checks that trimming has not passed the group
@@ -47,7 +47,10 @@ class Entries:
         )
 
 
-class Delivery:
+class PendingEntry:
+    """An entry this consumer read and has not acknowledged yet: pending in its group until it
+    is settled (a ``consumers.base.Delivery``)."""
+
     def __init__(
         self,
         entries: Entries,
@@ -145,7 +148,7 @@ class Reader:
             if not str(error).startswith(_BUSYGROUP):
                 raise
 
-    async def read(self, wanted: int, in_flight: set[bytes]) -> list[Delivery]:
+    async def read(self, wanted: int, in_flight: set[bytes]) -> list[PendingEntry]:
         await self._check_trimmed()  # before the read, which would move the group past a gap
         deliveries = await self._reclaim(wanted, in_flight)
         if deliveries:
@@ -155,12 +158,12 @@ class Reader:
             entries.group, entries.consumer, {entries.stream: ">"}, count=wanted, block=BLOCK_MS
         )
         return [
-            Delivery(entries, entry_id, fields, 1, self.max_deliveries)
+            PendingEntry(entries, entry_id, fields, 1, self.max_deliveries)
             for _, stream_entries in answer or ()
             for entry_id, fields in stream_entries
         ]
 
-    async def _reclaim(self, wanted: int, in_flight: set[bytes]) -> list[Delivery]:
+    async def _reclaim(self, wanted: int, in_flight: set[bytes]) -> list[PendingEntry]:
         entries = self.entries
         answer = await entries.client.xautoclaim(
             entries.stream,
@@ -188,7 +191,7 @@ class Reader:
         claimed = [(i, f) for i, f in claimed if f is not None and i not in in_flight]
         counts = await self._delivery_counts([entry_id for entry_id, _ in claimed])
         return [
-            Delivery(entries, entry_id, fields, counts.get(entry_id, 1), self.max_deliveries)
+            PendingEntry(entries, entry_id, fields, counts.get(entry_id, 1), self.max_deliveries)
             for entry_id, fields in claimed
         ]
 

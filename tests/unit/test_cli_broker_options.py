@@ -1,0 +1,81 @@
+"""The broker options of the publishing commands come from one table (``COMMAND_LINE``): one
+broker is named, another broker's options are refused with the ones to use instead, and the
+command receives the broker with its defaults filled in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from mongo_outbox.cli.brokers import COMMAND_LINE, Broker, Nats, RabbitMQ, broker_options
+
+
+@click.command()
+@broker_options
+def publish(broker: Broker) -> None:
+    click.echo(repr(broker))
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(publish, list(args), env={})
+
+
+def test_the_options_are_listed_broker_by_broker_in_the_table_s_order() -> None:
+    flags = [p.opts[0] for p in publish.params]
+    assert flags == [
+        "--nats",
+        "--subject",
+        "--rabbitmq",
+        "--exchange",
+        "--routing-key",
+        "--declare-exchange",
+    ]
+    assert list(COMMAND_LINE) == ["nats", "rabbitmq"]
+
+
+@pytest.mark.parametrize("args", [(), ("--nats", "nats://a", "--rabbitmq", "amqp://b")])
+def test_exactly_one_broker_is_named(args: tuple[str, ...]) -> None:
+    ran = run(*args)
+    assert ran.exit_code == 1
+    assert "name one broker: --nats URL or --rabbitmq URL" in ran.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--nats", "nats://a", "--exchange", "e"),
+            "--exchange, --routing-key and --declare-exchange are for --rabbitmq; use --subject",
+        ),
+        (
+            ("--nats", "nats://a", "--declare-exchange"),
+            "--exchange, --routing-key and --declare-exchange are for --rabbitmq; use --subject",
+        ),
+        (
+            ("--rabbitmq", "amqp://b", "--subject", "s"),
+            "--subject is for --nats; use --routing-key",
+        ),
+    ],
+)
+def test_another_broker_s_options_are_refused(args: tuple[str, ...], message: str) -> None:
+    ran = run(*args)
+    assert ran.exit_code == 1 and message in ran.output
+
+
+def test_the_command_gets_the_named_broker_with_its_defaults() -> None:
+    assert run("--nats", "nats://a").output.strip() == repr(
+        Nats("nats://a", "events.{aggregate_type}.{type}")
+    )
+    assert run("--rabbitmq", "amqp://b").output.strip() == repr(
+        RabbitMQ("amqp://b", "{type}", "events", declare=True)
+    )
+
+
+def test_a_named_rabbitmq_exchange_must_exist_unless_it_is_to_be_declared() -> None:
+    named = run("--rabbitmq", "amqp://b", "--exchange", "orders", "--routing-key", "o.{type}")
+    assert named.output.strip() == repr(RabbitMQ("amqp://b", "o.{type}", "orders", declare=False))
+    declared = run("--rabbitmq", "amqp://b", "--exchange", "orders", "--declare-exchange")
+    assert declared.output.strip() == repr(RabbitMQ("amqp://b", "{type}", "orders", declare=True))
