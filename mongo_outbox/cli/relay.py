@@ -54,7 +54,8 @@ from mongo_outbox.tenants import TenantRelays
 
 log = logging.getLogger("mongo_outbox.cli")
 
-Relay = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
+# What the command can run: the one relay of its options, or one per database (tenants).
+Supervised = PollingRelay | ChangeStreamRelay | RelayGroup | TenantRelays
 
 
 def _default(relay: type, parameter: str) -> float:
@@ -325,7 +326,7 @@ async def _check_change_streams(outbox: Outbox) -> None:
     await stream.aclose()
 
 
-async def _supervise(relay: Relay, plan: _Plan, endpoint: Endpoint | None) -> None:
+async def _supervise(relay: Supervised, plan: _Plan, endpoint: Endpoint | None) -> None:
     name, stop_timeout = plan.name, plan.stop_timeout
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(relay.run())
@@ -388,7 +389,7 @@ def _ignored(name: str, received: signal.Signals) -> None:
     log.info("relay %s: %s received while exiting: already stopped", name, received.name)
 
 
-def _left_behind(relay: Relay, state: str) -> str:
+def _left_behind(relay: Supervised, state: str) -> str:
     """What a cancelled relay leaves for others to wait out, by what it held when cancelled."""
     if isinstance(relay, PollingRelay):
         return "the events it had claimed are published again once their claims run out"
@@ -397,7 +398,7 @@ def _left_behind(relay: Relay, state: str) -> str:
     return f"it held no lease ({state})"
 
 
-def _state(relay: Relay, task: asyncio.Future[None]) -> str:
+def _state(relay: Supervised, task: asyncio.Future[None]) -> str:
     """The relay's state for ``/healthz``: a run that raised has failed, whatever the relay
     object last recorded."""
     if task.done() and not task.cancelled() and task.exception() is not None:
