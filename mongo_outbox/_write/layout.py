@@ -1,6 +1,6 @@
 """The write side's storage seam: where an outbox keeps its entries, and what that asks of a write.
 
-The relay reads entries through a ``Store`` (``_store.py``); the write side writes them through a
+The relay reads entries through a ``Store`` (``_relay/store``); the write side writes them through a
 ``Layout``, one per mode, chosen once (``engine.layout_for``). Everything that differs between the
 modes is the layout's:
 
