@@ -12,6 +12,7 @@ from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
 from mongo_outbox._rounds import Rounds, pause
+from mongo_outbox._store import Claim
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
@@ -131,14 +132,42 @@ class PollingWorker:
             await self.lease.release()  # the next holder need not wait for it to run out
 
     async def _publish(self, lost: asyncio.Event) -> None:
-        while not self._stopping.is_set():
-            # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
-            if lost.is_set() or self.lease.fence is None:
-                log.warning("group %s: partition %d lease lost", self.group, self.partition)
-                return
-            _, more = await self.rounds.batch(lost=lost)
-            if not more:
-                await pause(self._stopping, self.interval)
+        # The next round's claim is made while this round publishes, so a member that holds
+        # one partition keeps its publisher busy during the claim's round trips, as one that
+        # holds several does with their rounds side by side (measured in
+        # benchmarks/bench_group.py). It leaves this round's aggregates alone: their later
+        # entries are claimed once this round is settled, in order. One claim ahead at most.
+        ahead: asyncio.Task[tuple[Claim, float]] | None = None
+        try:
+            while not self._stopping.is_set():
+                # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
+                if lost.is_set() or self.lease.fence is None:
+                    log.warning("group %s: partition %d lease lost", self.group, self.partition)
+                    return
+                early = ahead is not None
+                claim, started = await (ahead or self.rounds.claim())
+                ahead = None
+                if claim.events and not self.rounds.outage and not lost.is_set():
+                    skip = {event.aggregate_id for group in claim.groups for event in group}
+                    ahead = asyncio.ensure_future(self.rounds.claim(skip=skip))
+                _, more, _ = await self.rounds.finish(claim, started, lost)
+                # A claim made early skipped aggregates that may have more due by now.
+                if not more and not early:
+                    await pause(self._stopping, self.interval)
+        except asyncio.CancelledError:
+            if ahead is not None:
+                ahead.cancel()  # a crash: what it claimed comes back after its claim lease
+                ahead = None
+            raise
+        finally:
+            if ahead is not None:
+                await self._release(ahead)
+
+    async def _release(self, ahead: asyncio.Task[tuple[Claim, float]]) -> None:
+        """Give back what a claim made ahead holds (a stop, a lost lease): due again at once."""
+        with contextlib.suppress(PyMongoError):
+            claim, _ = await ahead
+            await self.rounds.store.settle(claim, (), ())
 
 
 class StreamWorker:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -154,15 +154,31 @@ class Rounds:
     async def _batch(
         self, until: datetime | None, lost: asyncio.Event | None
     ) -> tuple[int, bool, bool]:
+        claim, started = await self.claim(until)
+        published, more, freed = await self.finish(claim, started, lost)
+        return published, more, freed
+
+    async def claim(
+        self, until: datetime | None = None, skip: Collection[Any] = ()
+    ) -> tuple[Claim, float]:
+        """A round's claim of what is due by ``until``, leaving the aggregates in ``skip``
+        alone, and when it was made (loop time) for ``finish``."""
         async with self._turn():
             await self.probe()
             started = asyncio.get_running_loop().time()
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            claim = await self.store.claim(limit, self.settings.lease, until)
+            claim = await self.store.claim(limit, self.settings.lease, until, skip)
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
+        return claim, started
+
+    async def finish(
+        self, claim: Claim, started: float, lost: asyncio.Event | None = None
+    ) -> tuple[int, bool, bool]:
+        """Publish and settle a claim. Returns (published, more may be waiting, whether it
+        made entries due at once)."""
         published, freed = await self._round(claim, started, lost)
         # A park frees what queued behind it at once, so more may be due as well.
         return published, claim.more or bool(published or freed), bool(freed)
