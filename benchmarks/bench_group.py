@@ -49,24 +49,27 @@ from benchmarks.common import client, header, say, standalone, unique
 from mongo_outbox import Event, Outbox, RelayGroup, RelaySettings
 
 PARTITIONS = 4
-EVENTS = 160
-AGGREGATES = 80
+EVENTS = 120
+AGGREGATES = 60
 WINDOW = 2
 """Publishes one member's connection holds unconfirmed at once."""
-LATENCY = 0.08
+LATENCY = 0.1
 """Seconds from a publish to its confirm."""
 ROUNDS = 3
 """Rounds of interleaved 1-, 2- and 4-member runs; the figures are their medians."""
 POOL = 4
-SETTINGS = RelaySettings(batch_size=10, max_in_flight=8, publish_timeout=2.0, claim_lease=20.0)
-"""Batches of 10: each partition's 40 events take four rounds, so a run shows the members'
-steady state, a claim and a settle between publishes, and not one claim at the start."""
+SETTINGS = RelaySettings(batch_size=15, max_in_flight=8, publish_timeout=2.0, claim_lease=20.0)
+"""Batches of 15: each partition's 30 events take two rounds or more, so a run shows claims and
+settles between publishes, not only one claim at the start."""
+INTERVAL = 0.1
+"""How long an idle partition's worker sleeps between two claims: the delay before a run's
+first claim, and the load an idle member puts on the emulator."""
 LEASE = 30.0
 """The members' lease while throughput is measured: on a loaded machine with the emulator, a
 renewal can take seconds, and a member that misses one stands by until it takes the lease again."""
 TAKEOVER_LEASE = 6.0
 """The members' lease while the takeover after a SIGKILL is measured."""
-FILL_MARGIN = 1.0
+FILL_MARGIN = 0.6
 """Seconds between the start of a fill and the moment its entries come due, at least (twice
 the last fill's time if longer)."""
 fills: list[float] = []
@@ -205,7 +208,7 @@ async def member(uri: str) -> None:
         logging.getLogger("mongo_outbox").addHandler(handler)
         sink = WindowSink(WINDOW, LATENCY)
         outbox = Outbox(mongo[db_name], partitions=PARTITIONS)
-        group = CountedGroup(outbox, sink, lease=lease, interval=0.05, settings=SETTINGS)
+        group = CountedGroup(outbox, sink, lease=lease, interval=INTERVAL, settings=SETTINGS)
         group.counts = counts
         task = asyncio.ensure_future(group.run())
         await loop.run_in_executor(None, sys.stdin.readline)  # "stop"

@@ -155,8 +155,9 @@ class Rounds:
         self, until: datetime | None, lost: asyncio.Event | None
     ) -> tuple[int, bool, bool]:
         claim, started = await self.claim(until)
-        published, more, freed = await self.finish(claim, started, lost)
-        return published, more, freed
+        published, freed = await self._round(claim, started, lost)
+        # A park frees what queued behind it at once, so more may be due as well.
+        return published, claim.more or bool(published or freed), bool(freed)
 
     async def claim(
         self, until: datetime | None = None, skip: Collection[Any] = ()
@@ -173,15 +174,6 @@ class Rounds:
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         return claim, started
-
-    async def finish(
-        self, claim: Claim, started: float, lost: asyncio.Event | None = None
-    ) -> tuple[int, bool, bool]:
-        """Publish and settle a claim. Returns (published, more may be waiting, whether it
-        made entries due at once)."""
-        published, freed = await self._round(claim, started, lost)
-        # A park frees what queued behind it at once, so more may be due as well.
-        return published, claim.more or bool(published or freed), bool(freed)
 
     async def changes(
         self, changes: Sequence[Mapping[str, Any]], lost: asyncio.Event | None = None
@@ -222,10 +214,20 @@ class Rounds:
         rest)."""
         if not claim.groups and not claim.held:
             return 0, 0
-        deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
         # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
-        published, failed, left = await self.publish_claim(claim, deadline, lost)
+        published, failed, left = await self.publish_claim(claim, self.deadline(started), lost)
+        return await self.settle(claim, published, failed, left)
+
+    def deadline(self, started: float) -> float:
+        """The loop time after which a claim made at ``started`` starts no publish."""
+        return started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
+
+    async def settle(
+        self, claim: Claim, published: list[Event], failed: list[Failure], left: int
+    ) -> tuple[int, int]:
+        """Settle a published claim (``publish_claim``'s results); returns how many were
+        published, and how many entries it made due at once."""
         async with self._turn():
             await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
