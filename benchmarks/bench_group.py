@@ -50,7 +50,7 @@ from mongo_outbox import Event, Outbox, RelayGroup, RelaySettings
 
 PARTITIONS = 4
 EVENTS = 120
-AGGREGATES = 60
+AGGREGATES = 80
 WINDOW = 2
 """Publishes one member's connection holds unconfirmed at once."""
 LATENCY = 0.1

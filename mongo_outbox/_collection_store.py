@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -36,22 +36,13 @@ class CollectionStore:
         self.scope = scope(outbox, partition)
         self.partitions = outbox.partitions
 
-    async def claim(
-        self,
-        limit: int,
-        lease: timedelta,
-        until: datetime | None = None,
-        skip: Collection[Any] = (),
-    ) -> Claim:
+    async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         now = utc_now()
-        due: dict[str, Any] = {
+        due = {
             **self.scope,
             "status": "pending",
             "available_at": {"$lte": min(now, until or now)},
         }
-        if skip:
-            # By id alone: an aggregate of another type with the same id waits a round too.
-            due["aggregate_id"] = {"$nin": list(skip)}
         candidates = (
             await self.coll.find(due, projection=_AGGREGATE)
             .sort("available_at", 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -54,16 +54,9 @@ class EmbeddedStore(ParkedEntries):
 
     # -- claiming ---------------------------------------------------------------------------
 
-    async def claim(
-        self,
-        limit: int,
-        lease: timedelta,
-        until: datetime | None = None,
-        skip: Collection[Any] = (),
-    ) -> Claim:
+    async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         """Up to ``limit`` documents in all, the collections taking turns to go first so that
-        none starves the others. ``skip`` needs no filter: a claim holds its aggregates'
-        whole documents, which are not due again until it is settled."""
+        none starves the others."""
         now = utc_now()
         due = {**self.scope, self.due: {"$lte": min(now, until or now)}}
         found: dict[str, list[Any]] = {}

@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
 from mongo_outbox._rounds import Rounds, pause
-from mongo_outbox._store import Claim, Failure
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
-from mongo_outbox.events import Event
 from mongo_outbox.stats import RelayStatus, State, transition
 
 log = logging.getLogger("mongo_outbox.group")
@@ -133,91 +131,14 @@ class PollingWorker:
             await self.lease.release()  # the next holder need not wait for it to run out
 
     async def _publish(self, lost: asyncio.Event) -> None:
-        # A round's MongoDB work overlaps the publishing of its neighbours: the next round's
-        # claim is made while this one publishes, and this one is settled while the next one
-        # publishes. So a member that holds one partition keeps its publisher busy, as one
-        # that holds several does with their rounds side by side (benchmarks/bench_group.py).
-        # A claim made ahead leaves the aggregates of the round in flight alone, and is made
-        # only once the round before that is settled: an aggregate's later entries are
-        # claimed after its earlier ones are settled, in order, as in one round after another.
-        ahead: asyncio.Task[tuple[Claim, float]] | None = None
-        settled: asyncio.Task[None] | None = None  # the last round's settle, after the earlier
-        try:
-            while not self._stopping.is_set():
-                # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
-                if lost.is_set() or self.lease.fence is None:
-                    log.warning("group %s: partition %d lease lost", self.group, self.partition)
-                    return
-                early = ahead is not None
-                if ahead is None:
-                    await self._after(settled)  # a claim of any aggregate: all settled first
-                    claim, started = await self.rounds.claim()
-                else:
-                    claim, started = await ahead
-                    ahead = None
-                if not claim.groups and not claim.held:
-                    # One made ahead skipped aggregates that may have more due by now.
-                    if not claim.more and not early:
-                        await pause(self._stopping, self.interval)
-                    continue
-                if not self.rounds.outage and not lost.is_set():
-                    skip = {event.aggregate_id for group in claim.groups for event in group}
-                    ahead = asyncio.ensure_future(self._claim_after(settled, skip))
-                deadline = self.rounds.deadline(started)
-                published, failed, left = await self.rounds.publish_claim(claim, deadline, lost)
-                settled = asyncio.ensure_future(
-                    self._settle_after(settled, claim, published, failed, left)
-                )
-        except asyncio.CancelledError:
-            # A crash: what they claimed comes back after its claim lease.
-            for task in (ahead, settled):
-                if task is not None:
-                    task.cancel()
-            ahead = settled = None
-            raise
-        finally:
-            if settled is not None:
-                with contextlib.suppress(PyMongoError):
-                    await settled
-            if ahead is not None:
-                await self._release(ahead)
-
-    @staticmethod
-    async def _after(settled: asyncio.Task[None] | None) -> None:
-        if settled is not None:
-            await settled  # its failure is the worker's: it stands by and retries
-
-    async def _claim_after(
-        self, settled: asyncio.Task[None] | None, skip: set[Any]
-    ) -> tuple[Claim, float]:
-        await self._after(settled)
-        return await self.rounds.claim(skip=skip)
-
-    async def _settle_after(
-        self,
-        settled: asyncio.Task[None] | None,
-        claim: Claim,
-        published: list[Event],
-        failed: list[Failure],
-        left: int,
-    ) -> None:
-        # In round order. An earlier settle's failure is passed on, after this one's settle:
-        # the next claim waits for it, and the worker stands by and retries.
-        error: PyMongoError | None = None
-        if settled is not None:
-            try:
-                await settled
-            except PyMongoError as failure:
-                error = failure
-        await self.rounds.settle(claim, published, failed, left)
-        if error is not None:
-            raise error
-
-    async def _release(self, ahead: asyncio.Task[tuple[Claim, float]]) -> None:
-        """Give back what a claim made ahead holds (a stop, a lost lease): due again at once."""
-        with contextlib.suppress(PyMongoError):
-            claim, _ = await ahead
-            await self.rounds.store.settle(claim, (), ())
+        while not self._stopping.is_set():
+            # Fenced: no claim is made once the lease is lost (a renewal failed or ran late).
+            if lost.is_set() or self.lease.fence is None:
+                log.warning("group %s: partition %d lease lost", self.group, self.partition)
+                return
+            _, more = await self.rounds.batch(lost=lost)
+            if not more:
+                await pause(self._stopping, self.interval)
 
 
 class StreamWorker:

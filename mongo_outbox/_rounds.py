@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -154,26 +154,18 @@ class Rounds:
     async def _batch(
         self, until: datetime | None, lost: asyncio.Event | None
     ) -> tuple[int, bool, bool]:
-        claim, started = await self.claim(until)
-        published, freed = await self._round(claim, started, lost)
-        # A park frees what queued behind it at once, so more may be due as well.
-        return published, claim.more or bool(published or freed), bool(freed)
-
-    async def claim(
-        self, until: datetime | None = None, skip: Collection[Any] = ()
-    ) -> tuple[Claim, float]:
-        """A round's claim of what is due by ``until``, leaving the aggregates in ``skip``
-        alone, and when it was made (loop time) for ``finish``."""
         async with self._turn():
             await self.probe()
             started = asyncio.get_running_loop().time()
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            claim = await self.store.claim(limit, self.settings.lease, until, skip)
+            claim = await self.store.claim(limit, self.settings.lease, until)
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
-        return claim, started
+        published, freed = await self._round(claim, started, lost)
+        # A park frees what queued behind it at once, so more may be due as well.
+        return published, claim.more or bool(published or freed), bool(freed)
 
     async def changes(
         self, changes: Sequence[Mapping[str, Any]], lost: asyncio.Event | None = None
@@ -214,20 +206,10 @@ class Rounds:
         rest)."""
         if not claim.groups and not claim.held:
             return 0, 0
+        deadline = started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
         # Publishing waits for the broker, not MongoDB: no turn, so a hanging publish of one
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
-        published, failed, left = await self.publish_claim(claim, self.deadline(started), lost)
-        return await self.settle(claim, published, failed, left)
-
-    def deadline(self, started: float) -> float:
-        """The loop time after which a claim made at ``started`` starts no publish."""
-        return started + self.settings.lease.total_seconds() * 0.9 - self.settings.timeout
-
-    async def settle(
-        self, claim: Claim, published: list[Event], failed: list[Failure], left: int
-    ) -> tuple[int, int]:
-        """Settle a published claim (``publish_claim``'s results); returns how many were
-        published, and how many entries it made due at once."""
+        published, failed, left = await self.publish_claim(claim, deadline, lost)
         async with self._turn():
             await self.store.settle(claim, published, failed)
         self.stats.published += len(published)

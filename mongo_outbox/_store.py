@@ -16,7 +16,7 @@ back), ``park`` sets the entry aside as dead-lettered with its error.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -92,17 +92,9 @@ class Backlog:
 
 
 class Store(Protocol):
-    async def claim(
-        self,
-        limit: int,
-        lease: timedelta,
-        until: datetime | None = None,
-        skip: Collection[Any] = (),
-    ) -> Claim:
+    async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         """Lease up to ``limit`` entries due by ``until`` (default: now), grouped per aggregate.
-        Entries that cannot be decoded are parked on the spot, with the reason. No entry of an
-        aggregate whose id is in ``skip`` is claimed: a claim still in flight holds some of
-        theirs, and their later entries must wait until it is settled."""
+        Entries that cannot be decoded are parked on the spot, with the reason."""
 
     async def claim_changes(self, changes: Sequence[Mapping[str, Any]], lease: timedelta) -> Claim:
         """Lease what these change-stream changes brought, under the same rules as ``claim``."""

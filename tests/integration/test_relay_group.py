@@ -13,14 +13,7 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from mongo_outbox import (
-    ConfigurationError,
-    Event,
-    Outbox,
-    PollingRelay,
-    RelayGroup,
-    RelaySettings,
-)
+from mongo_outbox import ConfigurationError, Event, Outbox, RelayGroup, RelaySettings
 from mongo_outbox import sync as sync_api
 from mongo_outbox._partitions import partition_of
 from mongo_outbox.events import utc_now
@@ -196,44 +189,6 @@ async def test_two_members_share_the_partitions_and_hand_them_over(
         assert not members, members
     finally:
         await stop_all([a, b], tasks)
-
-
-async def test_a_member_claims_each_round_while_the_last_publishes_and_keeps_order(
-    db: Any, mode: str
-) -> None:
-    """Rounds of three entries, so each partition takes many: the next round's claim is made
-    while one publishes, and every event is still published once, in order per aggregate."""
-    outbox = make_outbox(db, mode, partitions=2)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=8, saves=3)
-    publisher = MemoryPublisher()
-    settings = RelaySettings(claim_lease=5.0, publish_timeout=0.5, batch_size=3)
-    member = RelayGroup(outbox, publisher, lease=10.0, interval=0.05, settings=settings)
-    task = asyncio.create_task(member.run())
-    try:
-        await until(lambda: len({e.id for e in publisher.events}) == len(saved), 30)
-    finally:
-        await stop_all([member], [task])
-    assert_in_order(publisher.events, saved, once=True)
-
-
-async def test_a_stopped_member_gives_back_the_round_it_claimed_ahead(db: Any, mode: str) -> None:
-    """Stopped mid-backlog, a member releases the claim it made for its next round: what it
-    held is due at once (its claim lease is a minute), and one drain publishes all the rest."""
-    outbox = make_outbox(db, mode, partitions=2)
-    await outbox.ensure_indexes()
-    saved = await save_history(outbox, db, aggregates=8, saves=3)
-    publisher = MemoryPublisher()
-    settings = RelaySettings(claim_lease=60.0, publish_timeout=0.5, batch_size=3)
-    member = RelayGroup(outbox, publisher, lease=10.0, interval=0.05, settings=settings)
-    task = asyncio.create_task(member.run())
-    try:
-        await until(lambda: len(publisher.events) >= 6, 30)
-    finally:
-        await stop_all([member], [task])
-    rest = MemoryPublisher()
-    await PollingRelay(outbox, rest).drain()
-    assert_in_order(publisher.events + rest.events, saved, once=True)
 
 
 async def test_change_stream_members_follow_their_partitions_with_a_checkpoint_each(

@@ -178,29 +178,3 @@ async def test_a_client_that_decodes_dates_as_milliseconds_gets_the_same_status(
         assert all(p["last_error"] for p in await relay.parked())
     finally:
         await other.close()
-
-
-@pytest.mark.parametrize("mode", MODES)
-async def test_a_claim_made_while_another_is_in_flight_leaves_its_aggregates_alone(
-    db: Any, mode: str
-) -> None:
-    """A group member claims its next round while one publishes, skipping that round's
-    aggregates: the later claim touches none of their entries (else it would find them behind
-    the first claim's and hold them back a while), so once the first is settled a drain
-    publishes the rest at once, in order."""
-    outbox = make_outbox(db, mode)
-    saved = await save_one_by_one(outbox, db, aggregates=4, events=2)
-    store = store_for(outbox)
-    lease = timedelta(seconds=30)
-    first = await store.claim(1, lease)  # collection mode: the first entry of one aggregate
-    skip = {event.aggregate_id for group in first.groups for event in group}
-    second = await store.claim(10, lease, skip=skip)
-    assert first.groups and second.groups
-    assert not skip & {event.aggregate_id for group in second.groups for event in group}
-    assert all(group[0].sequence == 1 for group in (*first.groups, *second.groups))
-    await store.settle(second, [e for g in second.groups for e in g], [])
-    await store.settle(first, [e for g in first.groups for e in g], [])
-    publisher = MemoryPublisher()
-    await PollingRelay(outbox, publisher).drain()
-    published = [e for claim in (first, second) for g in claim.groups for e in g]
-    assert_in_order(published + publisher.events, saved, once=True)
