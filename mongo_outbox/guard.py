@@ -2,6 +2,20 @@
 here. The guard runs a handler against an ``Inbox`` and is one concept with it, so both live in
 ``mongo_outbox.inbox``."""
 
-from mongo_outbox.inbox import MAX_ID_LENGTH, Guarded, check_message_id, inbox_guard
+from mongo_outbox.inbox import (
+    MAX_ID_LENGTH,
+    Guarded,
+    Handler,
+    check_message_id,
+    inbox_guard,
+    qualified_name,
+)
 
-__all__ = ["MAX_ID_LENGTH", "Guarded", "check_message_id", "inbox_guard"]
+__all__ = [
+    "MAX_ID_LENGTH",
+    "Guarded",
+    "Handler",
+    "check_message_id",
+    "inbox_guard",
+    "qualified_name",
+]

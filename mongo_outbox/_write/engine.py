@@ -97,6 +97,7 @@ class WriteEngine:
         aggregate_types: Mapping[str, str] | None = None,
         partitions: int = 1,
     ) -> None:
+        collections = tuple(collections)  # read once: an iterator would be empty the second time
         if is_async(db) not in (None, self._ASYNC):
             raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
         if not db.write_concern.acknowledged:

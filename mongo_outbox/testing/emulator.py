@@ -21,6 +21,14 @@ import sys
 import threading
 from importlib.metadata import version
 
+# The server's error codes, at this module's import path of before they got a leaf of their own.
+from mongo_outbox.testing._server_codes import (  # noqa: F401
+    CHANGE_STREAM_HISTORY_LOST,
+    CURSOR_NOT_FOUND,
+    INVALID_RESUME_TOKEN,
+    server_error_code,
+)
+
 NEEDS = "pip install 'mongo-outbox[testing]' (mongoeco[wire], Python >= 3.13)"
 
 
