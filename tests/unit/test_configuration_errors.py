@@ -191,3 +191,13 @@ async def test_a_consumer_refuses_a_bad_setting_before_it_reads(
     with pytest.raises(ConfigurationError) as raised:
         await build(value)
     assert_names(raised, setting)
+
+
+def test_an_outbox_reads_its_collections_once_so_an_iterator_is_no_empty_list() -> None:
+    """The embedded layout and the relay both read ``collections``: an iterator read twice would
+    leave the relay scanning nothing while saves still write events."""
+    embedded = outbox(mode="embedded", collections=iter(["orders", "carts"]))
+    assert embedded.collections == ("orders", "carts")
+    assert sync_api.Outbox(SYNC_DB, mode="embedded", collections=iter(["orders"])).collections == (
+        "orders",
+    )
