@@ -38,6 +38,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 log = logging.getLogger(__name__)
 
 _FETCH_WAIT = 0.5  # seconds a fetch waits for messages: how soon the loop notices a stop
+_GIVE_BACK_AFTER = 2 * _FETCH_WAIT  # a message given back is delivered again after this
 _ACK_WAIT = 30.0  # JetStream's default, for a consumer whose config does not say
 
 
@@ -59,7 +60,13 @@ class _Delivery:
         await self.message.nak(delay=delay)
 
     async def give_back(self) -> None:
-        await self.message.nak()
+        # Not at once: a pull request of this consumer's last fetch may still be open on the
+        # server (a fetch that timed out leaves it there until it expires), and the server would
+        # hand the message straight back to it, to a subscription about to close, where it would
+        # wait out ack_wait. The pull went out on this connection before the nak, so it has
+        # expired once _FETCH_WAIT has passed since the server read the nak; twice that keeps the
+        # two server timers from racing.
+        await self.message.nak(delay=_GIVE_BACK_AFTER)
 
     async def keep_alive(self) -> None:
         await self.message.in_progress()
@@ -115,7 +122,7 @@ async def consume_nats(
     message of the last. ``ordered=True`` handles the messages of one aggregate one at a time,
     in the order they arrived, and retries in the process so that none overtakes a message
     being retried. On stop, handlers that are running finish and settle; messages held for a
-    retry or waiting their turn are nak'ed at once.
+    retry or waiting their turn are nak'ed, for delivery again a second later.
     """
     for setting, value in (("consume_nats.subject", subject), ("consume_nats.durable", durable)):
         if not isinstance(value, str) or not value:
