@@ -6,7 +6,8 @@ event), MongoDB and the broker (each must answer within seconds), and for the ch
 relay whether the server serves change streams. SIGTERM or SIGINT stops it cleanly: it
 finishes its round, gives its lease up and exits 0; a second signal, or a stop that takes
 longer than ``--stop-timeout``, cancels it (an active relay's lease then runs out) and exits 1,
-saying which. A signal once the relay has ended is ignored: it only closes its connections.
+saying which. A signal while it still connects stops it there (exit 0: it held nothing yet).
+A signal once the relay has ended is ignored: it only closes its connections.
 
 ``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
 that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
@@ -269,32 +270,54 @@ def _plan(target: Target, broker: Broker, polling: bool, given: dict[str, Any]) 
 
 
 async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
-    async with connected(plan.target, service=True) as conn:
-        outboxes = [conn.outbox]
-        if plan.databases:
-            outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
-        if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
-            for outbox in outboxes:
-                await _check_change_streams(outbox)
-        publisher = await plan.broker.connect(plan.sample)
-        try:
-            relays = [plan.relay(outbox, publisher) for outbox in outboxes]
-            for outbox in outboxes:
-                log.info(
-                    "relay %s: %s relay of %s to %s",
-                    plan.name,
-                    "polling" if plan.polling else "change-stream",
-                    plan.target.describe(outbox.db.name),
-                    plan.broker.describe(),
-                )
-            if plan.drain:
-                await _drain([r for r in relays if not isinstance(r, RelayGroup)])
-                return
-            # One publisher connection serves every database's relay.
-            relay = TenantRelays(relays) if plan.databases else relays[0]
-            await _supervise(relay, plan, endpoint)
-        finally:
-            await publisher.aclose()
+    # The handlers go in before the first connection: a signal while the relay connects (or
+    # declares its exchange) must stop it cleanly too, not kill it with the default action.
+    signals = _Signals(plan.name, plan.stop_timeout)
+    try:
+        async with connected(plan.target, service=True) as conn:
+            outboxes = [conn.outbox]
+            if plan.databases:
+                outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
+            if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
+                for outbox in outboxes:
+                    await _check_change_streams(outbox)
+            publisher = await plan.broker.connect(plan.sample)
+            try:
+                relays = [plan.relay(outbox, publisher) for outbox in outboxes]
+                for outbox in outboxes:
+                    log.info(
+                        "relay %s: %s relay of %s to %s",
+                        plan.name,
+                        "polling" if plan.polling else "change-stream",
+                        plan.target.describe(outbox.db.name),
+                        plan.broker.describe(),
+                    )
+                if plan.drain:
+                    signals.draining = True
+                    await _drain([r for r in relays if not isinstance(r, RelayGroup)])
+                    signals.ignore()  # it is done: a signal now must not fail it
+                    return
+                # One publisher connection serves every database's relay.
+                relay = TenantRelays(relays) if plan.databases else relays[0]
+                await _supervise(relay, plan, endpoint, signals)
+            finally:
+                await publisher.aclose()
+    except asyncio.CancelledError:
+        if not signals.interrupted_start:
+            raise
+        received = signals.received[0].name
+        if signals.draining:
+            raise Failure(
+                f"relay {plan.name}: {received} received: the drain stopped; what it had "
+                "claimed is published again once its claims run out"
+            ) from None
+        if plan.drain:  # a job that did not run has failed, whatever stopped it
+            raise Failure(
+                f"relay {plan.name}: {received} received before the drain started"
+            ) from None
+        log.info("relay %s: %s received before it started: stopped", plan.name, received)
+    finally:
+        signals.ignore()
 
 
 async def _drain(relays: list[PollingRelay | ChangeStreamRelay]) -> None:
@@ -326,38 +349,80 @@ async def _check_change_streams(outbox: Outbox) -> None:
     await stream.aclose()
 
 
-async def _supervise(relay: Supervised, plan: _Plan, endpoint: Endpoint | None) -> None:
-    name, stop_timeout = plan.name, plan.stop_timeout
-    loop = asyncio.get_running_loop()
+class _Signals:
+    """SIGTERM and SIGINT, from the first connection to the exit.
+
+    Before the relay runs, a signal cancels the start-up: nothing is held yet. Once it runs,
+    the first asks it to stop and the second (or ``--stop-timeout``) cancels it. After it ended,
+    signals are only logged: closing the connections must not be interrupted.
+    """
+
+    def __init__(self, name: str, stop_timeout: float) -> None:
+        self.name, self.stop_timeout = name, stop_timeout
+        self.loop = asyncio.get_running_loop()
+        self.starting = asyncio.current_task()
+        self.received: list[signal.Signals] = []
+        self.interrupted_start = False
+        self.draining = False  # a --drain, whose relay runs in the start-up task
+        self.relay: Supervised | None = None
+        self.task: asyncio.Future[None] | None = None
+        self.lingering = asyncio.Event()
+        # Why the relay was cancelled, and its state then (what it held), for the last line.
+        self.forced: list[tuple[str, str]] = []
+        for received in _SIGNALS:
+            self.loop.add_signal_handler(received, self.on_signal, received)
+
+    def watch(self, relay: Supervised, task: asyncio.Future[None]) -> None:
+        self.relay, self.task = relay, task
+
+    def on_signal(self, received: signal.Signals) -> None:
+        relay, task = self.relay, self.task
+        if relay is None or task is None:
+            if not self.received and self.starting is not None:
+                self.received.append(received)
+                self.interrupted_start = True
+                self.starting.cancel()
+            return
+        if task.done():
+            self.lingering.set()
+            return
+        if self.received:
+            log.warning("relay %s: %s again: cancelling", self.name, received.name)
+            self.force(f"a second signal ({received.name}) came before it stopped")
+            return
+        self.received.append(received)
+        log.info(
+            "relay %s: %s received: stopping and giving the lease up", self.name, received.name
+        )
+        relay.stop()
+        self.loop.call_later(
+            self.stop_timeout, self.force, f"it did not stop within {self.stop_timeout:g}s"
+        )
+
+    def force(self, why: str) -> None:
+        if self.relay is not None and self.task is not None and not self.task.done():
+            self.forced.append((why, self.relay.state))
+            self.task.cancel()
+
+    def ignore(self) -> None:
+        # The relay has ended; closing its connections follows, briefly. A signal now (the
+        # second of a double Ctrl-C) has nothing left to stop: it must not interrupt the
+        # shutdown with a KeyboardInterrupt. The handlers go with the event loop.
+        for received in _SIGNALS:
+            self.loop.add_signal_handler(received, _ignored, self.name, received)
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def _supervise(
+    relay: Supervised, plan: _Plan, endpoint: Endpoint | None, signals: _Signals
+) -> None:
+    name = plan.name
     task = asyncio.ensure_future(relay.run())
-    stopping: list[signal.Signals] = []
-    lingering = asyncio.Event()
-    # Why the relay was cancelled, and its state then (what it held), for the last line.
-    forced: list[tuple[str, str]] = []
+    signals.watch(relay, task)
     if endpoint is not None:
         endpoint.state = lambda: _state(relay, task)
-
-    def force(why: str) -> None:
-        if not task.done():
-            forced.append((why, relay.state))
-            task.cancel()
-
-    def on_signal(received: signal.Signals) -> None:
-        if task.done():
-            lingering.set()
-            return
-        if stopping:
-            log.warning("relay %s: %s again: cancelling", name, received.name)
-            force(f"a second signal ({received.name}) came before it stopped")
-            return
-        stopping.append(received)
-        log.info("relay %s: %s received: stopping and giving the lease up", name, received.name)
-        relay.stop()
-        loop.call_later(stop_timeout, force, f"it did not stop within {stop_timeout:g}s")
-
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for received in signals:
-        loop.add_signal_handler(received, on_signal, received)
     try:
         await asyncio.wait({task})
         if endpoint is not None and plan.linger and _state(relay, task) == "failed":
@@ -367,15 +432,11 @@ async def _supervise(relay: Supervised, plan: _Plan, endpoint: Endpoint | None) 
                 plan.linger,
             )
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(lingering.wait(), plan.linger)
+                await asyncio.wait_for(signals.lingering.wait(), plan.linger)
     finally:
-        # The relay has ended; closing its connections follows, briefly. A signal now (the
-        # second of a double Ctrl-C) has nothing left to stop: it must not interrupt the
-        # shutdown with a KeyboardInterrupt. The handlers go with the event loop.
-        for received in signals:
-            loop.add_signal_handler(received, _ignored, name, received)
+        signals.ignore()
     if task.cancelled():
-        why, state = forced[0] if forced else ("it was cancelled", relay.state)
+        why, state = signals.forced[0] if signals.forced else ("it was cancelled", relay.state)
         raise Failure(f"relay {name} was cancelled: {why}; {_left_behind(relay, state)}")
     error = task.exception()
     if isinstance(error, (ChangeStreamError, ConfigurationError)):

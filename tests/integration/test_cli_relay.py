@@ -244,3 +244,50 @@ async def test_declare_exchange_declares_a_named_exchange(
     finally:
         relay.kill()
     assert ran.code == 0, ran.output
+
+
+@pytest.mark.parametrize("drain", [False, True])
+@pytest.mark.parametrize("broker", ["rabbitmq", "nats"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_while_the_relay_connects_stops_it_cleanly(
+    mongo: MongoServer, db: Any, stop: signal.Signals, broker: str, drain: bool
+) -> None:
+    # A broker that accepts the connection and never answers holds the relay in its start-up,
+    # before it relays anything: the window where a signal once killed it with the default
+    # action (exit -15, no line said).
+    accepted = asyncio.Event()
+    sockets: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sockets.append(writer)
+        accepted.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    await Outbox(db).ensure_indexes()
+    relay = await Service(
+        "relay",
+        "--polling",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        f"--rabbitmq=amqp://guest:guest@127.0.0.1:{port}/"
+        if broker == "rabbitmq"
+        else f"--nats=nats://127.0.0.1:{port}",
+        "--name=starting",
+        *(["--drain"] if drain else []),
+    ).start()
+    try:
+        await asyncio.wait_for(accepted.wait(), 20)
+        ran = await relay.stop(stop, timeout=10)
+    finally:
+        relay.kill()
+        for writer in sockets:
+            writer.close()
+        server.close()
+    assert "Traceback" not in ran.err
+    if drain:  # a one-off job that did not run has failed
+        assert ran.code == 1, ran.output
+        assert f"relay starting: {stop.name} received before the drain started" in ran.err
+    else:
+        assert ran.code == 0, ran.output
+        assert f"relay starting: {stop.name} received before it started: stopped" in ran.err

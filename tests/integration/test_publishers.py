@@ -450,3 +450,46 @@ async def test_rabbitmq_publishes_a_wave_in_one_write_and_keeps_per_aggregate_or
 async def test_rabbitmq_connect_fails_loudly_when_the_server_is_not_there() -> None:
     with pytest.raises(ConnectionError):  # aio-pika's AMQPConnectionError is a ConnectionError
         await RabbitMQPublisher.connect("amqp://guest:guest@127.0.0.1:1/", timeout=0.5)
+
+
+async def _silent_server() -> tuple[asyncio.Server, int]:
+    """A TCP server that accepts and never answers: a broker that hangs in the handshake."""
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(60)
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _reconnectors() -> list[asyncio.Task[Any]]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if "connection_factory" in task.get_coro().__qualname__  # type: ignore[union-attr]
+    ]
+
+
+@pytest.mark.parametrize("ends", ["timeout", "cancel"])
+async def test_rabbitmq_connect_that_does_not_finish_leaves_no_reconnecting_task(
+    ends: str,
+) -> None:
+    # aio-pika's robust connection reconnects from a task that survives cancellation: a
+    # cancelled connect (a relay stopped while it connects) once left it retrying forever.
+    server, port = await _silent_server()
+    url = f"amqp://guest:guest@127.0.0.1:{port}/"
+    try:
+        connecting = asyncio.ensure_future(RabbitMQPublisher.connect(url, timeout=0.5))
+        if ends == "cancel":
+            await asyncio.sleep(0.2)
+            connecting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await connecting
+        else:
+            with pytest.raises(ConnectionError, match="RabbitMQ at"):
+                await connecting
+        await asyncio.sleep(0)
+        assert _reconnectors() == []
+    finally:
+        server.close()

@@ -35,6 +35,7 @@ try:
     import aio_pika
     import aiormq
     from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
+    from aio_pika.connection import make_url
 
     from mongo_outbox.brokers.rabbitmq._confirms import PENDING, ConfirmWindow, Encoder
     from mongo_outbox.brokers.rabbitmq.errors import REFUSED, answer_error, classify
@@ -117,10 +118,19 @@ class RabbitMQPublisher:
         Raises ``ConnectionError`` when RabbitMQ cannot be reached; it shows ``url`` without
         its password."""
         wait = check_seconds(timeout, "RabbitMQPublisher.timeout")
+        connection = aio_pika.RobustConnection(make_url(url))
         try:
-            connection = await aio_pika.connect_robust(url, timeout=wait)
-        except (aiormq.exceptions.AMQPError, OSError, asyncio.TimeoutError) as error:
-            raise ConnectionError(f"RabbitMQ at {redact_url(url)}: {describe(error)}") from error
+            await connection.connect(timeout=wait)
+        except BaseException as error:
+            # A robust connection reconnects from a task of its own, which outlives a cancelled
+            # connect and shrugs off cancellation itself: only close() ends it. Left open, it
+            # retried forever and the event loop of a stopped command never finished.
+            await connection.close()
+            if isinstance(error, (aiormq.exceptions.AMQPError, OSError, asyncio.TimeoutError)):
+                raise ConnectionError(
+                    f"RabbitMQ at {redact_url(url)}: {describe(error)}"
+                ) from error
+            raise
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if declare:
