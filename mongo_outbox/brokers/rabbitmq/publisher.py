@@ -120,7 +120,9 @@ class RabbitMQPublisher:
         wait = check_seconds(timeout, "RabbitMQPublisher.timeout")
         connection = aio_pika.RobustConnection(make_url(url))
         try:
-            await connection.connect(timeout=wait)
+            # The outer bound is for Python 3.10, whose asyncio.TimeoutError aio-pika does not
+            # take for a failed attempt: its first connect then retried forever, never failing.
+            await asyncio.wait_for(connection.connect(timeout=wait), wait)
         except BaseException as error:
             # A robust connection reconnects from a task of its own, which outlives a cancelled
             # connect and shrugs off cancellation itself: only close() ends it. Left open, it
