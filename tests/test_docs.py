@@ -1,8 +1,8 @@
 """Every ```python block of README.md and docs/*.md runs, as written, against the test MongoDB.
 
 Blocks see ``client`` (AsyncMongoClient), ``db`` (a fresh database), ``sync_client`` (a
-``MongoClient`` of the same server, for ``mongo_outbox.sync``), ``NATS_URL`` and
-``RABBITMQ_URL``, and may use top-level ``await``. A block preceded by
+``MongoClient`` of the same server, for ``mongo_outbox.sync``), ``NATS_URL``,
+``RABBITMQ_URL`` and ``REDIS_URL``, and may use top-level ``await``. A block preceded by
 ``<!-- not-tested: reason -->`` is skipped, visibly.
 """
 
@@ -66,6 +66,7 @@ async def test_block_runs(
         "sync_client": sync_client,
         "NATS_URL": NATS_URL,
         "RABBITMQ_URL": RABBITMQ_URL,
+        "REDIS_URL": REDIS_URL,
     }
     try:
         # dont_inherit: a block runs as written, without this module's __future__ annotations

@@ -180,6 +180,7 @@ def database_of(target: Any) -> Any:
 class _WatchStream:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
+        self.bursting = False
 
     async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
         changes: list[dict[str, Any]] = []
@@ -188,11 +189,15 @@ class _WatchStream:
         # Each try_next is one getMore that the server holds open up to max_await_ms when idle.
         # Once a change is in hand the batch takes only what the driver already holds (one
         # getMore's worth: all the server had): another getMore would wait for the next commit,
-        # so a lone change would wait out max_wait. Under load a getMore brings many changes,
-        # and batches grow by themselves. Where the driver's buffer cannot be seen, max_wait
-        # closes the batch; it also bounds a steady trickle that never leaves try_next empty.
+        # so a lone change would wait out max_wait. Where the driver's buffer cannot be seen,
+        # max_wait closes the batch; it also bounds a steady trickle that never leaves try_next
+        # empty. In a burst (the last batch held more than one change: they come faster than
+        # they are published), the batch keeps asking until max_wait, as long as changes keep
+        # coming: the burst then costs a few large batches, not many small ones, each with its
+        # own publish wave and its share of the process's time.
+        eager = not self.bursting
         while len(changes) < max_size and not (changes and loop.time() >= deadline):
-            if changes and buffered(self.stream) is False:
+            if changes and eager and buffered(self.stream) is False:
                 break
             change = await self.stream.try_next()
             if change is None:
@@ -207,6 +212,7 @@ class _WatchStream:
             changes.append(change)
             if change["operationType"] in ENDS_STREAM:
                 break
+        self.bursting = len(changes) > 1
         # The driver's resume_token is the last change's when it stopped mid-batch, else the
         # server's post-batch token: it moves on even when nothing matches.
         return ChangeBatch(changes, self.stream.resume_token)

@@ -19,6 +19,7 @@ from mongo_outbox import (
 from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.brokers import Broker, KillsTheBroker
 from tests.support.outboxes import make_outbox, save_one_by_one
+from tests.support.servers import NATS_URL
 from tests.support.waiting import until
 
 FAST = Backoff(initial=0.01, maximum=0.05)
@@ -65,7 +66,7 @@ async def test_an_unroutable_event_becomes_its_own_failure_while_others_are_conf
     ).events
     # Only ok.* subjects have a stream: the lost event has nowhere to go, the others do.
     subject = lambda e: f"{nats_stream}.ok" if e.type == "ok" else f"nowhere-{nats_stream}"  # noqa: E731
-    publisher = await NatsPublisher.connect(subject=subject, timeout=0.5)
+    publisher = await NatsPublisher.connect(NATS_URL, subject=subject, timeout=0.5)
     relay = PollingRelay(
         outbox, publisher, settings=RelaySettings(max_attempts=3, backoff=FAST), interval=0.02
     )
