@@ -180,7 +180,6 @@ def database_of(target: Any) -> Any:
 class _WatchStream:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.bursting = False
 
     async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
         changes: list[dict[str, Any]] = []
@@ -189,15 +188,15 @@ class _WatchStream:
         # Each try_next is one getMore that the server holds open up to max_await_ms when idle.
         # Once a change is in hand the batch takes only what the driver already holds (one
         # getMore's worth: all the server had): another getMore would wait for the next commit,
-        # so a lone change would wait out max_wait. Where the driver's buffer cannot be seen,
-        # max_wait closes the batch; it also bounds a steady trickle that never leaves try_next
-        # empty. In a burst (the last batch held more than one change: they come faster than
-        # they are published), the batch keeps asking until max_wait, as long as changes keep
-        # coming: the burst then costs a few large batches, not many small ones, each with its
-        # own publish wave and its share of the process's time.
-        eager = not self.bursting
+        # so a lone change would wait out max_wait. But when that first getMore brought more
+        # than one change, changes are piling up faster than they are published (a burst): the
+        # batch then keeps asking while they keep coming, so a burst goes out in a few large
+        # batches, not many small ones, each with its own publish wave. Where the driver's
+        # buffer cannot be seen, max_wait closes the batch; it also bounds a steady trickle
+        # that never leaves try_next empty.
+        piling_up = False
         while len(changes) < max_size and not (changes and loop.time() >= deadline):
-            if changes and eager and buffered(self.stream) is False:
+            if changes and not piling_up and buffered(self.stream) is False:
                 break
             change = await self.stream.try_next()
             if change is None:
@@ -212,7 +211,8 @@ class _WatchStream:
             changes.append(change)
             if change["operationType"] in ENDS_STREAM:
                 break
-        self.bursting = len(changes) > 1
+            if len(changes) == 1:
+                piling_up = buffered(self.stream) is True
         # The driver's resume_token is the last change's when it stopped mid-batch, else the
         # server's post-batch token: it moves on even when nothing matches.
         return ChangeBatch(changes, self.stream.resume_token)

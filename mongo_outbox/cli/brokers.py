@@ -120,7 +120,11 @@ class Nats(Broker):
 
         await _probe_nats(self.url)
         nats = await NatsPublisher.connect(self.url, subject=self.naming)
-        await _warn_without_stream(nats, self.check(sample), waits)
+        try:
+            await _warn_without_stream(nats, self.check(sample), waits)
+        except BaseException:
+            await nats.aclose()
+            raise
         return nats
 
 
@@ -211,6 +215,9 @@ async def _probe_nats(url: str) -> None:
         await asyncio.wait(
             {connecting, given_up}, timeout=2 * PROBE_TIMEOUT, return_when="FIRST_COMPLETED"
         )
+    except BaseException:  # cancelled (a signal while it starts): leave no connection behind
+        connecting.cancel()
+        raise
     finally:
         given_up.cancel()
     if connecting.done() and not connecting.cancelled():

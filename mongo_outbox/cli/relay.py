@@ -46,7 +46,7 @@ from mongo_outbox.cli.common import (
 )
 from mongo_outbox.cli.metrics import Endpoint, check_extra
 from mongo_outbox.cli.progress import progress
-from mongo_outbox.errors import ChangeStreamError, ConfigurationError
+from mongo_outbox.errors import ChangeStreamError, ConfigurationError, OutboxError
 from mongo_outbox.group import RelayGroup
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
@@ -292,6 +292,7 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
                         plan.target.describe(outbox.db.name),
                         plan.broker.describe(),
                     )
+                signals.check()
                 if plan.drain:
                     signals.draining = True
                     await _drain([r for r in relays if not isinstance(r, RelayGroup)])
@@ -302,9 +303,12 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
                 await _supervise(relay, plan, endpoint, signals)
             finally:
                 await publisher.aclose()
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as cancelled:
         if not signals.interrupted_start:
             raise
+        if isinstance(cancelled.__context__, (Failure, OutboxError, PyMongoError)):
+            # It was failing already, and the signal came while it cleaned up: say why.
+            raise cancelled.__context__ from None
         received = signals.received[0].name
         if signals.draining:
             raise Failure(
@@ -352,7 +356,9 @@ async def _check_change_streams(outbox: Outbox) -> None:
 class _Signals:
     """SIGTERM and SIGINT, from the first connection to the exit.
 
-    Before the relay runs, a signal cancels the start-up: nothing is held yet. Once it runs,
+    Before the relay runs, a signal cancels the start-up (nothing is held yet), and during a
+    drain the drain (its claims run out); a second one ends the process at once, whatever it
+    waits for. Once the relay runs,
     the first asks it to stop and the second (or ``--stop-timeout``) cancels it. After it ended,
     signals are only logged: closing the connections must not be interrupted.
     """
@@ -375,10 +381,23 @@ class _Signals:
     def watch(self, relay: Supervised, task: asyncio.Future[None]) -> None:
         self.relay, self.task = relay, task
 
+    def check(self) -> None:
+        """Stop here if a signal came while it started: a cancellation can be swallowed by
+        what it interrupted (a ``wait_for`` whose call finished in the same turn, on 3.10)."""
+        if self.interrupted_start:
+            raise asyncio.CancelledError
+
     def on_signal(self, received: signal.Signals) -> None:
         relay, task = self.relay, self.task
         if relay is None or task is None:
-            if not self.received and self.starting is not None:
+            if self.received:
+                # Asked twice while it starts or drains: whatever it is waiting for, stop now.
+                log.warning("relay %s: %s again: exiting at once", self.name, received.name)
+                self.loop.remove_signal_handler(received)
+                signal.signal(received, signal.SIG_DFL)
+                signal.raise_signal(received)
+                return
+            if self.starting is not None:
                 self.received.append(received)
                 self.interrupted_start = True
                 self.starting.cancel()

@@ -1,6 +1,6 @@
 """How ``WatchSource``'s stream closes a batch, against a fake PyMongo change stream: at once
-when the driver holds nothing more, unless the last batch held more than one change (a burst),
-when it keeps asking while changes keep coming, up to ``max_wait``."""
+when the driver holds nothing more, unless the batch's first getMore brought more than one
+change (a burst), when it keeps asking while changes keep coming, up to ``max_wait``."""
 
 from __future__ import annotations
 
@@ -65,24 +65,19 @@ async def test_a_lone_change_closes_its_batch_without_another_getmore() -> None:
     assert fake.getmores == 0
 
 
-async def test_after_a_batch_of_many_the_next_keeps_asking_while_changes_come() -> None:
-    fake = FakeChangeStream(buffer=[1, 2], arrivals=[])
+async def test_a_getmore_that_brought_many_keeps_the_batch_asking_while_changes_come() -> None:
+    fake = FakeChangeStream(buffer=[1, 2], arrivals=[3, 4, 5])
     stream = await WatchSource(FakeCollection(fake)).open()
-    assert numbers((await stream.next_batch(100, max_wait=5.0)).changes) == [1, 2]
 
-    # A burst goes on: one change in hand, more arriving one getMore at a time.
-    fake.buffer.append({"operationType": "insert", "n": 3})
-    fake.arrivals.extend({"operationType": "insert", "n": n} for n in (4, 5, 6))
     batch = await stream.next_batch(100, max_wait=5.0)
 
-    assert numbers(batch.changes) == [3, 4, 5, 6]
+    assert numbers(batch.changes) == [1, 2, 3, 4, 5]
     assert fake.getmores == 4  # three changes, then the empty one that closed the batch
 
 
 async def test_a_burst_s_batch_still_closes_at_max_wait() -> None:
     fake = FakeChangeStream(buffer=[1, 2], arrivals=list(range(3, 1000)), delay=0.01)
     stream = await WatchSource(FakeCollection(fake)).open()
-    await stream.next_batch(100, max_wait=5.0)
     loop = asyncio.get_running_loop()
 
     start = loop.time()
@@ -92,17 +87,13 @@ async def test_a_burst_s_batch_still_closes_at_max_wait() -> None:
     assert 2 <= len(batch.changes) < 100
 
 
-async def test_a_batch_of_one_ends_the_burst() -> None:
+async def test_a_steady_trickle_after_a_burst_goes_out_one_change_at_a_time() -> None:
     fake = FakeChangeStream(buffer=[1, 2], arrivals=[])
     stream = await WatchSource(FakeCollection(fake)).open()
-    await stream.next_batch(100, max_wait=5.0)  # two: a burst
-    fake.buffer.append({"operationType": "insert", "n": 3})
-    assert numbers((await stream.next_batch(100, max_wait=5.0)).changes) == [3]  # one: over
+    assert numbers((await stream.next_batch(100, max_wait=5.0)).changes) == [1, 2]
 
-    fake.buffer.append({"operationType": "insert", "n": 4})
-    fake.arrivals.append({"operationType": "insert", "n": 5})
-    getmores = fake.getmores
-    batch = await stream.next_batch(100, max_wait=5.0)
+    # One change per getMore, each soon after the last: a trickle, not a burst.
+    fake.arrivals.extend({"operationType": "insert", "n": n} for n in range(3, 9))
+    sizes = [len((await stream.next_batch(100, max_wait=5.0)).changes) for _ in range(6)]
 
-    assert numbers(batch.changes) == [4]  # eager again: the arrival waits for the next batch
-    assert fake.getmores == getmores
+    assert sizes == [1] * 6
