@@ -199,9 +199,9 @@ async def test_stopping_ordered_consume_nats_gives_the_held_and_waiting_messages
     version = nats_client.connected_server_version
     if (version.major, version.minor) <= (2, 9):
         pytest.skip(
-            f"nats-server {version.major}.{version.minor}: 2.9.10 redelivers the wrong message "
-            "after a delayed nak now and then (tests/support/nats_delayed_nak.py, with nats-py alone); the "
-            "testing extra's nats-server, which .ci/run uses, does not"
+            f"nats-server {version.major}.{version.minor}: 2.9.10 redelivers the wrong "
+            "message after a delayed nak now and then (tests/support/nats_delayed_nak.py, "
+            "with nats-py alone); the testing extra's nats-server, which .ci/run uses, does not"
         )
     js = nats_client.jetstream()
     first, second = (
