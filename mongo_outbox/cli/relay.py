@@ -274,35 +274,7 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
     # declares its exchange) must stop it cleanly too, not kill it with the default action.
     signals = _Signals(plan.name, plan.stop_timeout)
     try:
-        async with connected(plan.target, service=True) as conn:
-            outboxes = [conn.outbox]
-            if plan.databases:
-                outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
-            if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
-                for outbox in outboxes:
-                    await _check_change_streams(outbox)
-            publisher = await plan.broker.connect(plan.sample)
-            try:
-                relays = [plan.relay(outbox, publisher) for outbox in outboxes]
-                for outbox in outboxes:
-                    log.info(
-                        "relay %s: %s relay of %s to %s",
-                        plan.name,
-                        "polling" if plan.polling else "change-stream",
-                        plan.target.describe(outbox.db.name),
-                        plan.broker.describe(),
-                    )
-                signals.check()
-                if plan.drain:
-                    signals.draining = True
-                    await _drain([r for r in relays if not isinstance(r, RelayGroup)])
-                    signals.ignore()  # it is done: a signal now must not fail it
-                    return
-                # One publisher connection serves every database's relay.
-                relay = TenantRelays(relays) if plan.databases else relays[0]
-                await _supervise(relay, plan, endpoint, signals)
-            finally:
-                await publisher.aclose()
+        await _connect_and_run(plan, endpoint, signals)
     except asyncio.CancelledError as cancelled:
         if not signals.interrupted_start:
             raise
@@ -322,6 +294,38 @@ async def _serve(plan: _Plan, endpoint: Endpoint | None) -> None:
         log.info("relay %s: %s received before it started: stopped", plan.name, received)
     finally:
         signals.ignore()
+
+
+async def _connect_and_run(plan: _Plan, endpoint: Endpoint | None, signals: _Signals) -> None:
+    async with connected(plan.target, service=True) as conn:
+        outboxes = [conn.outbox]
+        if plan.databases:
+            outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
+        if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
+            for outbox in outboxes:
+                await _check_change_streams(outbox)
+        publisher = await plan.broker.connect(plan.sample)
+        try:
+            relays = [plan.relay(outbox, publisher) for outbox in outboxes]
+            for outbox in outboxes:
+                log.info(
+                    "relay %s: %s relay of %s to %s",
+                    plan.name,
+                    "polling" if plan.polling else "change-stream",
+                    plan.target.describe(outbox.db.name),
+                    plan.broker.describe(),
+                )
+            signals.check()
+            if plan.drain:
+                signals.draining = True
+                await _drain([r for r in relays if not isinstance(r, RelayGroup)])
+                signals.ignore()  # it is done: a signal now must not fail it
+                return
+            # One publisher connection serves every database's relay.
+            relay = TenantRelays(relays) if plan.databases else relays[0]
+            await _supervise(relay, plan, endpoint, signals)
+        finally:
+            await publisher.aclose()
 
 
 async def _drain(relays: list[PollingRelay | ChangeStreamRelay]) -> None:
@@ -358,9 +362,9 @@ class _Signals:
 
     Before the relay runs, a signal cancels the start-up (nothing is held yet), and during a
     drain the drain (its claims run out); a second one ends the process at once, whatever it
-    waits for. Once the relay runs,
-    the first asks it to stop and the second (or ``--stop-timeout``) cancels it. After it ended,
-    signals are only logged: closing the connections must not be interrupted.
+    waits for. Once the relay runs, the first asks it to stop and the second (or
+    ``--stop-timeout``) cancels it. After it ended, signals are only logged: closing the
+    connections must not be interrupted.
     """
 
     def __init__(self, name: str, stop_timeout: float) -> None:
@@ -368,7 +372,6 @@ class _Signals:
         self.loop = asyncio.get_running_loop()
         self.starting = asyncio.current_task()
         self.received: list[signal.Signals] = []
-        self.interrupted_start = False
         self.draining = False  # a --drain, whose relay runs in the start-up task
         self.relay: Supervised | None = None
         self.task: asyncio.Future[None] | None = None
@@ -380,6 +383,11 @@ class _Signals:
 
     def watch(self, relay: Supervised, task: asyncio.Future[None]) -> None:
         self.relay, self.task = relay, task
+
+    @property
+    def interrupted_start(self) -> bool:
+        """A signal came before the relay ran (or during a drain, which runs in the start-up)."""
+        return bool(self.received) and self.task is None
 
     def check(self) -> None:
         """Stop here if a signal came while it started: a cancellation can be swallowed by
@@ -399,7 +407,6 @@ class _Signals:
                 return
             if self.starting is not None:
                 self.received.append(received)
-                self.interrupted_start = True
                 self.starting.cancel()
             return
         if task.done():
