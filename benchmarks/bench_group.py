@@ -21,6 +21,11 @@ moment until the last event is confirmed. The runs of 1, 2 and 4 members are int
 after round (in a rotating order), so a change in the machine's load falls on all three alike;
 each round's ratios are to its own 1-member run, and the medians of the rounds are reported.
 
+Each round also times the store by hand (``by_hand``): the same commands for the same entries
+from a bare PyMongo script, no library and no sink. It is the most events a second any number
+of members could move on this store, and on a loaded machine it can fall below what four
+members' connections need.
+
 Each member counts, in the benchmark only (the library is not instrumented): what its sink
 confirmed per partition and how busy its window was, its claims (empty ones, and collisions:
 entries found due but claimed by another member first), its MongoDB commands and the time they
@@ -37,11 +42,13 @@ import signal
 import statistics
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from pymongo import UpdateMany
 from pymongo.monitoring import (
     CommandFailedEvent,
     CommandListener,
@@ -348,6 +355,74 @@ async def throughput(
         await mongo.drop_database(name)
 
 
+async def by_hand(mongo: Any) -> float:
+    """Events a second the emulator serves when nothing else limits: the commands a group's
+    rounds send (claim: find the due, mark them claimed, read their aggregates' pending
+    entries; settle: one bulk write), written here with PyMongo alone, no library and no sink,
+    one task per partition, on a fresh outbox filled as for the members. What the group's
+    members publish can never exceed it: each event costs the store this work whoever sends it."""
+    name = unique("byhand")
+    try:
+        outbox = Outbox(mongo[name], partitions=PARTITIONS)
+        await outbox.ensure_indexes()
+        coll = mongo[name].outbox
+        due = _now() + timedelta(seconds=FILL_MARGIN)
+        await fill(outbox, due)
+        await asyncio.sleep(max(0.0, (due - _now()).total_seconds()))
+        started = time.monotonic()
+
+        async def partition(k: int) -> None:
+            while True:
+                now = _now()
+                found = await (
+                    coll.find({"partition": k, "status": "pending", "available_at": {"$lte": now}})
+                    .sort("available_at", 1)
+                    .limit(SETTINGS.batch_size)
+                    .to_list(None)
+                )
+                if not found:
+                    return
+                token = uuid.uuid4().hex
+                ids = [e["_id"] for e in found]
+                await coll.update_many(
+                    {"_id": {"$in": ids}, "status": "pending"},
+                    {"$set": {"claim": token, "available_at": now + timedelta(seconds=20)}},
+                )
+                aggregates = {
+                    (e["aggregate_type"], e["aggregate_id"]): e["sequence"] for e in found
+                }
+                await (
+                    coll.find(
+                        {
+                            "status": "pending",
+                            "$or": [
+                                {"aggregate_type": t, "aggregate_id": i, "sequence": {"$lte": seq}}
+                                for (t, i), seq in aggregates.items()
+                            ],
+                        }
+                    )
+                    .sort("sequence", 1)
+                    .to_list(None)
+                )
+                await coll.bulk_write(
+                    [
+                        UpdateMany(
+                            {"_id": {"$in": ids}},
+                            {"$set": {"status": "published"}, "$unset": {"claim": ""}},
+                        ),
+                        UpdateMany(
+                            {"claim": token, "status": "pending"},
+                            {"$set": {"available_at": now}, "$unset": {"claim": ""}},
+                        ),
+                    ]
+                )
+
+        await asyncio.gather(*(partition(k) for k in range(PARTITIONS)))
+        return EVENTS / (time.monotonic() - started)
+    finally:
+        await mongo.drop_database(name)
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -442,12 +517,18 @@ async def run(uri: str) -> list[str]:
     mongo = client(uri)
     rates: dict[int, list[float]] = {1: [], 2: [], 4: []}
     ratios: dict[int, list[float]] = {2: [], 4: []}
+    hand: list[float] = []
     all_stats: list[dict[str, Any]] = []
     try:
-        orders = [(1, 2, 4), (2, 4, 1), (4, 1, 2)]
+        # 0: the store's commands by hand (no members), in the rotation like the others.
+        orders = [(1, 2, 4, 0), (2, 4, 0, 1), (4, 0, 1, 2)]
         for r in range(ROUNDS):
             this: dict[int, float] = {}
             for k in orders[r % len(orders)]:
+                if k == 0:
+                    hand.append(await by_hand(mongo))
+                    say(f"  round {r + 1}, the store by hand: {hand[-1]:5.0f} events/s")
+                    continue
                 rate, stats = await throughput(mongo, pool, confirms, k)
                 this[k] = rate
                 rates[k].append(rate)
@@ -469,6 +550,11 @@ async def run(uri: str) -> list[str]:
             f"{k} member(s): median {med[k]:5.0f} events/s "
             f"({statistics.median(ratios[k]) if k > 1 else 1.0:.2f}x of 1, median of rounds{each})"
         )
+    say(
+        f"the store by hand (no library, no sink): median {statistics.median(hand):5.0f} "
+        f"events/s (rounds {', '.join(f'{x:.0f}' for x in hand)}); 4 members need "
+        f"{4 * WINDOW / LATENCY:.0f}"
+    )
     say(f"throughput runs took {time.perf_counter() - started:.0f} s")
     takeover = await rebalance(uri)
     say(f"takeover after SIGKILL of 1 of 2 members: {takeover:.1f} s (lease {TAKEOVER_LEASE:g} s)")
@@ -477,6 +563,8 @@ async def run(uri: str) -> list[str]:
         f"(rounds {', '.join(f'{x:.2f}' for x in ratios[2])}); "
         f"4: {statistics.median(ratios[4]):.2f}x "
         f"(rounds {', '.join(f'{x:.2f}' for x in ratios[4])})",
+        f"the store by hand (no library, no sink) {statistics.median(hand):.0f}/s; 4 members "
+        f"need {4 * WINDOW / LATENCY:.0f}/s",
         f"takeover after SIGKILL {takeover:.1f} s (lease {TAKEOVER_LEASE:g} s)",
     ]
 

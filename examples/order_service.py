@@ -69,7 +69,11 @@ async def nats_broker(url: str, run: str, arrived: Arrived) -> Broker | None:
     except Exception:  # noqa: BLE001 - any failure means "NATS is not there"
         return None
     js = nc.jetstream()
-    await js.add_stream(name=run, subjects=[f"{run}.>"])
+    try:
+        await js.add_stream(name=run, subjects=[f"{run}.>"])
+    except Exception:  # noqa: BLE001 - a NATS without JetStream (`docker run nats`)
+        await nc.close()
+        return None
 
     async def on_message(message: Any) -> None:
         arrived(Event.from_json(message.data))
@@ -204,7 +208,14 @@ async def main(orders: int, mode: str) -> int:
         if saved.is_set() and committed_at.keys() <= arrived_at.keys():
             everything.set()
 
+    # SIGTERM or a hang-up ends the demo as Ctrl-C does: through the finally blocks below,
+    # which stop the relay and remove what the run made (its stream or queue, its database).
+    task = asyncio.current_task()
+    assert task is not None
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(stop, task.cancel)
     stack = contextlib.ExitStack()  # the nats-server started here, if one is
+    close: Callable[[], Awaitable[None]] | None = None
     try:
         broker, failure = await find_broker(run, arrived, stack)
         if broker is None:
@@ -227,20 +238,31 @@ async def main(orders: int, mode: str) -> int:
             with contextlib.suppress(asyncio.TimeoutError):  # what is missing is reported
                 await asyncio.wait_for(everything.wait(), 30)
         finally:
-            if relay.returncode is None:
-                relay.send_signal(signal.SIGTERM)
-            stopped = await asyncio.wait_for(relay.wait(), 30)
-        await close()
+            stopped = await stop_relay(relay)
         ok = summarize(name, mode, orders, refused, committed_at, received, arrived_at, stopped)
         status = await mongo_outbox("status", *where)
         await status.wait()
-        await client.drop_database(run)
         return 0 if ok else 1
     finally:
+        with contextlib.suppress(Exception):
+            if close is not None:
+                await close()
+            await client.drop_database(run)
         await client.close()
         stack.close()
         if server:
             server.stop()
+
+
+async def stop_relay(relay: asyncio.subprocess.Process) -> int:
+    """SIGTERM, as an orchestrator stops it; killed if it has not stopped within 30 s."""
+    if relay.returncode is None:
+        relay.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(relay.wait(), 30)
+    except asyncio.TimeoutError:
+        relay.kill()
+        return await relay.wait()
 
 
 def summarize(
@@ -292,4 +314,8 @@ if __name__ == "__main__":
     parser.add_argument("--orders", type=int, default=300)
     parser.add_argument("--mode", choices=["collection", "embedded"], default=DEFAULT_MODE)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.orders, args.mode)))
+    try:
+        sys.exit(asyncio.run(main(args.orders, args.mode)))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, SIGTERM, a hang-up
+        print("stopped: the relay is stopped, the run's stream or queue and database removed")
+        sys.exit(130)

@@ -24,7 +24,7 @@ from bson.decimal128 import Decimal128
 from pydantic import ValidationError
 
 from mongo_outbox.errors import InvalidEventError, describe
-from mongo_outbox.events import Event, as_utc
+from mongo_outbox.events import Event, as_utc, json_payload
 
 _EVENT_FIELDS = frozenset(Event.model_fields)
 _INT64 = 2**63
@@ -61,6 +61,15 @@ def encode(event: Event, id_key: str) -> dict[str, Any]:
                 "in the payload",
                 event_id=event.id,
             )
+        try:
+            # A subclass may type its payload (a model, datetimes): stored as an Event's is,
+            # its JSON-mode dump, or the relay would read back a payload no Event takes.
+            data["payload"] = json_payload(event.payload)
+        except ValueError as error:
+            raise InvalidEventError(
+                f"the payload of {type(event).__name__} {event.id} is no Event payload: {error}",
+                event_id=event.id,
+            ) from None
     data[id_key] = data.pop("id")
     for key, default in _DEFAULTS.items():
         if data[key] == default:
@@ -102,11 +111,15 @@ def decode(entry: dict[str, Any], id_key: str) -> Event:
 
 
 def ours(collection: Any) -> Any:
-    """``collection`` read with aware UTC datetimes whatever its client's codec options; dates
-    outside datetime's range come back as ``DatetimeMS`` (and such an entry fails to decode)
-    instead of breaking the whole read."""
+    """``collection`` read as dicts with aware UTC datetimes whatever its client's codec
+    options (a client of ``RawBSONDocument`` had every entry parked); dates outside datetime's
+    range come back as ``DatetimeMS`` (and such an entry fails to decode) instead of breaking
+    the whole read."""
     options = collection.codec_options.with_options(
-        tz_aware=True, tzinfo=timezone.utc, datetime_conversion=DatetimeConversion.DATETIME_AUTO
+        document_class=dict,
+        tz_aware=True,
+        tzinfo=timezone.utc,
+        datetime_conversion=DatetimeConversion.DATETIME_AUTO,
     )
     return collection.with_options(codec_options=options)
 

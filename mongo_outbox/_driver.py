@@ -5,10 +5,33 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.asynchronous.mongo_client import AsyncMongoClient
+from pymongo.synchronous.collection import Collection
 from pymongo.synchronous.database import Database
+from pymongo.synchronous.mongo_client import MongoClient
 
 DUPLICATE_KEY = 11000  # DuplicateKey, in a bulk write's writeErrors
+
+
+_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
+    ((Database, AsyncDatabase), "database"),
+    ((Collection, AsyncCollection), "collection"),
+    ((MongoClient, AsyncMongoClient), "client"),
+)
+
+
+def driver_kind(value: Any) -> str | None:
+    """``"database"``, ``"collection"`` or ``"client"`` when ``value`` is one of PyMongo's
+    (either API) or Motor's; else None. Each answers any attribute with a sub-object (a
+    collection ``db.name``, a database), so one passed for another is found out only here,
+    not by its attributes."""
+    motor = type(value).__module__.startswith("motor.")
+    for classes, kind in _KINDS:
+        if isinstance(value, classes) or (motor and type(value).__name__.endswith(kind.title())):
+            return kind
+    return None
 
 
 def is_async(db: Any) -> bool | None:

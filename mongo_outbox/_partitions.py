@@ -21,6 +21,7 @@ numbers would be of the old ``P``): see docs/groups.md.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any
 
@@ -30,6 +31,8 @@ from pymongo.errors import DuplicateKeyError
 
 from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import ConfigurationError
+
+log = logging.getLogger("mongo_outbox")
 
 CONFIG_ID = "partitions"
 
@@ -59,11 +62,24 @@ def check_config(config: Any, count: int, who: str) -> Steps[None]:
                 {"_id": CONFIG_ID},
                 {"$setOnInsert": {"count": count}},
                 upsert=True,
-                return_document=ReturnDocument.AFTER,
+                return_document=ReturnDocument.BEFORE,
             )
         except DuplicateKeyError:
             # Two first writers raced to record it: the other's record is there now.
             found = yield call(config, "find_one", {"_id": CONFIG_ID})
+        else:
+            if found is None:
+                # Said aloud: from now on a writer or relay with another count is refused (a
+                # trial run with the wrong count would stop every writer at its next start).
+                log.warning(
+                    "%s recorded partitions=%d in %s: every writer and relay of this outbox "
+                    "must now use partitions=%d (docs/groups.md says how to change it)",
+                    who,
+                    count,
+                    config.name,
+                    count,
+                )
+                found = {"count": count}
     recorded = 1 if found is None else found.get("count")
     if recorded != count:
         raise ConfigurationError(

@@ -100,8 +100,11 @@ class InvalidCountersError(InvalidAggregateError):
 
 
 class ConcurrencyError(OutboxError):
+    """The stored document is not at ``expected_version``; ``None``: no version was expected,
+    and other writers changed the document under the write at each of its tries."""
+
     def __init__(
-        self, message: str, *, collection: str, aggregate_id: Any, expected_version: int
+        self, message: str, *, collection: str, aggregate_id: Any, expected_version: int | None
     ) -> None:
         super().__init__(message)
         self.collection = collection
@@ -111,18 +114,27 @@ class ConcurrencyError(OutboxError):
 
 class AggregateNotFoundError(OutboxError):
     """No document matches the filter of ``update_with_events`` (without ``upsert``) or
-    ``delete_with_events``, or ``add_events`` found no aggregate document to count on."""
+    ``delete_with_events``, or ``add_events`` found no aggregate document to count on.
+    ``exists``: a document with that ``_id`` is there, but the rest of the filter does not hold
+    (``None``: not known)."""
 
-    def __init__(self, message: str, *, collection: str, aggregate_id: Any) -> None:
+    def __init__(
+        self, message: str, *, collection: str, aggregate_id: Any, exists: bool | None = None
+    ) -> None:
         super().__init__(message)
         self.collection = collection
         self.aggregate_id = aggregate_id
+        self.exists = exists
 
 
 class DuplicateEventError(OutboxError):
-    def __init__(self, message: str, *, collection: str) -> None:
+    """An event id is taken already: by another entry, pending or published less than the
+    outbox's retention ago. ``event_id`` is the id, when the server or the registry said which."""
+
+    def __init__(self, message: str, *, collection: str, event_id: str | None = None) -> None:
         super().__init__(message)
         self.collection = collection
+        self.event_id = event_id
 
 
 class PublishError(OutboxError):

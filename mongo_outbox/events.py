@@ -87,9 +87,17 @@ def _check_storable(value: Any, path: str) -> None:
             _check_storable(item, f"{path}[{key!r}]")
 
 
-def _check_json(value: Any, path: str) -> None:
-    # pydantic's JsonValue admits NaN, unbounded ints, lone surrogates and any key; BSON and
-    # JSON peers do not.
+MAX_PAYLOAD_DEPTH = 90
+"""How deep a payload may nest objects and arrays: MongoDB stores documents 100 levels deep at
+most, and an embedded entry puts the payload three levels down (pydantic's JSON parser, on the
+consumer's side, stops at 200)."""
+
+
+def _check_json(value: Any, path: str, depth: int = 0) -> None:
+    # pydantic's JsonValue admits NaN, unbounded ints, lone surrogates, any key and any depth;
+    # BSON and JSON peers do not.
+    if depth > MAX_PAYLOAD_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {MAX_PAYLOAD_DEPTH} levels")
     if isinstance(value, str):
         _check_text(value, path)
     elif isinstance(value, float) and not math.isfinite(value):
@@ -101,10 +109,10 @@ def _check_json(value: Any, path: str) -> None:
             if key.startswith("$") or "\x00" in key:
                 raise ValueError(f"{path}: key {key!r} cannot be stored in MongoDB")
             _check_text(key, f"{path} key")
-            _check_json(item, f"{path}.{key}")
+            _check_json(item, f"{path}.{key}", depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_json(item, f"{path}[{index}]")
+            _check_json(item, f"{path}[{index}]", depth + 1)
 
 
 def _dumped(value: Any) -> Any:
@@ -124,10 +132,29 @@ def _json_object(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
     return value
 
 
+def json_payload(value: Any) -> dict[str, JsonValue]:
+    """``value`` as an Event's payload is stored: a model as its JSON-mode dump, checked as
+    JSON; ``ValueError`` if it is no such payload. For a subclass of Event that types its
+    payload: it is stored, and read back by the relay, as an Event's."""
+    if isinstance(value, BaseModel):
+        dumped = _dumped(value)
+    else:
+        try:  # a dict typed by the subclass: its datetimes, UUIDs... as pydantic writes them
+            dumped = pydantic_core.to_jsonable_python(value)
+        except pydantic_core.PydanticSerializationError as error:
+            raise ValueError(f"payload: {error}") from None
+    if not isinstance(dumped, dict):
+        raise ValueError(f"payload: {type(dumped).__name__} is not an object")
+    return _json_object(dumped)
+
+
 def _utc(value: datetime) -> datetime:
     if value.tzinfo is None:
         raise ValueError("occurred_at must be timezone-aware")
-    value = value.astimezone(timezone.utc)
+    try:
+        value = value.astimezone(timezone.utc)
+    except OverflowError:  # 0001-01-01 east of UTC: a ValueError, which pydantic reports
+        raise ValueError(f"occurred_at {value.isoformat()} is out of range in UTC") from None
     return value.replace(microsecond=value.microsecond // 1000 * 1000)
 
 
@@ -246,6 +273,10 @@ class Event(BaseModel):
     # (model_copy, copy, pickle) carry both along.
     _given: bool = PrivateAttr(default=False)
     _home: tuple[str, Any] | None = PrivateAttr(default=None)
+    # The id() of the object validation made: a copy (model_copy, copy, pickle) carries the
+    # original's, and model_construct none, so a write checks again only what no validation
+    # made (``_write/rules.py``), not every event at the cost of building it twice.
+    _validated: int | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _storable(self) -> Event:
@@ -253,12 +284,21 @@ class Event(BaseModel):
         for name, value in self.__dict__.items():
             if name != "payload":
                 _check_storable(value, name)
+        if self.__pydantic_private__ is not None:
+            self.__pydantic_private__["_validated"] = id(self)
         return self
+
+    @property
+    def _made_by_validation(self) -> bool:
+        private = self.__pydantic_private__ or {}
+        return private.get("_validated") == id(self)
 
     def __setstate__(self, state: dict[Any, Any]) -> None:
         super().__setstate__(state)
         if self.__pydantic_private__ is None:  # pickled by a version without private fields
-            object.__setattr__(self, "__pydantic_private__", {"_given": False, "_home": None})
+            object.__setattr__(
+                self, "__pydantic_private__", {"_given": False, "_home": None, "_validated": None}
+            )
 
     def __eq__(self, other: object) -> bool:
         # Fields only: what saves did with this object is not part of the event.

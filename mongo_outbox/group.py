@@ -156,7 +156,8 @@ class RelayGroup(Lifecycle):
     async def run(self) -> None:
         """Beat, rebalance and publish until ``stop()`` or cancellation. Database errors are
         logged and retried with backoff; a partition count other than the recorded one raises
-        ``ConfigurationError`` before anything is published."""
+        ``ConfigurationError`` before anything is published; a partition's worker that raises
+        (``ChangeStreamError``) makes it raise that, once every partition was given back."""
         with self._running():
             await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
             # Entries saved before the outbox had partitions (or by a writer that read the
@@ -172,9 +173,13 @@ class RelayGroup(Lifecycle):
         # share, within a second or so (the heartbeat still lives ``member_lease``).
         beat = min(self.member_lease.total_seconds() / 3, REBALANCE_EVERY)
         failures = 0
+        failed: BaseException | None = None
         try:
             while not self._stopping.is_set():
                 try:
+                    failed = self._failed_worker()
+                    if failed is not None:
+                        break
                     await self._rebalance()
                     failures = 0
                 except PyMongoError as error:
@@ -194,9 +199,25 @@ class RelayGroup(Lifecycle):
             worker.stop()
         if self._tasks:
             await asyncio.wait(set(self._tasks.values()))  # each gives its lease back
+        if failed is None:
+            self._failed_worker()  # one that failed as the member stopped: logged, at least
         self._forget()
         with contextlib.suppress(PyMongoError):
             await self._membership.leave()
+        if failed is not None:
+            raise failed
+
+    def _failed_worker(self) -> BaseException | None:
+        """The error a partition's worker raised, if one did: what it retries (MongoDB out of
+        reach) it does not raise, so this one would come back every beat (a change stream
+        MongoDB refuses, a publisher that is not one): the member fails, as a relay does,
+        after giving every partition back, rather than retry it every second while healthy."""
+        for k, task in self._tasks.items():
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                error: BaseException = task.exception()  # type: ignore[assignment]
+                log.error("group %s: partition %d failed: %s", self.name, k, describe(error))
+                return error
+        return None
 
     def _forget(self) -> None:
         self._workers.clear()
@@ -208,9 +229,6 @@ class RelayGroup(Lifecycle):
             if task.done():
                 del self._tasks[k]
                 self._workers.pop(k, None)
-                if not task.cancelled() and task.exception() is not None:
-                    self.last_error = describe(task.exception())  # type: ignore[arg-type]
-                    log.error("group %s: partition %d failed: %s", self.name, k, self.last_error)
         # A writer that checked the partition record before it existed writes entries without
         # a partition until it restarts: one batch of them each beat.
         await self._assign_partitions()

@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bson.codec_options import CodecOptions, DatetimeConversion
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import InvalidName, OperationFailure, PyMongoError
 
 from mongo_outbox import metrics
 from mongo_outbox._callables import is_async_callable
@@ -53,7 +53,7 @@ from mongo_outbox.errors import (
     describe,
 )
 from mongo_outbox.events import Event, as_utc, utc_now
-from mongo_outbox.settings import Backoff, Duration, check_count, check_timedelta
+from mongo_outbox.settings import Backoff, Duration, check_count, check_seconds, check_timedelta
 from mongo_outbox.tracing import consuming, outcome, record_failure
 from mongo_outbox.upcasters import Upcasters
 
@@ -79,6 +79,15 @@ MAX_ID_LENGTH = 512
 # datetimes, or DatetimeMS with ``datetime_conversion=DATETIME_MS``), and its records as dicts.
 _CODEC: CodecOptions[dict[str, Any]] = CodecOptions(
     tz_aware=True, datetime_conversion=DatetimeConversion.DATETIME
+)
+
+
+_INDEX_CONFLICTS = frozenset(
+    {
+        85,  # IndexOptionsConflict: the same keys, other options (a TTL of another length)
+        86,  # IndexKeySpecsConflict: the same name, other keys or options
+        11000,  # DuplicateKey: records that break the unique identity
+    }
 )
 
 
@@ -132,24 +141,49 @@ class Inbox:
             )
         self.db = db
         self.consumer = consumer
-        self.collection = db.get_collection(collection, codec_options=_CODEC)
-        self.handlers = db.get_collection(f"{collection}.handlers", codec_options=_CODEC)
+        try:
+            self.collection = db.get_collection(collection, codec_options=_CODEC)
+            self.handlers = db.get_collection(f"{collection}.handlers", codec_options=_CODEC)
+        except InvalidName as error:
+            raise ConfigurationError(
+                f"Inbox.collection {collection!r} is no collection name: {error}",
+                setting="Inbox.collection",
+            ) from error
         self.transactional = transactional
         self._indexed = False
 
     async def ensure_indexes(self) -> None:
         """Create the unique identity index, the TTL index and an index of the dead letters.
-        Idempotent."""
-        await self.collection.create_index(
-            [("consumer", 1), ("source", 1), ("message_id", 1)], unique=True, name="identity"
-        )
-        await self.collection.create_index("expire_at", expireAfterSeconds=0, name="ttl")
-        # Dead letters only, for failed() and an operator's counts: no cost per handled message.
-        await self.collection.create_index(
-            [("consumer", 1), ("failed_at", -1)],
-            name="failures",
-            partialFilterExpression={"status": "failed"},
-        )
+        Idempotent. ``ConfigurationError`` if an index of the same keys or name but another
+        definition stands in the way, or records break the identity's uniqueness: no retry
+        can fix that, and the guard must not run without its unique index."""
+        wanted: list[tuple[Any, dict[str, Any]]] = [
+            (
+                [("consumer", 1), ("source", 1), ("message_id", 1)],
+                {"unique": True, "name": "identity"},
+            ),
+            ("expire_at", {"expireAfterSeconds": 0, "name": "ttl"}),
+            # Dead letters only, for failed() and an operator's counts: no cost per message.
+            (
+                [("consumer", 1), ("failed_at", -1)],
+                {"name": "failures", "partialFilterExpression": {"status": "failed"}},
+            ),
+        ]
+        for keys, options in wanted:
+            try:
+                await self.collection.create_index(keys, **options)
+            except OperationFailure as error:
+                # A server that names no code (the mongoeco emulator) refused the definition.
+                if error.code is not None and error.code not in _INDEX_CONFLICTS:
+                    raise
+                raise ConfigurationError(
+                    f"inbox {self.collection.full_name}: its index {options['name']!r} cannot be "
+                    f"created: {error.details.get('errmsg') if error.details else error} (an "
+                    "index of the same keys or name with another definition, or records of one "
+                    "message identity twice: drop or rename that index, or use another "
+                    "Inbox.collection)",
+                    setting="Inbox.collection",
+                ) from error
         self._indexed = True
 
     async def uses_transactions(self) -> bool:
@@ -312,6 +346,7 @@ class Guarded:
         upcasters: Upcasters | None = None,
     ) -> None:
         _require_coroutine(handler, "handler")
+        _check_signature(handler)
         self.upcasters = upcasters
         self.inbox = inbox
         self.handler = handler
@@ -320,6 +355,7 @@ class Guarded:
         self.backoff = backoff
         self.dead_letter = dead_letter
         self.store = InboxStore(inbox)
+        metrics.inbox_started(inbox.consumer)
         self._wants_attempt = "attempt" in inspect.signature(handler).parameters
         self._attempts = Attempts(
             self.store,
@@ -399,6 +435,14 @@ class Guarded:
             # message's fault, so not an attempt, and no reason to stop the consumer.
             log.warning("inbox of %s unavailable, retry later: %s", self.inbox.consumer, error)
             return Result(Outcome.RETRY, 0, self.backoff.delay(1), f"inbox unavailable: {error}")
+        except ConfigurationError as error:
+            # Its indexes cannot be made (inbox.ensure_indexes): no message can be handled until
+            # someone fixes that, and none must be lost meanwhile. Not an attempt; back at the
+            # longest delay, said as an error each time. (The consumers check it at their start,
+            # and refuse to start.)
+            delay = check_seconds(self.backoff.maximum, "Backoff.maximum")
+            log.error("inbox of %s: %s; retry in %gs", self.inbox.consumer, error, delay)
+            return Result(Outcome.RETRY, 0, delay, describe(error))
         finally:
             busy.users -= 1
             if not busy.users:
@@ -427,10 +471,20 @@ class Guarded:
                     # The handler's copy only: the record and the dead letter keep the event
                     # as it arrived, to be read again by a later deploy.
                     event = self.upcasters.upcast(event, reader=f"consumer {self.inbox.consumer}")
+                # Typed to return None; a hostile one returns a coroutine it did not await.
+                handler: Callable[..., Awaitable[object]] = self.handler
                 if self._wants_attempt:
-                    await self.handler(event, session, attempt=attempt)
+                    returned = await handler(event, session, attempt=attempt)
                 else:
-                    await self.handler(event, session)
+                    returned = await handler(event, session)
+                if inspect.isawaitable(returned):
+                    # Its effect never ran: counted as a failure, never marked done.
+                    if inspect.iscoroutine(returned):
+                        returned.close()
+                    raise TypeError(
+                        f"the handler {self.handler_name} returned an awaitable it did not "
+                        "await: its effect did not happen"
+                    )
             except IncompatibleEventError as error:
                 # No retry reads it before a deploy does: dead-letter it now, requeue it then.
                 record_failure(error)
@@ -438,6 +492,19 @@ class Guarded:
             except Exception as error:
                 record_failure(error)
                 raise
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):
+                raise
+            except BaseException as error:
+                if isinstance(error, asyncio.CancelledError) and _being_cancelled():
+                    raise  # a stop: the message goes back, no attempt is spent
+                # A CancelledError of the handler's own (a future someone else cancelled), or
+                # another BaseException: a failure like any, counted. Let through, it rolled the
+                # transaction back with the attempt's record, and the message came back at once,
+                # for ever.
+                record_failure(error)
+                raise HandlerFailed(
+                    f"the handler {self.handler_name} raised {describe(error)}"
+                ) from error
 
 
 def qualified_name(handler: Callable[..., Any]) -> str:
@@ -449,6 +516,35 @@ def qualified_name(handler: Callable[..., Any]) -> str:
     if not (inspect.isfunction(target) or inspect.ismethod(target)):
         target = type(target)
     return f"{target.__module__}.{target.__qualname__}"
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task is being cancelled (a stop), rather than its code raising a
+    CancelledError of its own; before Python 3.11 they cannot be told apart: a stop."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or cancelling() > 0
+
+
+class HandlerFailed(Exception):
+    """The handler raised a BaseException that is no stop of the process (see ``_run``)."""
+
+
+def _check_signature(handler: Callable[..., Any]) -> None:
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # no signature to read: its first call will say
+        return
+    try:
+        if "attempt" in signature.parameters:
+            signature.bind(None, None, attempt=1)
+        else:
+            signature.bind(None, None)
+    except TypeError as error:
+        raise TypeError(
+            f"the handler {qualified_name(handler)} must take (event, session), and attempt= "
+            f"if it names it: {error}"
+        ) from None
 
 
 def _require_coroutine(function: object, what: str) -> None:

@@ -73,6 +73,8 @@ FAILURE_REASONS = (
     "error",  # any other refusal: an attempt that counts towards max_attempts
 )
 """The values of ``mongo_outbox_publish_failures_total``'s ``reason`` attribute."""
+INBOX_OUTCOMES = ("handled", "duplicate", "retry", "dead_lettered")
+"""The values of ``mongo_outbox_inbox_messages_total``'s ``outcome`` attribute."""
 # Handler durations from a millisecond to the server's 60 s transaction lifetime.
 HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STATES: tuple[State, ...] = get_args(State)
@@ -111,6 +113,7 @@ class _Instruments:
                 "mongo_outbox_handler_duration", unit="s", description=description
             )
         self.gauges = _observable_gauges(meter)
+        self.zeroed: set[tuple[str, frozenset[tuple[str, str]]]] = set()
 
 
 _UNBOUND: Any = object()
@@ -163,6 +166,16 @@ def _instruments() -> _Instruments | None:
 # -- hooks: where things happen ---------------------------------------------------------------
 
 
+def relay_started(relay: dict[str, str]) -> None:
+    """A relay's counters exist from its start, at zero: Prometheus' ``increase()`` reads a
+    series that first appears at 1 as no increase, so the first parked event of a process, or
+    its first publish, would go unseen by an alert."""
+    instruments = _instruments()
+    if instruments is not None:
+        _at_zero(instruments, "published", relay)
+        _at_zero(instruments, "failures", relay, "reason", FAILURE_REASONS)
+
+
 def published(relay: dict[str, str] | None, count: int) -> None:
     """A round's confirmed events (one call per round, not per event). ``relay`` (its
     ``relay_labels``) is ``None`` for rounds that are not a relay's (a replay): those are not
@@ -196,10 +209,37 @@ def recovered(relay: dict[str, str]) -> None:
         instruments.recoveries.add(1, relay)
 
 
+def inbox_started(consumer: str) -> None:
+    """A guarded consumer's outcomes exist at zero from its first message on (and from its
+    guard's making, if metrics were set up by then), so that its first dead letter is an
+    increase an alert sees (see ``relay_started``)."""
+    instruments = _instruments()
+    if instruments is not None:
+        _at_zero(instruments, "inbox", {"consumer": consumer}, "outcome", INBOX_OUTCOMES)
+
+
 def inbox_outcome(consumer: str, outcome: str) -> None:
     instruments = _instruments()
     if instruments is not None:
+        _at_zero(instruments, "inbox", {"consumer": consumer}, "outcome", INBOX_OUTCOMES)
         instruments.inbox.add(1, {"consumer": consumer, "outcome": outcome})
+
+
+def _at_zero(
+    instruments: _Instruments,
+    counter: str,
+    labels: dict[str, str],
+    key: str | None = None,
+    values: tuple[str, ...] = (),
+) -> None:
+    """Add 0 to the ``counter``'s series of ``labels`` (one per ``key`` value), once."""
+    seen = (counter, frozenset(labels.items()))
+    if seen in instruments.zeroed:
+        return
+    instruments.zeroed.add(seen)
+    for value in values or (None,):
+        series = labels if key is None else labels | {key: value}
+        getattr(instruments, counter).add(0, series)
 
 
 @contextlib.contextmanager
@@ -267,6 +307,7 @@ class RelayGauges:
         has its backlog: an alert on a gauge's absence would fire at every restart otherwise.
         Without a metrics SDK nothing is read."""
         # The gauges exist from now on, also if nothing is ever published.
+        relay_started(self.labels)
         instruments = _instruments()
         if instruments is not None and _collected(instruments.gauges[0]):
             await self._first_read(status)

@@ -30,7 +30,7 @@ from mongo_outbox._driver import start_session
 from mongo_outbox._write.engine import WriteEngine
 from mongo_outbox._write.layout import Mode
 from mongo_outbox._write.plan import Plan, Written
-from mongo_outbox._write.sessions import check_free, lent
+from mongo_outbox._write.sessions import abandons, check_free, lent
 from mongo_outbox._write.steps import run_async
 from mongo_outbox.events import Event
 
@@ -159,8 +159,8 @@ class Outbox(WriteEngine):
             try:
                 return Saved(*await run_async(self._steps(plan, session)))
             except BaseException as error:
-                # Cancelled mid-write (a coroutine closed unawaited cannot await the abort).
-                if joined and not isinstance(error, (Exception, GeneratorExit)):
+                # (A coroutine closed unawaited, GeneratorExit, cannot await the abort.)
+                if joined and abandons(plan.kind, error):
                     await _abandon(session)
                 raise
 
@@ -175,8 +175,8 @@ class Outbox(WriteEngine):
 
 
 async def _abandon(session: Any) -> None:
-    """Abort the caller's transaction a cancelled write had joined: nothing tells which of its
-    writes happened, and a commit of part of them would store a change without its events."""
+    """Abort the caller's transaction a failed write had joined (``sessions.abandons``): a
+    commit would store a change without its events."""
     with contextlib.suppress(PyMongoError):
         await asyncio.shield(session.abort_transaction())
 

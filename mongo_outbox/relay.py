@@ -130,7 +130,9 @@ class PollingRelay(Lifecycle):
         failures = 0
         while not self._stopping.is_set():
             try:
-                _, more = await self._rounds.batch()
+                # A stop ends the round before its next wave, not after all of them: with a
+                # slow broker, a round of many waves took longer than a service's stop timeout.
+                _, more = await self._rounds.batch(lost=self._stopping)
                 failures = 0
             except PyMongoError as error:
                 failures += 1

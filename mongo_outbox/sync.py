@@ -17,7 +17,7 @@ from pymongo.errors import PyMongoError
 
 from mongo_outbox._write.engine import WriteEngine
 from mongo_outbox._write.plan import Plan, Written
-from mongo_outbox._write.sessions import check_free, lent
+from mongo_outbox._write.sessions import abandons, check_free, lent
 from mongo_outbox._write.steps import run_sync
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Saved
@@ -105,9 +105,7 @@ class Outbox(WriteEngine):
             try:
                 return Saved(*run_sync(self._steps(plan, session)))
             except BaseException as error:
-                if joined and not isinstance(error, Exception):  # interrupted mid-write
-                    # As mongo_outbox.Outbox does: a commit of part of it would store a
-                    # change without its events.
+                if joined and abandons(plan.kind, error):  # as mongo_outbox.Outbox does
                     with contextlib.suppress(PyMongoError):
                         session.abort_transaction()
                 raise

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from mongo_outbox._relay.turns import Turns
@@ -23,9 +24,35 @@ from mongo_outbox.errors import UsageError
 from mongo_outbox.relay import Relay
 from mongo_outbox.status import GroupStatus, RelayStatus, State
 
-__all__ = ["TenantRelays"]
+__all__ = ["TenantRelays", "current_database", "for_database"]
 
 log = logging.getLogger(__name__)
+
+_database: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mongo_outbox_tenant", default=None
+)
+
+
+def current_database() -> str | None:
+    """The database whose relay the calling code runs for under ``TenantRelays`` (in its task,
+    or in one that task started); ``None`` elsewhere. For a log filter: every tenant's relay
+    usually has the same name, so its own lines do not say which database they are about."""
+    return _database.get()
+
+
+@contextlib.contextmanager
+def for_database(database: str) -> Iterator[None]:
+    """Inside, ``current_database()`` is ``database``, also in the tasks started inside."""
+    token = _database.set(database)
+    try:
+        yield
+    finally:
+        _database.reset(token)
+
+
+async def _run_for(database: str, relay: Relay) -> None:
+    with for_database(database):
+        await relay.run()
 
 
 @runtime_checkable
@@ -73,14 +100,34 @@ class TenantRelays:
         """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
         for relay in self.relays.values():
             if isinstance(relay, _TakesTurns):
+                if relay.turns is not None:
+                    # Another TenantRelays has it: running here too would stop it there (or
+                    # be refused) and leave its database unrelayed under a healthy state.
+                    raise UsageError(
+                        f"the relay {relay.name!r} of database {relay.outbox.db.name!r} belongs "
+                        "to another TenantRelays: give each TenantRelays relays of its own"
+                    )
                 relay.turns = self.turns
         self._stopping = False
+        self._running = False
 
     async def run(self) -> None:
         """Run every relay until ``stop()`` or cancellation; see the class for failures."""
+        if self._running:
+            raise UsageError(
+                "TenantRelays.run(): already running; one TenantRelays runs one loop at a time"
+            )
+        self._running = True
+        try:
+            await self._run()
+        finally:
+            self._running = False
+
+    async def _run(self) -> None:
         self._stopping = False
         tasks = {
-            asyncio.ensure_future(relay.run()): database for database, relay in self.relays.items()
+            asyncio.ensure_future(_run_for(database, relay)): database
+            for database, relay in self.relays.items()
         }
         try:
             pending = set(tasks)
@@ -92,7 +139,11 @@ class TenantRelays:
                         "tenant relays: the relay of database %s failed: stopping the others",
                         tasks[failed[0]],
                     )
-                    self.stop()
+                    # Only those still running: a stop() left on one that ended would make its
+                    # next run() return at once.
+                    self._stopping = True
+                    for task in pending:
+                        self.relays[tasks[task]].stop()
                     await asyncio.wait(pending)
                     raise failed[0].exception()  # type: ignore[misc]
                 if not self._stopping:
@@ -117,7 +168,7 @@ class TenantRelays:
         return "standby"
 
     def stop(self) -> None:
-        """Stop every relay after its current round (each gives its lease up)."""
+        """Stop every relay once its publishes in flight are confirmed (each gives its lease up)."""
         self._stopping = True
         for relay in self.relays.values():
             relay.stop()

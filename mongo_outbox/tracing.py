@@ -19,12 +19,15 @@ look at the provider per relay wave and per delivery, and one at the current spa
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from mongo_outbox.errors import describe
 from mongo_outbox.events import Event
+
+log = logging.getLogger("mongo_outbox.tracing")
 
 try:
     from opentelemetry import trace
@@ -109,21 +112,37 @@ class Publishing:
         self.sent = sent
 
     def end(self, results: Sequence[BaseException | None]) -> None:
-        for span, error in zip(self.spans, results, strict=True):
-            if error is not None:
-                span.record_exception(error)
-                span.set_attribute("error.type", type(error).__qualname__)
-                span.set_status(StatusCode.ERROR, describe(error))
-            span.end()
+        try:
+            for span, error in zip(self.spans, results, strict=True):
+                if error is not None:
+                    span.record_exception(error)
+                    span.set_attribute("error.type", type(error).__qualname__)
+                    span.set_status(StatusCode.ERROR, describe(error))
+                span.end()
+        except Exception as failure:  # noqa: BLE001 - the SDK's fault: tracing is not publishing
+            _tracing_failed(failure)
+
+
+def _tracing_failed(failure: Exception) -> None:
+    log.warning("tracing failed, publishing goes on without its spans: %s", describe(failure))
 
 
 def publishing(
     found: Tracer | None, publisher: object, events: Sequence[Event]
 ) -> Publishing | None:
     """Start a ``PRODUCER`` span of the tracer ``found`` (``tracer()``, asked once for many
-    calls) per event, the child of the context the event carries; ``None`` without a tracer."""
+    calls) per event, the child of the context the event carries; ``None`` without a tracer,
+    or when the tracing SDK fails (publishing goes on without its spans, and says so)."""
     if found is None:
         return None
+    try:
+        return _publishing(found, publisher, events)
+    except Exception as failure:  # noqa: BLE001 - the SDK's fault: tracing is not publishing
+        _tracing_failed(failure)
+        return None
+
+
+def _publishing(found: Tracer, publisher: object, events: Sequence[Event]) -> Publishing:
     describe_destination = getattr(publisher, "messaging_attributes", None)
     spans, sent = [], []
     for event in events:

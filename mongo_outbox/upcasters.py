@@ -25,12 +25,19 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, cast
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from mongo_outbox.errors import ConfigurationError, IncompatibleEventError, InvalidEventError
+from mongo_outbox._callables import is_async_callable
+from mongo_outbox.errors import (
+    ConfigurationError,
+    IncompatibleEventError,
+    InvalidEventError,
+    UsageError,
+)
 
 __all__ = ["Step", "Upcasters", "version_of"]
 
@@ -70,11 +77,16 @@ def version_of(model: type[BaseModel] | BaseModel) -> int:
             f"{setting} must be a ClassVar[int], not a field of the payload", setting=setting
         )
     version = getattr(cls, "event_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not _is_version(version):
         raise ConfigurationError(
             f"{setting} must be a whole number from 1, not {version!r}", setting=setting
         )
     return version
+
+
+def _is_version(value: Any) -> bool:
+    """A payload version: a whole number from 1 (``True`` is no version)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class Upcasters:
@@ -87,6 +99,7 @@ class Upcasters:
 
     def __init__(self) -> None:
         self._steps: dict[str, dict[int, tuple[Step, bool]]] = {}
+        self._lock = threading.Lock()
 
     def register(self, event_type: str, steps: Mapping[int, Step]) -> Upcasters:
         """Add the steps of ``event_type``: ``steps[n]`` turns a version ``n`` payload into a
@@ -102,10 +115,11 @@ class Upcasters:
             raise ConfigurationError(
                 f"{setting} needs a mapping of at least one version to its step", setting=setting
             )
-        known = self._steps.get(event_type, {})
+        before = self._steps.get(event_type)
+        known = before or {}
         added: dict[int, tuple[Step, bool]] = {}
         for version, step in steps.items():
-            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            if not _is_version(version):
                 raise ConfigurationError(
                     f"{setting}: a version must be a whole number from 1, not {version!r}",
                     setting=setting,
@@ -115,11 +129,25 @@ class Upcasters:
                     f"{setting}: the step from v{version} must be callable, not {step!r}",
                     setting=setting,
                 )
+            if is_async_callable(step):
+                # Its coroutine would stand for the payload: every old event a failure.
+                raise ConfigurationError(
+                    f"{setting}: the step from v{version} is async; steps are plain functions "
+                    "of the payload (do the I/O in the handler)",
+                    setting=setting,
+                )
             if version in known:
                 raise ConfigurationError(
                     f"{setting}: a step from v{version} is registered already", setting=setting
                 )
-            added[version] = (step, _takes_headers(step))
+            takes = _takes_headers(step)
+            if takes is None:
+                raise ConfigurationError(
+                    f"{setting}: the step from v{version} takes headers as a positional-only "
+                    "parameter: it is passed as the keyword headers=",
+                    setting=setting,
+                )
+            added[version] = (step, takes)
         chain = sorted(known.keys() | added.keys())
         gaps = [f"v{v}" for a, b in itertools.pairwise(chain) for v in range(a + 1, b)]
         if gaps:
@@ -130,8 +158,12 @@ class Upcasters:
                 f"{missing}",
                 setting=setting,
             )
-        self._steps[event_type] = known | added
-        return self
+        with self._lock:
+            if self._steps.get(event_type) is before:
+                self._steps[event_type] = known | added
+                return self
+        # Another thread registered steps of this type meanwhile: check against them too.
+        return self.register(event_type, steps)
 
     def latest(self, event_type: str) -> int | None:
         """The version ``event_type``'s steps lead to; ``None`` for a type without steps."""
@@ -145,6 +177,8 @@ class Upcasters:
         ``to``, or older than the type's first step; ``reader`` names who wanted ``to`` in its
         message (default: the registry)."""
         reader = reader or "the Upcasters registry"
+        if to is not None and not _is_version(to):
+            raise UsageError(f"upcast(to=...) takes a version, a whole number from 1, not {to!r}")
         target = self.latest(event.type) if to is None else to
         if target is None or event.version == target:
             return event
@@ -166,7 +200,14 @@ class Upcasters:
             payload = result
         model = cast("type[BaseModel]", type(event))  # an Event: ``Versioned`` names no fields
         fields = {name: getattr(event, name) for name in model.model_fields}
-        return type(event)(**fields | {"payload": payload, "version": target})
+        try:
+            return type(event)(**fields | {"payload": payload, "version": target})
+        except (InvalidEventError, ValidationError) as error:
+            raise InvalidEventError(
+                f"the upcasters of {event.type} from v{event.version} to v{target} made a payload "
+                f"that is no event's: {error}",
+                event_id=event.id,
+            ) from error
 
     def __repr__(self) -> str:
         chains = ", ".join(f"{t}: v{min(s)}->v{max(s) + 1}" for t, s in sorted(self._steps.items()))
@@ -195,8 +236,12 @@ def _older(event: Versioned, supported: int, missing: int, reader: str) -> Incom
     )
 
 
-def _takes_headers(step: Step) -> bool:
+def _takes_headers(step: Step) -> bool | None:
+    """Whether ``step`` takes the keyword ``headers``; None: it names it positional-only."""
     try:
-        return "headers" in inspect.signature(step).parameters
+        parameter = inspect.signature(step).parameters.get("headers")
     except (TypeError, ValueError):  # a builtin without a signature: the payload only
         return False
+    if parameter is None:
+        return False
+    return None if parameter.kind is inspect.Parameter.POSITIONAL_ONLY else True

@@ -17,7 +17,7 @@ from mongo_outbox._driver import start_session
 from mongo_outbox._inbox.outcomes import DeadLetter, Outcome, Result
 from mongo_outbox._inbox.store import ClaimRefused, Identity, InboxStore, MessageClaim, attempts_of
 from mongo_outbox.errors import PoisonMessage, describe
-from mongo_outbox.events import Event
+from mongo_outbox.events import Event, utc_now
 from mongo_outbox.settings import Backoff
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ class Attempts:
                 raise _Racing from error
             if before is not None and before.get("status") in ("done", "failed"):
                 raise _Duplicate  # abort: a duplicate leaves the record as it was
+            held = _lease_left(before)
+            if held is not None:
+                # A leased guard of this consumer runs it now (a deploy switching modes):
+                # taking it over would run the effect a second time.
+                raise _Held(held)
             if before is not None and (
                 before.get("verdict") or attempts_of(before) >= self.max_attempts
             ):
@@ -69,6 +74,8 @@ class Attempts:
                 await session.with_transaction(attempt_in_transaction)
         except _Duplicate:
             return Result(Outcome.DUPLICATE, attempts_of(before))
+        except _Held as held:
+            return Result(Outcome.RETRY, attempts_of(before), held.wait, "in progress")
         except _GiveUp:
             return await self._give_up(event, identity, None, attempts_of(before), before)
         except PoisonMessage as error:
@@ -207,6 +214,23 @@ class Attempts:
 
 class _Duplicate(Exception):
     pass
+
+
+class _Held(Exception):
+    def __init__(self, wait: float) -> None:
+        super().__init__(wait)
+        self.wait = wait
+
+
+def _lease_left(record: dict[str, Any] | None) -> float | None:
+    """Seconds left of a live leased claim in ``record``; None if it holds none."""
+    if record is None or record.get("status") != "processing":
+        return None
+    until = record.get("lease_until")
+    if until is None:
+        return None
+    left = (until - utc_now()).total_seconds()
+    return left if left > 0 else None
 
 
 class _Racing(Exception):

@@ -3,9 +3,9 @@
 An event the broker cannot carry is parked at once; a failure for want of a broker waits
 without counting, at least ``OUTAGE_WAIT`` on its own, and is woken as soon as the broker
 confirms anything again (the rounds probe for that once a second); a full or missing
-destination waits out its own delay (a missing one counts once it has waited ``max_attempts``
-times while others are confirmed); anything else counts an attempt, and ``max_attempts`` parks
-the event.
+destination, or an outage that spares the others of the round, waits out its own delay (all
+but a full one count once they have waited ``max_attempts`` times while others are confirmed);
+anything else counts an attempt, and ``max_attempts`` parks the event.
 """
 
 from __future__ import annotations
@@ -51,16 +51,18 @@ class Classifier:
         if isinstance(error, InvalidEventError):
             return self._park(event, claim, text)  # the broker cannot carry it: no retry helps
         if unavailable(error):
-            destination = getattr(error, "destination", None)
             full = isinstance(error, BrokerFullError)
-            if not (destination or full):
+            whole = not (full or getattr(error, "destination", None))
+            if whole and not confirmed:
                 # The broker as a whole: not the event's fault, and woken once it is back.
                 return self._wait(event, text, claim.waits.get(event.id, 0), wake=True)
             misses = claim.misses.get(event.id, 0)
-            # A destination missing for this event alone, longer than the attempt budget, while
-            # the broker confirms others, is the event's own (docs/failures.md). A full one
-            # never is: it drains as its consumers catch up.
-            owns = destination and not full and confirmed and limit is not None and misses >= limit
+            # A missing destination, or a confirmation that never comes, for this event alone,
+            # longer than the attempt budget, while the broker confirms others, is the event's
+            # own (docs/failures.md): woken with the others, it was retried every round for
+            # ever, holding its wave for a publish timeout each time. A full destination never
+            # is: it drains as its consumers catch up.
+            owns = not full and confirmed and limit is not None and misses >= limit
             if not owns:
                 return self._wait(event, text, misses, wake=False)
         attempt = claim.attempts.get(event.id, 0) + 1

@@ -42,7 +42,8 @@ class Lifecycle:
         self._busy = False
 
     def stop(self) -> None:
-        """Make ``run()`` return after its current round; before it started, at once."""
+        """Make ``run()`` return once its publishes in flight are confirmed (the rest of the
+        round is released, due at once); before it started, at once."""
         self._stopping.set()
 
     def _enter(self, state: State, reason: str) -> None:
@@ -79,9 +80,11 @@ class Lifecycle:
             try:
                 yield
             except asyncio.CancelledError:
+                self._stopping.clear()  # a stop made during this run was for it
                 self._enter("stopped", "cancelled")
                 raise
             except BaseException as error:
+                self._stopping.clear()
                 self._fail(error)
                 raise
             self._stopping.clear()  # a stop is consumed by the run it ended

@@ -4,9 +4,10 @@ Wave k holds the k-th claimed event of every aggregate: an event goes out only o
 predecessor is confirmed, so a failure can never let a later event overtake it. A round starts
 no publish that could outlast its claim (``claim_lease`` minus a tenth for the settle), also in
 a wave wider than ``max_in_flight``, so a slow broker cannot let the claim run out while this
-relay still publishes; and it stops before the next wave the moment its caller's ``lost`` event
-is set (a relay that lost its leader lease). Each publish runs in a producer span
-(``tracing.py``) when a tracer provider is configured.
+relay still publishes; and it stops before the next wave (and starts no publish of its wave
+not yet started) the moment its caller's ``lost`` flag is set: a relay that lost its lease, or
+was asked to stop (``AnyOf``); what it did not publish is released, due at once, in order.
+Each publish runs in a producer span (``tracing.py``) when a tracer provider is configured.
 
 Failures are classified by ``failures`` (see docs/failures.md).
 """
@@ -17,9 +18,9 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from mongo_outbox import metrics
 from mongo_outbox._relay.failures import Classifier
@@ -49,6 +50,22 @@ PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
 OUTAGE_LOG_EVERY = 60.0
 """Seconds between two warnings of one outage: each probe's failure needs no line of its own."""
+
+
+class Flag(Protocol):
+    """What a round asks of its ``lost`` flag: an ``asyncio.Event``, or ``AnyOf`` several."""
+
+    def is_set(self) -> bool: ...
+
+
+class AnyOf:
+    """A flag set while any of ``flags`` is: a lost lease or a stop, say."""
+
+    def __init__(self, *flags: Flag) -> None:
+        self.flags = flags
+
+    def is_set(self) -> bool:
+        return any(flag.is_set() for flag in self.flags)
 
 
 class Rounds:
@@ -127,16 +144,14 @@ class Rounds:
         return total
 
     async def batch(
-        self, until: datetime | None = None, lost: asyncio.Event | None = None
+        self, until: datetime | None = None, lost: Flag | None = None
     ) -> tuple[int, bool]:
         """Claim what is due by ``until`` (default now), publish, settle. Returns (published,
         more may be waiting)."""
         published, more, _ = await self._batch(until, lost)
         return published, more
 
-    async def _batch(
-        self, until: datetime | None, lost: asyncio.Event | None
-    ) -> tuple[int, bool, bool]:
+    async def _batch(self, until: datetime | None, lost: Flag | None) -> tuple[int, bool, bool]:
         async with self._turn():
             await self.probe()
             started = asyncio.get_running_loop().time()
@@ -153,7 +168,7 @@ class Rounds:
         return published, claim.more or bool(published or freed), bool(freed)
 
     async def changes(
-        self, changes: Sequence[Mapping[str, Any]], lost: asyncio.Event | None = None
+        self, changes: Sequence[Mapping[str, Any]], lost: Flag | None = None
     ) -> tuple[int, bool]:
         """Claim and publish what these change-stream changes brought. Returns (published,
         whether some could not be claimed and deserve a sweep soon)."""
@@ -185,9 +200,7 @@ class Rounds:
         self._wake_due, self._woke_at = False, now
         return bool(await self.store.wake())
 
-    async def _round(
-        self, claim: Claim, started: float, lost: asyncio.Event | None
-    ) -> tuple[int, int]:
+    async def _round(self, claim: Claim, started: float, lost: Flag | None) -> tuple[int, int]:
         """Publish and settle one claim; returns how many were published, and how many entries
         it made due at once (parked ones free their followers; a round cut short releases the
         rest)."""
@@ -250,7 +263,7 @@ class Rounds:
         )
 
     async def publish_claim(
-        self, claim: Claim, deadline: float = math.inf, lost: asyncio.Event | None = None
+        self, claim: Claim, deadline: float = math.inf, lost: Flag | None = None
     ) -> tuple[list[Event], list[PublishFailure], int]:
         """Publish a claim's events in waves, starting none after ``deadline`` (loop time).
         Returns what was published, what failed, and how many were left for lack of time."""
@@ -264,7 +277,7 @@ class Rounds:
         self,
         groups: Sequence[Sequence[Event]],
         deadline: float = math.inf,
-        lost: asyncio.Event | None = None,
+        lost: Flag | None = None,
     ) -> tuple[list[Event], list[tuple[Event, BaseException, bool]], int]:
         """Publish groups of events, each group in its order, in waves: a group's next event
         goes out once its previous one is confirmed, and a failure ends its group. Returns what
@@ -295,11 +308,11 @@ class Rounds:
         return published, errors, left + sum(map(len, queues))
 
     async def _publish_wave(
-        self, wave: list[Event], deadline: float, lost: asyncio.Event | None = None
+        self, wave: list[Event], deadline: float, lost: Flag | None = None
     ) -> list[BaseException | None]:
         """Publish a wave with at most ``max_in_flight`` awaiting confirmation. A publish that
         gets its turn only after ``deadline`` is not started: it could end after the claim;
-        nor one after ``lost`` was set (the lease it needs is gone)."""
+        nor one after ``lost`` was set (the lease it needs is gone, or the relay stops)."""
         loop = asyncio.get_running_loop()
 
         def late() -> bool:
@@ -327,7 +340,7 @@ class Rounds:
                     results[i] = error
 
             workers = min(len(wave), self.settings.max_in_flight)
-            await asyncio.gather(*(worker() for _ in range(workers)))
+            await _all([worker() for _ in range(workers)])
             return results
         # Two half-size chunks in flight at once: one is being sent while the other awaits its
         # acks, so the pipe never drains, and never holds more than max_in_flight messages.
@@ -350,7 +363,7 @@ class Rounds:
                 spans.end(result)
             return result
 
-        done = await asyncio.gather(*map(chunk_of, chunks))
+        done = await _all([chunk_of(chunk) for chunk in chunks])
         return [result for results in done for result in results]
 
     async def _confirm(self, call: Any, event: Event) -> Any:
@@ -372,6 +385,23 @@ class Rounds:
 
 class _NotStarted(Exception):
     """A publish not started because the claim could run out before it ends."""
+
+
+T = TypeVar("T")
+
+
+async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """``asyncio.gather`` of ``calls``, except that when one raises the others are cancelled
+    and awaited before it propagates: a failed round leaves no publish running behind it,
+    whose confirm nobody would settle."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def pause(stopping: asyncio.Event, seconds: float) -> None:

@@ -16,7 +16,7 @@ from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._write.aggregates import check_size
 from mongo_outbox._write.layout import COUNTERS, DocumentWrite, encoded
 from mongo_outbox._write.plan import Kind, Plan, Written
-from mongo_outbox._write.refusals import write_errors
+from mongo_outbox._write.refusals import duplicate_id, write_errors
 from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import Event
@@ -101,10 +101,13 @@ class CollectionLayout:
         except (BulkWriteError, DuplicateKeyError) as error:
             if not _duplicate(error):
                 raise
+            taken = duplicate_id(error)
             raise DuplicateEventError(
-                f"an event id is already in {self.outbox.name} (pending, or published "
-                f"less than retention ago): {error}",
+                f"event id {taken if taken is not None else '(one of these)'} is already in "
+                f"{self.outbox.name} (pending, or published less than retention ago): the "
+                "broker would drop one of the two as a duplicate; make a new Event",
                 collection=plan.collection.name,
+                event_id=taken,
             ) from error
 
     def inserted(self, plan: Plan, now: datetime) -> dict[str, Any]:

@@ -73,6 +73,7 @@ _REFUSED_UPDATE = frozenset(
         16556,  # $subtract of values that do not subtract
         16702,  # $concat of a value that is not a string
         17276,  # an undefined $$variable
+        28664,  # $concatArrays of a value that is no array: a stored outbox field of another type
         40324,  # an unknown pipeline stage
     }
 )

@@ -17,7 +17,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from mongo_outbox._driver import is_async
+from mongo_outbox._driver import driver_kind, is_async
 from mongo_outbox._partitions import check_config, config_collection, partition_of
 from mongo_outbox._write.aggregates import type_map
 from mongo_outbox._write.collection_layout import CollectionLayout
@@ -26,7 +26,7 @@ from mongo_outbox._write.embedded_layout import EmbeddedLayout
 from mongo_outbox._write.event_ids import EventIds
 from mongo_outbox._write.layout import Layout, Mode
 from mongo_outbox._write.plan import Plan, Written
-from mongo_outbox._write.rules import Rules
+from mongo_outbox._write.rules import Rules, reserved_collection
 from mongo_outbox._write.steps import Steps
 from mongo_outbox.errors import ConfigurationError, UsageError
 from mongo_outbox.events import utc_now
@@ -97,7 +97,19 @@ class WriteEngine:
         aggregate_types: Mapping[str, str] | None = None,
         partitions: int = 1,
     ) -> None:
+        if isinstance(collections, str):  # a str is a sequence too: of one-letter names
+            raise ConfigurationError(
+                f"Outbox.collections must be a list of collection names, not the str "
+                f"{collections!r}: write collections=[{collections!r}]",
+                setting="Outbox.collections",
+            )
         collections = tuple(collections)  # read once: an iterator would be empty the second time
+        given = driver_kind(db)
+        if given in ("collection", "client"):
+            raise UsageError(
+                f"Outbox takes the database of the aggregates (client['shop']), not a {given} "
+                f"({type(db).__name__})"
+            )
         if is_async(db) not in (None, self._ASYNC):
             raise UsageError(_WRONG_API[self._ASYNC].format(type(db).__name__))
         if not db.write_concern.acknowledged:
@@ -109,6 +121,17 @@ class WriteEngine:
         check_field(field)
         retention = check_timedelta(retention, "Outbox.retention")
         check_name(collection, "Outbox.collection")
+        # The outbox's own collections: an aggregate written there would corrupt them (its
+        # partition record, its registry of event ids, its entries).
+        internal = frozenset({collection, f"{collection}_config", f"{collection}_event_ids"})
+        for name in collections:
+            check_name(name, "Outbox.collections")
+            whose = reserved_collection(name, internal)
+            if whose:
+                raise ConfigurationError(
+                    f"Outbox.collections: {name} is {whose}, not a collection of aggregates",
+                    setting="Outbox.collections",
+                )
         self.event_ids = db[f"{collection}_event_ids"]
         self._registry = EventIds(self.event_ids, retention)
         self.layout = layout_for(mode, db, db[collection], collections, field, self._registry)
@@ -128,8 +151,11 @@ class WriteEngine:
         self.partition_field = self.layout.partition_field
         self.config = config_collection(db, collection)
         self._config_checked = False
-        self._reserved = self.layout.owned
-        self._rules = Rules(db, self.layout, self.aggregate_types, self._reserved)
+        self.owned_fields: frozenset[str] = self.layout.owned
+        """The aggregate document's fields the outbox writes itself: its counters and, in
+        embedded mode, its entries and their bookkeeping. A model's own fields never set them
+        (the ODM integrations leave them out)."""
+        self._rules = Rules(db, self.layout, self.aggregate_types, self.owned_fields, internal)
         self._documents = DocumentWriter(self.layout)
 
     def partition_of(self, aggregate_type: Any, aggregate_id: Any) -> int:

@@ -61,8 +61,9 @@ from typing import Any
 from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
+from mongo_outbox._commands import chunked
 from mongo_outbox._driver import DUPLICATE_KEY
-from mongo_outbox._write.refusals import write_errors
+from mongo_outbox._write.refusals import duplicate_id, write_errors
 from mongo_outbox._write.steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import Event
@@ -107,6 +108,7 @@ def to_reserve(given: Sequence[Event], home: Home, in_transaction: bool) -> list
                 f"event {event.id} was given to a save of {elsewhere[0]} {elsewhere[1]!r} (which "
                 "may have written it): one event, one document (make a new Event for this one)",
                 collection=home[0].split(".", 1)[1],
+                event_id=event.id,
             )
         if in_transaction or marks["_given"] or "id" in event.model_fields_set:
             ids.append(event.id)
@@ -197,7 +199,9 @@ class EventIds:
                 return reserved
         yield from self.release(reserved, collection, doc_id, session)
         raise DuplicateEventError(
-            f"event ids {wanted} kept colliding in {self.registry.name}", collection=collection
+            f"event ids {wanted} kept colliding in {self.registry.name}",
+            collection=collection,
+            event_id=wanted[0],
         )
 
     def release(
@@ -253,13 +257,18 @@ class EventIds:
                 f"event id {entry['_id']} is already taken by {where} ({state}): "
                 "the broker would drop one of the two as a duplicate",
                 collection=collection,
+                event_id=entry["_id"],
             )
         return mine
 
 
 def _duplicate(error: BulkWriteError, collection: str) -> DuplicateEventError:
+    taken = duplicate_id(error)
     return DuplicateEventError(
-        f"an event id was reserved by another save meanwhile: {error}", collection=collection
+        f"event id {taken if taken is not None else '(one of these)'} was reserved by another "
+        "save meanwhile: the broker would drop one of the two as a duplicate",
+        collection=collection,
+        event_id=taken,
     )
 
 
@@ -314,7 +323,9 @@ class PublishedIds:
             if any(code != DUPLICATE_KEY for code in failed.values()):
                 raise
         # The filter missed and the insert collided: the id is held otherwise.
-        found = await self.registry.find({"_id": {"$in": list(failed)}}).to_list(None)
+        found = []
+        for chunk in chunked(list(failed)):
+            found += await self.registry.find({"_id": {"$in": chunk}}).to_list(None)
         return {
             d["_id"]: ((d.get("collection"), d.get("aggregate")), d.get("sequence")) for d in found
         }
@@ -329,10 +340,15 @@ class PublishedIds:
             return
         expire_at = now + self.retention
         marked = {"$set": {"published": True, "expire_at": expire_at}}
-        ids = [event_id for event_id, _, _ in published]
-        # One statement for the common case: every id has its reservation.
-        found = await self.registry.update_many({"_id": {"$in": ids}}, marked)
-        if found.matched_count >= len(set(ids)):
+        ids = list(dict.fromkeys(event_id for event_id, _, _ in published))
+        # One statement for the common case (a claim's worth of ids, in bounded commands):
+        # every id has its reservation.
+        matched = 0
+        for chunk in chunked(ids):
+            matched += (
+                await self.registry.update_many({"_id": {"$in": chunk}}, marked)
+            ).matched_count
+        if matched >= len(ids):
             return
         await self.registry.bulk_write(
             [

@@ -101,10 +101,17 @@ class Layout(Protocol):
 def encoded(
     collection: Any, events: Sequence[Event], stamp: dict[str, Any], id_key: str
 ) -> tuple[list[dict[str, Any]], list[int]]:
-    """The events as entries (their id under ``id_key``), stamped, and each one's stored size."""
-    entries = [encode(e, id_key) | stamp for e in events]
+    """The events as entries (their id under ``id_key``), stamped, and each one's stored size.
+    Without the caller's ``sequence``: the write numbers them (an embedded operator update
+    pushed a copied event's number as it was, and the relay published it)."""
+    entries = [_unnumbered(encode(e, id_key)) | stamp for e in events]
     sizes = [
         encoded_size(entry, collection, f"event {e.id}") + ENTRY_OVERHEAD
         for e, entry in zip(events, entries, strict=True)
     ]
     return entries, sizes
+
+
+def _unnumbered(entry: dict[str, Any]) -> dict[str, Any]:
+    entry.pop("sequence", None)
+    return entry

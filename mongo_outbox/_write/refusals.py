@@ -73,12 +73,20 @@ def at_version(found: Mapping[str, Any] | None, expected: int | None) -> bool:
 
 
 def conflict(plan: Plan) -> ConcurrencyError:
+    name = f"{plan.collection.name} {plan.doc_id!r}"
+    if plan.expected_version is None:
+        # No version was expected: other writers changed the document (or the rest of the
+        # filter) between each of this write's reads and its write.
+        said = f"{name} changed under this write at each of its tries: write it again"
+    else:
+        said = f"{name} is not at version {plan.expected_version}" + (
+            " (it exists already)" if plan.expected_version == 0 else ""
+        )
     return ConcurrencyError(
-        f"{plan.collection.name} {plan.doc_id!r} is not at version {plan.expected_version}"
-        + (" (it exists already)" if plan.expected_version == 0 else ""),
+        said,
         collection=plan.collection.name,
         aggregate_id=plan.doc_id,
-        expected_version=plan.expected_version or 0,
+        expected_version=plan.expected_version,
     )
 
 
@@ -92,6 +100,7 @@ def not_found(plan: Plan, exists: bool) -> AggregateNotFoundError:
         f"{plan.collection.name}: nothing matches {plan.query or {'_id': plan.doc_id}!r} ({why})",
         collection=plan.collection.name,
         aggregate_id=plan.doc_id,
+        exists=exists,
     )
 
 
@@ -115,3 +124,15 @@ def on_id(error: DuplicateKeyError) -> bool:
 def write_errors(error: BulkWriteError) -> list[dict[str, Any]]:
     errors: list[dict[str, Any]] = error.details.get("writeErrors", [])
     return errors
+
+
+def duplicate_id(error: BulkWriteError | DuplicateKeyError) -> str | None:
+    """The event id (``_id``) a duplicate-key error names, when the server said which (its
+    ``keyValue``, or the document an ``insertMany`` failed on)."""
+    details = [error.details or {}] if isinstance(error, DuplicateKeyError) else write_errors(error)
+    for detail in details:
+        for where in ("keyValue", "op"):
+            found = (detail.get(where) or {}).get("_id")
+            if isinstance(found, str):
+                return found
+    return None

@@ -18,7 +18,9 @@ from typing import Any
 import bson
 from bson import ObjectId
 from bson.errors import InvalidDocument
+from pydantic import ValidationError
 
+from mongo_outbox._driver import driver_kind
 from mongo_outbox._write.aggregates import aggregate_id, encoded_size, type_of
 from mongo_outbox._write.layout import Layout
 from mongo_outbox._write.plan import Plan
@@ -40,12 +42,19 @@ class Rules:
     fields it owns (the layout's)."""
 
     def __init__(
-        self, db: Any, layout: Layout, aggregate_types: Mapping[str, str], owned: frozenset[str]
+        self,
+        db: Any,
+        layout: Layout,
+        aggregate_types: Mapping[str, str],
+        owned: frozenset[str],
+        internal: frozenset[str] = frozenset(),
     ) -> None:
         self.db = db
         self.layout = layout
         self.aggregate_types = aggregate_types
         self.owned = owned
+        self.internal = internal
+        """The outbox's own collections: never an aggregate's."""
 
     def save(
         self,
@@ -71,12 +80,15 @@ class Rules:
                     "one a save gives it: give it an _id",
                     collection=name,
                 )
-            document["_id"] = ObjectId()  # as insert_one does
-        doc_id = document["_id"]
+        doc_id = document["_id"] if "_id" in document else ObjectId()
         checked, stamp, given = stamped_events(events, name, doc_id, self.aggregate_types)
-        body = {k: v for k, v in document.items() if k not in self.owned}
+        body = {"_id": doc_id} | {k: v for k, v in document.items() if k not in self.owned}
         size = encoded_size(body, collection, "the document")
         entries = self.layout.entries(collection, checked, stamp, size)
+        if "_id" not in document:
+            # As insert_one does, but only once the save is not refused: a caller that fixes
+            # its input and calls again has the dict it had.
+            document["_id"] = doc_id
         return Plan(
             "save",
             collection,
@@ -186,14 +198,38 @@ class Rules:
         return Plan("add", collection, doc_id, checked, entries, stamp, query=query)
 
     def _check_collection(self, collection: Any, session: Any) -> str:
-        name: str = collection.name
-        database = collection.database
+        name = getattr(collection, "name", None)
+        database = getattr(collection, "database", None)
+        if not isinstance(name, str) or database is None:
+            raise InvalidAggregateError(
+                f"the collection must be a collection of the outbox's database (db.orders), "
+                f"not a {type(collection).__name__}"
+            )
+        # A database, collection or client has each attribute too (a sub-object): not these.
+        if session is not None and (
+            driver_kind(session) is not None
+            or not all(
+                hasattr(session, attribute)
+                for attribute in ("client", "in_transaction", "has_ended")
+            )
+        ):
+            raise UsageError(
+                f"the session must be a session of the outbox's client (or None), not a "
+                f"{type(session).__name__}"
+            )
         # Clients are compared, not names: a namesake database of another client (or a Motor
         # database beside a PyMongo one) is out of this outbox's and its relay's sight.
         if database.client is not self.db.client or database.name != self.db.name:
             raise InvalidAggregateError(
                 f"{database.name}.{name} is not a collection of the outbox's client and "
                 f"database {self.db.name}: the relay would never see its events",
+                collection=name,
+            )
+        whose = reserved_collection(name, self.internal)
+        if whose:
+            raise InvalidAggregateError(
+                f"{name} is {whose}, not a collection of aggregates: an aggregate written there "
+                "would corrupt it",
                 collection=name,
             )
         self.layout.check_target(collection, session)
@@ -205,6 +241,34 @@ class Rules:
             if session.has_ended:
                 raise UsageError("the session has ended: start a new one")
         return name
+
+
+def _check_valid(event: Event) -> None:
+    """Refuse an event its constructor would refuse: ``model_copy(update=...)`` and
+    ``model_construct`` make events without validating them, and one stored so could never be
+    read back to be published (the relay would park it)."""
+    if event._made_by_validation:
+        return
+    try:
+        # As Event, what the relay reads it as: a subclass's own validators are for its input.
+        Event.model_validate({name: event.__dict__.get(name) for name in Event.model_fields})
+    except (ValidationError, ValueError, TypeError) as error:
+        given = event.__dict__.get("id")
+        raise InvalidEventError(
+            f"event {given!r} is invalid (made without validation, e.g. by "
+            f"model_copy(update=...) or model_construct): {error}",
+            event_id=given if isinstance(given, str) else None,
+        ) from error
+
+
+def reserved_collection(name: str, internal: frozenset[str]) -> str | None:
+    """Whose collection ``name`` is when it is no place for aggregates: one of ``internal``
+    (the outbox's own) or MongoDB's (``system.*``); else ``None``."""
+    if name in internal:
+        return "one of the outbox's own collections"
+    if name.startswith("system."):
+        return "one of MongoDB's own collections"
+    return None
 
 
 def _check_expected(expected_version: Any, name: str) -> None:
@@ -241,6 +305,11 @@ def stamped_events(
         "aggregate_type": type_of(aggregate_types, name),
         "aggregate_id": aggregate_id(doc_id, name),
     }
+    if isinstance(events, Event):  # a model iterates as its (field, value) pairs
+        raise InvalidEventError(
+            f"events must be a list of Event, not one Event: write [event] ({events.id})",
+            event_id=events.id,
+        )
     if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Iterable):
         raise InvalidEventError(f"events must be a list of Event, not {type(events).__name__}")
     seen: set[str] = set()
@@ -248,6 +317,7 @@ def stamped_events(
     for event in events:
         if not isinstance(event, Event):
             raise InvalidEventError(f"expected an Event, got {type(event).__name__}")
+        _check_valid(event)
         if event.id in seen:
             raise InvalidEventError(f"event id {event.id} appears twice", event_id=event.id)
         seen.add(event.id)

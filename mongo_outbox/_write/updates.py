@@ -182,7 +182,7 @@ def _check_pipeline(update: Sequence[Any], forbidden: set[str], name: str) -> li
             )
         if operator in _SETTING_STAGES and isinstance(spec, Mapping):
             paths: Iterable[Any] = spec
-        elif operator == "$unset" and isinstance(spec, (str, list)):
+        elif operator == "$unset" and isinstance(spec, (str, list)) and spec:
             paths = [spec] if isinstance(spec, str) else spec
         else:
             raise InvalidAggregateError(
@@ -198,7 +198,8 @@ def _check_pipeline(update: Sequence[Any], forbidden: set[str], name: str) -> li
 
 
 def _check_path(path: Any, forbidden: set[str], operator: str, name: str) -> None:
-    if not isinstance(path, str) or not path:
+    # MongoDB refuses an empty segment ("a..b", ".a", "a.") in any update.
+    if not isinstance(path, str) or "" in path.split("."):
         raise InvalidAggregateError(f"{operator}: {path!r} is not a field path", collection=name)
     top = path.split(".", 1)[0]
     if top in forbidden:
@@ -224,8 +225,9 @@ def _check_keys(value: Any, path: str, name: str) -> None:
 
 
 def with_operators(update: dict[str, Any], ours: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """``update`` with the outbox's own operators merged in (their paths are disjoint)."""
-    merged = {operator: dict(fields) for operator, fields in update.items()}
+    """``update`` with the outbox's own operators merged in (their paths are disjoint). An
+    operator with no field is left out: MongoDB before 5.0 refuses ``{"$set": {}}``."""
+    merged = {operator: dict(fields) for operator, fields in update.items() if fields}
     for operator, fields in ours.items():
         if fields:
             merged.setdefault(operator, {}).update(fields)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
 
 from mongo_outbox import metrics
 from mongo_outbox._relay.lifecycle import Lifecycle
-from mongo_outbox._relay.rounds import Rounds, pause
+from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
@@ -53,10 +53,16 @@ if TYPE_CHECKING:
     from mongo_outbox._relay.turns import Turns
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+ABANDON_WAIT = 1.0
+"""Seconds a stop gives the stream's read under way to end, beyond ``max_wait``, before it
+cancels it, and then again for the cancellation to end it: past both (a server that does not
+answer) the stream is dropped without a close, which would run beside the read."""
 RELEASE_WAIT = 2.0
-"""Seconds a stopping relay tries to give up a lease it may hold without knowing (the answer to
-its last attempt was lost) before it leaves it to run out."""
+"""Seconds a stopping relay tries to give up its lease (or one it may hold without knowing: the
+answer to its last attempt was lost), or to save its last checkpoint, before it leaves the
+lease to run out (and a restart to replay a little)."""
 
 
 class ChangeStreamRelay(Lifecycle):
@@ -123,6 +129,11 @@ class ChangeStreamRelay(Lifecycle):
         self._sweep_due = 0.0
         self._saved_at = float("-inf")
         self._lost = asyncio.Event()
+        self._getting: asyncio.Future[Any] | None = None  # the stream's read under way
+        self._failures = 0  # stream errors in a row: the backoff's attempt
+        self._following_since: float | None = None  # since when the stream answers
+        # How long following without an error makes the next error a first one again.
+        self._steady = self.leader_lease.total_seconds()
         # Whether the lease in the database may be this object's: only then does a stop give it
         # up, so that a standby stops at once during a MongoDB outage instead of waiting on a
         # release it does not need.
@@ -193,32 +204,36 @@ class ChangeStreamRelay(Lifecycle):
     # -- leadership ---------------------------------------------------------------------------
 
     async def _acquire(self) -> bool | None:
-        """Take (or renew) the lease; None when ``stop()`` came first. Only a relay that holds
-        no lease is interrupted: it has nothing to finish."""
+        """Take (or renew) the lease; None when ``stop()`` came first (the stop then gives up
+        a lease this relay may hold, for RELEASE_WAIT)."""
+        renewing = self.checkpoint.fence is not None
         self._may_hold = True  # until the server's answer says otherwise
-        if self.checkpoint.fence is not None:
-            held = await self.checkpoint.acquire()
-        else:
-            attempt = asyncio.ensure_future(self.checkpoint.acquire())
-            stopping = asyncio.ensure_future(self._stopping.wait())
-            try:
-                await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stopping.cancel()
-            if not attempt.done():
-                attempt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, PyMongoError):
-                    await attempt
-                # Still choosing a server (none is writable): the write was never sent.
-                self._may_hold = self._writable()
-                return None
-            try:
-                held = attempt.result()
-            except ServerSelectionTimeoutError:
-                self._may_hold = False  # no server was chosen: nothing was sent
-                raise
+        attempt = asyncio.ensure_future(self.checkpoint.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not attempt.done():
+            # Not awaited: on Python 3.10 PyMongo finishes its server selection first (30 s).
+            attempt.add_done_callback(_retrieved)
+            attempt.cancel()
+            # Still choosing a server (none is writable): a first attempt was never sent.
+            self._may_hold = renewing or self._writable()
+            return None
+        try:
+            held = attempt.result()
+        except ServerSelectionTimeoutError:
+            self._may_hold = renewing  # no server was chosen: nothing was sent
+            raise
         self._may_hold = held
         return held
+
+    @property
+    def may_hold_lease(self) -> bool:
+        """Whether the leader lease in the database may be this relay's: what a stop, or a
+        crash, leaves to run out."""
+        return self._may_hold
 
     def _writable(self) -> bool:
         client = self.checkpoint.coll.database.client
@@ -228,18 +243,18 @@ class ChangeStreamRelay(Lifecycle):
             return True
 
     async def _release(self) -> None:
-        """Give the lease up if this relay may hold it. One that holds it waits for MongoDB as
-        long as the stop allows; one that only may (its last attempt's answer was lost) tries
-        for RELEASE_WAIT, then lets it run out."""
+        """Give the lease up if this relay may hold it (or its last attempt's answer was lost).
+        It tries for RELEASE_WAIT, then lets the lease run out: a MongoDB out of reach or not
+        answering must not hold the stop, and a standby takes over a lease run out as well."""
         if not self._may_hold:
             return
-        holds = self.checkpoint.fence is not None
         with contextlib.suppress(PyMongoError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.checkpoint.release(), None if holds else RELEASE_WAIT)
+            await asyncio.wait_for(self.checkpoint.release(), RELEASE_WAIT)
             self._may_hold = False
 
     async def _relay(self) -> None:
-        failures = 0
+        loop = asyncio.get_running_loop()
+        self._failures = 0
         while not self._stopping.is_set():
             try:
                 held = await self._acquire()
@@ -252,16 +267,23 @@ class ChangeStreamRelay(Lifecycle):
                 self._enter("active", f"holds the lease, fence {self.checkpoint.fence}")
                 async with self.checkpoint.renewed() as self._lost:
                     await self._follow()
-                failures = 0
             except LeaseLost as error:
                 self._enter("standby", str(error))
             except ChangeStreamError as error:
                 self._fail(error)  # before the lease is given up: a probe sees it failed at once
                 raise
             except PyMongoError as error:
-                failures += 1
-                delay = self.settings.backoff.delay(failures)
+                since = self._following_since
+                if since is not None and loop.time() - since >= self._steady:
+                    # It followed the stream a while before this: a blip, not the same error
+                    # again (a persistent one, after each reopen, keeps backing off further).
+                    self._failures = 0
+                self._following_since = None
+                self._failures += 1
+                delay = self.settings.backoff.delay(self._failures)
                 self.last_error = describe(error)
+                # Not publishing, and its lease no longer renewed: another relay may take it.
+                self._enter("standby", f"resuming from the checkpoint in {delay:.1f}s")
                 log.warning(
                     "relay %s: %s; resuming from the checkpoint in %.1fs",
                     self.name,
@@ -269,6 +291,13 @@ class ChangeStreamRelay(Lifecycle):
                     delay,
                 )
                 await pause(self._stopping, delay)
+
+    @property
+    def _halted(self) -> AnyOf:
+        """What ends a round before its next wave: the lease it needs is gone, or a stop (with a
+        slow broker, a round of many waves outlasted a service's stop timeout); settle releases
+        the rest, due at once, for a sweep here or after the restart."""
+        return AnyOf(self._lost, self._stopping)
 
     def _check_lease(self) -> None:
         if self._lost.is_set():
@@ -279,10 +308,10 @@ class ChangeStreamRelay(Lifecycle):
 
     async def _follow(self) -> None:
         loop = asyncio.get_running_loop()
-        # Resuming leaves the sweep to its interval; a recovery's sweep reschedules it.
-        self._sweep_due = loop.time() + self.sweep_interval
         self._saved_at = float("-inf")
+        recoveries = self.recoveries
         stream = await self._open((await self.checkpoint.load()).get("token"))
+        self._following_since = None
         # The token after the last batch handled, and whether it passed changes since the last
         # save: batches close as soon as the stream runs dry, so under a trickle they hold one
         # change each, and one checkpoint write per batch would triple the database's work.
@@ -291,16 +320,27 @@ class ChangeStreamRelay(Lifecycle):
         token: Any = None
         changed = False
         try:
+            if self.recoveries == recoveries:
+                # Resumed: the token may have moved past entries left due (a publish that
+                # failed, another relay's claim); they come due at their own time, not a sweep
+                # later. A recovery's sweep has scheduled the next one.
+                await self._schedule_sweep()
             while not self._stopping.is_set():
                 self._check_lease()
                 try:
-                    batch = await stream.next_batch(self.settings.batch_size, self.max_wait)
+                    batch = await self._unless_stopped(
+                        stream.next_batch(self.settings.batch_size, self.max_wait)
+                    )
                 except PyMongoError as error:
                     self._fail_unless_recoverable(error)
                     await _close(stream)
                     stream = await self._recover(f"the change stream cannot resume ({error})")
                     token, changed = None, False
                     continue
+                if batch is None:
+                    break  # stopped while waiting, maybe for a server: nothing was handled
+                if self._following_since is None:
+                    self._following_since = loop.time()  # the stream answers again
                 ended = [c for c in batch.changes if c["operationType"] in ENDS_STREAM]
                 await self._handle(
                     [c for c in batch.changes if c["operationType"] not in ENDS_STREAM]
@@ -326,9 +366,19 @@ class ChangeStreamRelay(Lifecycle):
                 if now >= self._sweep_due:
                     await self._sweep()
             if changed and not self._lost.is_set():
-                await self.checkpoint.save(token)  # stopping: hand over without a replay
+                # Stopping: hand over without a replay, unless MongoDB is out of reach, which
+                # the stop does not wait out (a replay is the cost).
+                with contextlib.suppress(PyMongoError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self.checkpoint.save(token), RELEASE_WAIT)
         finally:
-            await _close(stream)
+            getting = self._getting
+            if getting is not None and not getting.done():
+                # Abandoned, waiting for a server: give its cancellation a moment to end it.
+                await asyncio.wait({getting}, timeout=ABANDON_WAIT)
+            if getting is None or getting.done():
+                await _close(stream)
+            # Else a read still runs on the stream: closing it beside would make two
+            # operations on one cursor. It is dropped; the server ends the cursor in time.
 
     async def _open(self, token: Any) -> ChangeStream:
         if token is None:
@@ -384,7 +434,7 @@ class ChangeStreamRelay(Lifecycle):
     async def _handle(self, changes: list[dict[str, Any]]) -> None:
         if not changes:
             return
-        _, recheck = await self._rounds.changes(changes, self._lost)
+        _, recheck = await self._rounds.changes(changes, self._halted)
         if recheck:
             # Some failed, wait behind an earlier entry, are held by another relay's claim, or
             # were published already (a replay after a restart): the sweep settles which.
@@ -400,19 +450,53 @@ class ChangeStreamRelay(Lifecycle):
         until = utc_now()
         while not self._stopping.is_set():
             self._check_lease()
-            published, more = await self._rounds.batch(until, self._lost)
+            published, more = await self._rounds.batch(until, self._halted)
             total += published
             if not more:
                 break
+        await self._schedule_sweep()
+        return total
+
+    async def _schedule_sweep(self) -> None:
         due = await self._rounds.store.next_due()
         wait = self.sweep_interval
         if due is not None:
             wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)
         self._sweep_due = asyncio.get_running_loop().time() + wait
-        return total
+
+    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None if ``stop()`` came first: a command waiting for a server
+        during an outage (30 s of server selection) must not hold a stop."""
+        task = asyncio.ensure_future(work)
+        self._getting = task
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                # A server that answers ends it within max_wait: so the stream is never
+                # closed beside it (Motor's runs in a thread a cancel does not stop).
+                await asyncio.wait({task}, timeout=self.max_wait + ABANDON_WAIT)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stopping.cancel()
+            # Its end, once abandoned, is of no interest: a batch it fetched is not handled,
+            # and the checkpoint stays before it (a restart replays it).
+            task.add_done_callback(_retrieved)
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _close(stream: ChangeStream) -> None:
-    # A stream that broke may fail to close as well; it is dropped either way.
-    with contextlib.suppress(PyMongoError):
-        await stream.aclose()
+    # A stream that broke may fail to close as well, or wait for a server that does not
+    # answer: it is dropped either way.
+    with contextlib.suppress(PyMongoError, asyncio.TimeoutError):
+        await asyncio.wait_for(stream.aclose(), RELEASE_WAIT)

@@ -25,8 +25,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             "mongo-outbox: the command line needs click: pip install 'mongo-outbox[cli]'\n"
         )
         sys.exit(2)
-    from mongo_outbox.cli.app import cli
-    from mongo_outbox.cli.common import scrub
+    try:
+        # Imports take a moment: a Ctrl-C meanwhile ends quietly too.
+        from mongo_outbox.cli.app import cli
+        from mongo_outbox.cli.common import scrub
+    except KeyboardInterrupt:
+        sys.exit(130)
 
     try:
         code = cli.main(args=argv, prog_name="mongo-outbox", standalone_mode=False)

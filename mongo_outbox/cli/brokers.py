@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+import click
+
 from mongo_outbox.brokers import BROKERS
 from mongo_outbox.cli.common import Failure, hide, one_line, option
 from mongo_outbox.errors import ConfigurationError, InvalidEventError
@@ -150,6 +152,16 @@ class RabbitMQ(Broker):
                 "declared).",
             },
         ),
+        (
+            "--max-message-size",
+            {
+                "metavar": "BYTES",
+                "type": click.IntRange(min=1),
+                "help": "The broker's max_message_size in bytes: a longer message is refused "
+                "before it is sent (relay parks it, replay counts it failed) [default: the "
+                "broker version's default, RabbitMQ 4: 16777216 (16 MiB), 3: 134217728].",
+            },
+        ),
     )
     naming_flag: ClassVar[str] = "--routing-key"
     url: str
@@ -157,6 +169,7 @@ class RabbitMQ(Broker):
     exchange: str = EXCHANGE
     declare: bool = True
     """Declare the exchange (the default one, or --declare-exchange), or require it."""
+    max_message_size: int | None = None
 
     @classmethod
     def given(cls, url: str, values: dict[str, Any]) -> Broker:
@@ -164,7 +177,13 @@ class RabbitMQ(Broker):
         # for it to be declared: a misspelled name would otherwise be a new, unbound exchange.
         exchange = values["exchange"]
         declare = values["declare_exchange"] or exchange is None
-        return cls(url, values["routing_key"] or ROUTING_KEY, exchange or EXCHANGE, declare)
+        return cls(
+            url,
+            values["routing_key"] or ROUTING_KEY,
+            exchange or EXCHANGE,
+            declare,
+            values["max_message_size"],
+        )
 
     def describe(self) -> str:
         return f"RabbitMQ {hide(self.url)}, exchange {self.exchange}, routing key {self.naming}"
@@ -179,7 +198,11 @@ class RabbitMQ(Broker):
 
         try:
             return await RabbitMQPublisher.connect(
-                self.url, exchange=self.exchange, routing_key=self.naming, declare=self.declare
+                self.url,
+                exchange=self.exchange,
+                routing_key=self.naming,
+                declare=self.declare,
+                max_message_size=self.max_message_size,
             )
         except ConfigurationError as error:
             raise Failure(

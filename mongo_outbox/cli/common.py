@@ -30,6 +30,7 @@ from mongo_outbox.errors import OutboxError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.publishers.base import redact_url, url_secrets
+from mongo_outbox.tenants import current_database
 
 log = logging.getLogger("mongo_outbox.cli")
 
@@ -73,17 +74,30 @@ class _Scrubbed(logging.Formatter):
         return scrub(super().format(record))
 
 
+def _name_the_tenant(record: logging.LogRecord) -> bool:
+    # relay --databases: every database's relay has the same name, so its lines say which.
+    database = current_database()
+    record.tenant = f"[{database}] " if database else ""
+    return True
+
+
 def configure_logging(level: str) -> None:
     """Log to stderr, one line per record, with secrets scrubbed. Only the command line does
     this: the library never configures handlers."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Scrubbed("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_name_the_tenant)
+    handler.setFormatter(_Scrubbed("%(asctime)s %(levelname)s %(name)s: %(tenant)s%(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     chosen = logging.getLevelName(level.upper())
     # Other libraries' chatter stays at warnings unless debugging was asked for.
     root.setLevel(chosen if chosen <= logging.DEBUG else max(chosen, logging.WARNING))
     logging.getLogger("mongo_outbox").setLevel(chosen)
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def say(text: str = "") -> None:

@@ -58,12 +58,12 @@ def failed(
     """List dead-lettered messages with their last error, the latest first."""
     filters: dict[str, Any] = {"event_type": event_type, "limit": limit}
     filters["since"] = moment(since, "--since") if since else None
-    records = run(_failed(target, inbox_collection, consumer, filters))
+    records, who = run(_failed(target, inbox_collection, consumer, filters))
     if as_json:
         say(to_json(records))
         return
     if not records:
-        say("no failed messages")
+        say(f"no failed messages{who}")
         return
     rows = [
         [
@@ -90,14 +90,16 @@ def _version(record: dict[str, Any]) -> str:
 
 async def _failed(
     target: Target, collection: str, consumer: str | None, filters: dict[str, Any]
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], str]:
+    """The failed records, and for a consumer that has none, which ones do (a misspelling?)."""
     async with connected(target) as conn:
         consumers = [consumer] if consumer else list(await failures(conn.db[collection]))
         records: list[dict[str, Any]] = []
         for name in consumers:
             box = Inbox(conn.db, consumer=name, collection=collection)
             records += await box.failed(**filters)
-        return [{k: v for k, v in r.items() if k != "_id"} for r in records]
+        who = await _who(conn.db[collection], consumer) if consumer and not records else ""
+        return [{k: v for k, v in r.items() if k != "_id"} for r in records], who
 
 
 @inbox.command("requeue")

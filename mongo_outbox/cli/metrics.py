@@ -14,13 +14,14 @@ state.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from mongo_outbox.cli.common import Failure, one_line
+from mongo_outbox.cli.common import Failure, one_line, url_host
 
 log = logging.getLogger("mongo_outbox.cli")
 
@@ -43,6 +44,10 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never holds the process up
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6  # WSGIServer's is IPv4: "::" failed to resolve
+
+
 class _Quiet(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         # A scrape every few seconds is not worth a log line.
@@ -61,7 +66,8 @@ class Endpoint:
         self.state: Callable[[], str] = lambda: "starting"
         self._metrics = make_wsgi_app(REGISTRY)
         try:
-            self._server = make_server(host, port, self._app, _Server, _Quiet)
+            server = _Server6 if ":" in host else _Server  # an IPv6 address, as the console
+            self._server = make_server(host, port, self._app, server, _Quiet)
         except OSError as error:
             raise Failure(f"cannot serve metrics on {host}:{port}: {one_line(error)}") from None
         self.port = self._server.server_port
@@ -71,7 +77,7 @@ class Endpoint:
             target=self._server.serve_forever, name="mongo-outbox-metrics", daemon=True
         )
         self._thread.start()
-        log.info("serving /metrics and /healthz on http://%s:%d", host, self.port)
+        log.info("serving /metrics and /healthz on http://%s:%d", url_host(host), self.port)
 
     def _app(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import batches
+from mongo_outbox._relay.store.base import ParkedKey, batches, choose_parked, hashable
 from mongo_outbox.cli.common import (
     Failure,
     Target,
@@ -36,15 +36,19 @@ def parked() -> None:
     carry them)."""
 
 
-def _matches(entry: dict[str, Any], types: tuple[str, ...], aggregates: tuple[str, ...]) -> bool:
-    if types and entry.get("type") not in types:
-        return False
-    return not aggregates or str(entry.get("aggregate_id")) in aggregates
-
-
-async def _parked(target: Target) -> list[dict[str, Any]]:
+async def _parked(
+    target: Target, types: tuple[str, ...] = (), aggregates: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     async with connected(target) as conn:
-        return await store_for(conn.outbox).parked()
+        store = store_for(conn.outbox)
+        if not types and not aggregates:
+            return await store.parked()
+        return (await choose_parked(store, types, aggregates)).entries
+
+
+async def _parked_one(target: Target, event_id: str) -> list[dict[str, Any]]:
+    async with connected(target) as conn:
+        return await store_for(conn.outbox).parked([event_id])
 
 
 def _short(text: Any, width: int = 60) -> str:
@@ -61,7 +65,7 @@ def list_parked(
     target: Target, types: tuple[str, ...], aggregates: tuple[str, ...], as_json: bool
 ) -> None:
     """List parked events with their last error."""
-    entries = [e for e in run(_parked(target)) if _matches(e, types, aggregates)]
+    entries = run(_parked(target, types, aggregates))
     if as_json:
         say(to_json(entries))
         return
@@ -88,7 +92,7 @@ def list_parked(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
 def show_parked(target: Target, event_id: str, as_json: bool) -> None:
     """Show one parked event in full."""
-    found = [e for e in run(_parked(target)) if e.get("_id") == event_id]
+    found = run(_parked_one(target, event_id))
     if not found:
         raise Failure(f"no parked event {event_id!r}")
     entry = found[0]
@@ -126,17 +130,22 @@ async def _requeue(
 ) -> str:
     async with connected(target) as conn:
         store = store_for(conn.outbox)
-        entries = await store.parked()
+        # Ids, types and aggregate ids only: a requeue of every parked entry must not hold
+        # them all whole (an outbox can have parked a broker outage's worth).
+        if event_ids:
+            keys = [ParkedKey.of(entry) for entry in await store.parked(list(event_ids))]
+        else:
+            keys = await store.parked_keys()
         chosen = [
-            e["_id"]
-            for e in entries
-            if (not event_ids or e.get("_id") in event_ids) and _matches(e, types, aggregates)
+            key.id
+            for key in keys
+            if (not event_ids or key.id in event_ids) and key.matches(types, aggregates)
         ]
-        missing = sorted(set(event_ids) - set(chosen))
+        missing = sorted(set(event_ids) - {hashable(c) for c in chosen})
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
         if not chosen:  # a misspelled --type or --aggregate must not pass for a done requeue
-            present = sorted({str(e.get("type")) for e in entries})
+            present = sorted({str(key.type) for key in keys})
             raise Failure(
                 "no parked event matches: nothing was requeued"
                 + (f" (parked types: {', '.join(present)})" if present else " (none is parked)")

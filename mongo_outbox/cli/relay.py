@@ -30,7 +30,8 @@ import signal
 from typing import Any
 
 import click
-from pymongo.errors import PyMongoError
+from click.core import ParameterSource
+from pymongo.errors import OperationFailure, PyMongoError
 
 from mongo_outbox.changestream import ChangeStreamRelay, WatchSource
 from mongo_outbox.cli.brokers import Broker, broker_options, sample_event
@@ -38,6 +39,7 @@ from mongo_outbox.cli.common import (
     Failure,
     Target,
     connected,
+    env,
     one_line,
     option,
     run,
@@ -51,7 +53,7 @@ from mongo_outbox.group import RelayGroup
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.relay import PollingRelay
 from mongo_outbox.settings import RelaySettings, check_count, check_seconds
-from mongo_outbox.tenants import TenantRelays
+from mongo_outbox.tenants import TenantRelays, for_database
 
 log = logging.getLogger("mongo_outbox.cli")
 
@@ -106,7 +108,8 @@ MEMBER_LEASE = _default(RelayGroup, "member_lease")
     type=int,
     default=None,
     help="Run as a member of relay group --name over an outbox of this many partitions "
-    "(the writers' count); --member-lease is the member's lease.",
+    "(the writers' count; recorded for all of them if none is yet); --member-lease is the "
+    "member's lease.",
 )
 @option(
     "--drain",
@@ -145,6 +148,18 @@ def relay(
         )
     if metrics_port is not None:
         check_extra()
+    _check_kind(polling)
+    if target.mode == "collection" and target.collections:
+        # Not refused (scripts pass one set of options to both modes), but said: a relay of an
+        # embedded outbox started in collection mode publishes nothing and sees nothing pending.
+        log.warning(
+            "--collections (%s) is for --mode embedded: this relay publishes the outbox "
+            "collection %r (collection mode); add --mode embedded (%s) if the events are in "
+            "the aggregates",
+            ",".join(target.collections),
+            target.outbox_collection,
+            env("--mode"),
+        )
     names = _databases(target, databases)
     if names:
         target = dataclasses.replace(target, db=names[0])
@@ -161,6 +176,25 @@ def relay(
             signal.signal(received, signal.SIG_IGN)
         if endpoint is not None:
             endpoint.close()
+
+
+def _check_kind(polling: bool) -> None:
+    """Refuse a tuning option of the other kind of relay given on the command line: it would be
+    silently unused. (An environment twin may serve both kinds from one file: not refused.)"""
+    context = click.get_current_context()
+    others = ("interval",) if not polling else ("max_wait", "sweep_interval")
+    given = [
+        "--" + name.replace("_", "-")
+        for name in others
+        if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+    if given:
+        kind, own = (
+            ("a polling relay (--polling)", "--interval")
+            if polling
+            else ("a change-stream relay", "--max-wait and --sweep-interval")
+        )
+        raise Failure(f"{' and '.join(given)} would be unused: {kind} tunes {own}")
 
 
 class _Plan:
@@ -183,6 +217,11 @@ class _Plan:
         # Each lease is its own relay's: one given to the other kind would be silently unused.
         if self.partitions is None and member_lease is not None:
             raise Failure("--member-lease is a group member's lease: give --partitions too")
+        if polling and self.partitions is None and leader_lease is not None:
+            raise Failure(
+                "--leader-lease is the change-stream relay's lease: a polling relay (--polling) "
+                "holds none (its claims are its leases, --claim-lease)"
+            )
         if self.partitions is not None and leader_lease is not None:
             raise Failure(
                 "--leader-lease is the change-stream relay's lease; a group member's (with "
@@ -301,6 +340,8 @@ async def _connect_and_run(plan: _Plan, endpoint: Endpoint | None, signals: _Sig
         outboxes = [conn.outbox]
         if plan.databases:
             outboxes = [plan.target.outbox(conn.client[name]) for name in plan.databases]
+        for outbox in outboxes:
+            await _check_exists(outbox)
         if not plan.polling and not plan.drain:  # a drain sweeps: no change stream needed
             for outbox in outboxes:
                 await _check_change_streams(outbox)
@@ -318,7 +359,8 @@ async def _connect_and_run(plan: _Plan, endpoint: Endpoint | None, signals: _Sig
             signals.check()
             if plan.drain:
                 signals.draining = True
-                await _drain([r for r in relays if not isinstance(r, RelayGroup)])
+                drained = [r for r in relays if not isinstance(r, RelayGroup)]
+                await _drain(drained, tenants=bool(plan.databases))
                 signals.ignore()  # it is done: a signal now must not fail it
                 return
             # One publisher connection serves every database's relay.
@@ -328,8 +370,9 @@ async def _connect_and_run(plan: _Plan, endpoint: Endpoint | None, signals: _Sig
             await publisher.aclose()
 
 
-async def _drain(relays: list[PollingRelay | ChangeStreamRelay]) -> None:
-    """Publish what is due now in each database, one after another, with a progress line."""
+async def _drain(relays: list[PollingRelay | ChangeStreamRelay], tenants: bool) -> None:
+    """Publish what is due now in each database, one after another, with a progress line;
+    with ``tenants`` (``--databases``) each database's lines say which it is."""
 
     def published() -> int:
         return sum(relay.stats.published for relay in relays)
@@ -337,13 +380,42 @@ async def _drain(relays: list[PollingRelay | ChangeStreamRelay]) -> None:
     pending = [(await relay.status()).pending for relay in relays]
     async with progress("drain", "events", total=sum(pending), follow=published):
         for relay in relays:
-            await relay.drain()
+            with for_database(relay.outbox.db.name) if tenants else contextlib.nullcontext():
+                await relay.drain()
     left = sum([(await relay.status()).pending for relay in relays])
     failed = sum(relay.stats.failed for relay in relays)
     said = f"published {published()} events"
     if failed:
         said += f"; {failed} publishes failed (mongo-outbox status, parked list)"
     say(f"{said}; {left} pending (due later, waiting for a retry, or saved meanwhile)")
+    parked = sum(relay.stats.parked for relay in relays)
+    if parked or (failed and left):
+        # A job (cron, a deploy step) must tell a drain that could not publish everything from
+        # one that did (a failure retried and published within the drain is no failure of it).
+        raise Failure(
+            f"the drain published {published()} events and {failed} publishes failed: "
+            f"{parked} parked, the rest pending for their next attempt"
+        )
+
+
+async def _check_exists(outbox: Outbox) -> None:
+    """Warn of an outbox with no collection yet: a misspelled --db or tenant is relayed (and
+    watched) for ever in silence, where a new deployment only has not written yet."""
+    wanted = [outbox.collection.name] if outbox.mode == "collection" else outbox.collections
+    try:
+        found = await outbox.db.list_collection_names(
+            filter={"name": {"$in": list(wanted)}}, authorizedCollections=True
+        )
+    except OperationFailure as error:  # a user without listCollections: it is only a warning
+        log.debug("relay: cannot list the collections of %s: %s", outbox.db.name, error)
+        return
+    if not found:
+        log.warning(
+            "database %s has none of %s yet: relaying it all the same (a misspelled --db or "
+            "--databases? else nothing was written there yet)",
+            outbox.db.name,
+            ", ".join(wanted),
+        )
 
 
 async def _check_change_streams(outbox: Outbox) -> None:
@@ -427,7 +499,7 @@ class _Signals:
 
     def force(self, why: str) -> None:
         if self.relay is not None and self.task is not None and not self.task.done():
-            self.forced.append((why, self.relay.state))
+            self.forced.append((why, _left_behind(self.relay, self.relay.state)))
             self.task.cancel()
 
     def ignore(self) -> None:
@@ -462,8 +534,9 @@ async def _supervise(
     finally:
         signals.ignore()
     if task.cancelled():
-        why, state = signals.forced[0] if signals.forced else ("it was cancelled", relay.state)
-        raise Failure(f"relay {name} was cancelled: {why}; {_left_behind(relay, state)}")
+        why, left = signals.forced[0] if signals.forced else ("it was cancelled", "")
+        left = left or _left_behind(relay, relay.state)
+        raise Failure(f"relay {name} was cancelled: {why}; {left}")
     error = task.exception()
     if isinstance(error, (ChangeStreamError, ConfigurationError)):
         raise Failure(f"relay {name} failed: {one_line(error)}")
@@ -480,7 +553,8 @@ def _left_behind(relay: Supervised, state: str) -> str:
     """What a cancelled relay leaves for others to wait out, by what it held when cancelled."""
     if isinstance(relay, PollingRelay):
         return "the events it had claimed are published again once their claims run out"
-    if state == "active":
+    # Backing off after an error, a change-stream relay stands by with its lease still held.
+    if state == "active" or (isinstance(relay, ChangeStreamRelay) and relay.may_hold_lease):
         return "its lease runs out, then a standby takes over"
     return f"it held no lease ({state})"
 

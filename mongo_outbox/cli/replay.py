@@ -7,6 +7,7 @@ duplicate window (two minutes by default): only older events reach a stream that
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 import click
@@ -25,6 +26,8 @@ from mongo_outbox.cli.common import (
 )
 from mongo_outbox.cli.progress import progress
 from mongo_outbox.publishers import Publisher
+
+log = logging.getLogger("mongo_outbox.cli")
 
 
 @click.command("replay")
@@ -57,7 +60,9 @@ def replay_command(
         )
     sample = sample_event(target.collections)
     broker.check(sample)
-    result = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
+    result, where = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
+    if not result.found:
+        _say_why_none(where, start, end, types, aggregates)
     if dry_run:
         say(f"would republish {result.found} events of {result.aggregates} aggregates")
         # The versions consumers will read: each needs a reader (or an upcaster) for them.
@@ -77,6 +82,29 @@ def replay_command(
         )
 
 
+def _say_why_none(
+    where: str,
+    since: datetime,
+    until: datetime | None,
+    types: tuple[str, ...],
+    aggregates: tuple[str, ...],
+) -> None:
+    # "0 of 0" alone reads as done: a misspelled type or a window past the retention is not.
+    chosen = [f"occurred since {since.isoformat()}"]
+    if until is not None:
+        chosen.append(f"before {until.isoformat()}")
+    if types:
+        chosen.append(f"of type {', '.join(types)}")
+    if aggregates:
+        chosen.append(f"of aggregate {', '.join(aggregates)}")
+    log.warning(
+        "no published event %s keeps %s: a type and an aggregate id match exactly, published "
+        "events are kept only for the outbox's retention (and a misspelled --db has none)",
+        where,
+        ", ".join(chosen),
+    )
+
+
 def _ids(aggregates: tuple[str, ...]) -> list[str | int]:
     # An aggregate id is stored as a str or an int (from an integer _id): match both spellings.
     ids: list[str | int] = list(aggregates)
@@ -92,14 +120,14 @@ async def _replay(
     types: tuple[str, ...],
     aggregates: list[str | int],
     dry_run: bool,
-) -> Replayed:
+) -> tuple[Replayed, str]:
     async with connected(target) as conn:
 
         async def connect() -> Publisher:
             return await broker.connect(sample_event(target.collections), waits=False)
 
         async with progress("replay", "events") as shown:
-            return await replay(
+            replayed = await replay(
                 conn.outbox,
                 None if dry_run else connect,
                 since=since,
@@ -108,3 +136,4 @@ async def _replay(
                 aggregates=aggregates,
                 progress=shown.add,
             )
+        return replayed, f"{conn.outbox.db.name}.{conn.outbox.collection.name}"

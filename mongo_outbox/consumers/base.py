@@ -32,8 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any, Protocol, runtime_checkable
+
+from pymongo.errors import PyMongoError
 
 from mongo_outbox.errors import (
     ConfigurationError,
@@ -99,6 +102,9 @@ def decode(message_id: object, body: bytes) -> Event | str:
         return Event.from_json(body)
     except InvalidEventError as error:
         return f"message {message_id} is not an Event: {error}"
+    except Exception as error:  # noqa: BLE001 - any body no Event comes of is refused once
+        # Not given back: it would come back at once, for ever (a hot loop on RabbitMQ).
+        return f"message {message_id} is not an Event: {describe(error)}"
 
 
 def check_source(source: str | None, setting: str) -> None:
@@ -187,6 +193,26 @@ async def _give_back(delivery: Delivery, message_id: str) -> None:
     await delivery.give_back()
 
 
+def being_cancelled() -> bool:
+    """In a ``finally`` block: whether it runs because its task was cancelled."""
+    return isinstance(sys.exc_info()[1], asyncio.CancelledError)
+
+
+async def ready(guarded: Guarded) -> None:
+    """Before a consumer takes its first delivery: the inbox's indexes made, or the
+    ``ConfigurationError`` that says why they cannot be, so a consumer that cannot deduplicate
+    does not start (and uses up no message's deliveries finding out). MongoDB out of reach is
+    left to the guard, which retries each message."""
+    try:
+        await guarded.inbox.prepare()
+    except PyMongoError as error:
+        log.warning("inbox of %s unavailable at start: %s", guarded.inbox.consumer, error)
+
+
+_GIVE_BACK_WAIT = 5.0
+"""Seconds a cancelled consumer waits for its cancelled handlers to give their messages back."""
+
+
 class Dispatcher:
     """Settles deliveries in tasks of their own; in ordered mode one aggregate at a time.
 
@@ -225,9 +251,11 @@ class Dispatcher:
             task.add_done_callback(lambda done: self._untail(key, done))
 
     async def _run(self, delivery: Delivery, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])  # its failure is its own; only its end matters here
         try:
+            if previous is not None:
+                # Its failure is its own; only its end matters here. (Inside the try: cancelled
+                # while it waits its turn, this message too goes back.)
+                await asyncio.wait([previous])
             await settle(
                 delivery,
                 self.guarded,
@@ -236,12 +264,18 @@ class Dispatcher:
                 stop=self.stop,
                 hold=self.ordered,
             )
+        except asyncio.CancelledError:
+            # The consumer ended without waiting for it (Dispatcher.drain): the broker has it
+            # again at once, rather than when its ack wait runs out.
+            with contextlib.suppress(Exception):
+                await _give_back(delivery, str(delivery.message_id))
+            raise
         except Exception as error:  # noqa: BLE001 - one message must not stop the others
             log.error("could not settle message %s: %s", delivery.message_id, describe(error))
             # Give it back rather than hold its slot until the connection closes; if the
             # connection is what failed, the broker has it again anyway.
             with contextlib.suppress(Exception):
-                await delivery.give_back()
+                await _give_back(delivery, str(delivery.message_id))
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.in_flight.pop(task, None)
@@ -257,8 +291,28 @@ class Dispatcher:
                 list(self.in_flight), timeout=0.5, return_when=asyncio.FIRST_COMPLETED
             )
 
-    async def drain(self) -> None:
-        """Stop: running handlers finish and settle; held and waiting messages are given back."""
+    async def drain(self, *, cancelled: bool = False) -> None:
+        """Stop: running handlers finish and settle; held and waiting messages are given back.
+        Cancelled meanwhile (a stop that would not wait), or ``cancelled`` already (the
+        consumer was cancelled before its drain began: ``being_cancelled()``), the handlers are
+        cancelled too and their messages given back: none is left running, or held, after the
+        consumer ends. (A drain that waited there would wait for a hanging handler for ever.)"""
         self.stop.set()
-        while self.in_flight:
-            await asyncio.wait(list(self.in_flight))
+        if cancelled:
+            await self._cancel_handlers()
+            return
+        try:
+            while self.in_flight:
+                await asyncio.wait(list(self.in_flight))
+        except asyncio.CancelledError:
+            await self._cancel_handlers()
+            raise
+
+    async def _cancel_handlers(self) -> None:
+        running = list(self.in_flight)
+        for task in running:
+            task.cancel()
+        if running:
+            # Each gives its message back as it ends; a handler that ignores cancellation
+            # is not waited for long.
+            await asyncio.wait(running, timeout=_GIVE_BACK_WAIT)

@@ -38,7 +38,12 @@ from beanie.odm.utils.encoder import Encoder
 from beanie.odm.utils.parsing import merge_models
 from beanie.odm.utils.update_merge import merge_update_expressions
 
-from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError, OutboxError
+from mongo_outbox.errors import (
+    AggregateNotFoundError,
+    InvalidAggregateError,
+    InvalidCountersError,
+    OutboxError,
+)
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox, Saved
 
@@ -78,16 +83,25 @@ class BeanieOutbox:
         skip_actions: Skip = None,
     ) -> Saved:
         """Insert ``document`` (which must not exist yet: ``ConcurrencyError``) with ``events``."""
-        await document.validate_self()
+        await _validate(document)
         await _actions(document, EventTypes.INSERT, ActionDirections.BEFORE, skip_actions)
         settings = document.get_settings()
+        previous = document.revision_id
         if settings.use_revision:
             document.revision_id = uuid4()
         doc_id = _new_id(document)
         body = {"_id": doc_id, **self._body(document)}
-        saved = await self.outbox.save_with_events(
-            session, _collection(document), body, events, expected_version=0
-        )
+        try:
+            saved = await self.outbox.save_with_events(
+                session, _collection(document), body, events, expected_version=0
+            )
+        except OutboxError as error:
+            # Refused, nothing was written: the document keeps the revision the stored one has,
+            # so a save of it after a refused insert is not taken for a conflict. (Bad counters
+            # are found in what the write returned: it may stand.)
+            if not isinstance(error, InvalidCountersError):
+                document.revision_id = previous
+            raise
         _after_write(document, doc_id, saved)
         await _actions(document, EventTypes.INSERT, ActionDirections.AFTER, skip_actions)
         return saved
@@ -102,15 +116,17 @@ class BeanieOutbox:
         ignore_revision: bool = False,
         skip_actions: Skip = None,
     ) -> Saved:
-        """Insert or update ``document`` with ``events``, as ``Document.save`` writes it."""
-        await document.validate_self()
+        """Insert or update ``document`` with ``events``, as ``Document.save`` writes it. A
+        document stored before (it holds a ``revision_id`` or a version) and deleted meanwhile
+        is not re-created: ``AggregateNotFoundError``."""
+        await _validate(document)
         await _actions(document, EventTypes.SAVE, ActionDirections.BEFORE, skip_actions)
         await _actions(document, EventTypes.UPDATE, ActionDirections.BEFORE, skip_actions)
         doc_id = _new_id(document)
         settings = document.get_settings()
         update: dict[str, Any] = {"$set": self._body(document)}
         if not settings.keep_nulls:
-            owned = self.outbox._reserved
+            owned = self.outbox.owned_fields
             nones = {key: "" for key in get_top_level_nones(document) if key not in owned}
             if nones:
                 update["$unset"] = nones
@@ -122,7 +138,7 @@ class BeanieOutbox:
             session=session,
             expected_version=expected_version,
             ignore_revision=ignore_revision,
-            upsert=True,
+            upsert=not _stored_before(document),
         )
         _after_write(document, doc_id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
@@ -161,6 +177,7 @@ class BeanieOutbox:
                 arguments = merge_update_expressions(
                     arguments, changes, strategy=document.get_settings().action_conflict_resolution
                 )
+        previous = document.revision_id
         saved = await self._update(
             document,
             document.id,
@@ -171,9 +188,16 @@ class BeanieOutbox:
             ignore_revision=ignore_revision,
             upsert=False,
         )
-        stored = await _collection(document).find_one({"_id": document.id}, session=session)
-        if stored is not None:
-            merge_models(document, type(document).model_validate(stored))
+        try:
+            stored = await _collection(document).find_one({"_id": document.id}, session=session)
+            if stored is not None:
+                merge_models(document, type(document).model_validate(stored))
+        except BaseException:
+            # The update and its events stand, but the document does not hold them: with the
+            # new revision its next save would pass the guard and overwrite them. With the old
+            # one, that save is a conflict.
+            document.revision_id = previous
+            raise
         _after_write(document, document.id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         return saved
@@ -221,7 +245,7 @@ class BeanieOutbox:
         client's ``uuidRepresentation``, which must then be ``"standard"``, as Beanie's is."""
         settings = document.get_settings()
         body: dict[str, Any] = get_dict(document, to_db=True, keep_nulls=settings.keep_nulls)
-        owned = self.outbox._reserved
+        owned = self.outbox.owned_fields
         return {key: value for key, value in body.items() if key != "_id" and key not in owned}
 
     async def _update(
@@ -257,7 +281,8 @@ class BeanieOutbox:
                 expected_version=expected_version,
             )
         except AggregateNotFoundError as error:
-            if guarded and await collection.count_documents({"_id": query["_id"]}, session=session):
+            # Not read again here: in the caller's transaction, the refused write has aborted it.
+            if guarded and error.exists:
                 raise RevisionConflictError(
                     f"{collection.name} {doc_id!r}: its revision_id is no longer "
                     f"{document.revision_id}: it was saved meanwhile",
@@ -287,14 +312,40 @@ def _new_id(document: Document) -> Any:
     )
 
 
+async def _validate(document: Document) -> None:
+    """Beanie's ``validate_self``, which rebuilds the model and so drops the fields its dump
+    leaves out back to their defaults: the ``revision_id`` (Beanie's own save guards with a
+    copy kept apart) and the version aliased ``_version``. Without them the guard would refuse
+    every save, and a refused save would leave the document at version 0."""
+    kept = ["revision_id", *_version_fields(document)]
+    values = {name: getattr(document, name) for name in kept}
+    try:
+        await document.validate_self()
+    finally:
+        for name, value in values.items():
+            setattr(document, name, value)
+
+
+def _version_fields(document: Document) -> list[str]:
+    return [n for n, f in type(document).model_fields.items() if f.alias == "_version"]
+
+
+def _stored_before(document: Document) -> bool:
+    """Whether ``document`` was inserted or loaded: Beanie gave it a ``revision_id``, or the
+    outbox a version. A save of one deleted meanwhile must not re-create it (its sequence
+    would start again at 1, and consumers drop what they take for old events)."""
+    if document.get_settings().use_revision and document.revision_id is not None:
+        return True
+    return any(getattr(document, name, 0) for name in _version_fields(document))
+
+
 def _after_write(document: Document, doc_id: Any, saved: Saved) -> None:
     """What Beanie does after its own write: the id (a new one is the document's only once it
     is stored), the saved state (state management), and here the outbox's version in a field
     aliased ``_version``."""
     document.id = doc_id
-    for name, field in type(document).model_fields.items():
-        if field.alias == "_version":
-            setattr(document, name, saved.version)
+    for name in _version_fields(document):
+        setattr(document, name, saved.version)
     document._save_state()
 
 

@@ -111,8 +111,9 @@ class MongoEngineOutbox:
                 query = transform.query(cls, **save_condition)
             query["_id"] = body["_id"]
             if not update:
-                # Nothing changed, and the events still go: the fields set as they are.
-                update = {"$set": {key: value for key, value in body.items() if key != "_id"}}
+                # Nothing changed, and the events still go: no field is written (MongoEngine's
+                # own save writes nothing), so what another writer stored meanwhile stays.
+                update = {"$set": {}}
             saved = self._update(document, query, update, events, session, expected_version)
         document[document._meta["id_field"]] = document._fields[
             document._meta["id_field"]
@@ -164,6 +165,8 @@ class MongoEngineOutbox:
         """Delete ``document`` with ``events`` (collection mode), as ``Document.delete``."""
         kwargs = dict(signal_kwargs or {})
         cls = type(document)
+        if document.pk is None:
+            raise InvalidDocumentError("The document does not have a primary key.")
         signals.pre_delete.send(cls, document=document, **kwargs)
         doc_id = document.to_mongo(fields=[document._meta["id_field"]])["_id"]
         saved = self.outbox.delete_with_events(
@@ -178,7 +181,7 @@ class MongoEngineOutbox:
 
     def _body(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """``fields`` without the outbox's own: they are never taken from the model."""
-        owned = self.outbox._reserved
+        owned = self.outbox.owned_fields
         return {key: value for key, value in fields.items() if key.split(".")[0] not in owned}
 
     def _update(
@@ -196,9 +199,7 @@ class MongoEngineOutbox:
                 session, collection, query, update, events, expected_version=expected_version
             )
         except AggregateNotFoundError as error:
-            if len(query) > 1 and collection.count_documents(
-                {"_id": query["_id"]}, session=session
-            ):
+            if len(query) > 1 and error.exists:
                 raise SaveConditionConflictError(
                     f"{collection.name} {query['_id']!r} does not satisfy the condition {query!r}",
                     collection=collection.name,

@@ -3,8 +3,10 @@
 ODMantic's ``AIOEngine.save`` writes an instance with its own command (on Motor), which an
 outbox cannot join with the events' write. So ``ODManticOutbox.save`` makes the same write
 through the ``Outbox``: the ``$set`` of the fields ODMantic would send (those modified since the
-last save, and the mutable ones; all of them for an instance with none to send, since its events
-still go), upserted by the primary key, with the counters and entries of ``update_with_events``.
+last save, and the mutable ones), upserted by the primary key, with the counters and entries of
+``update_with_events``. An instance with none to send writes no field (its events still go).
+Only a new instance is created: one loaded, then deleted meanwhile, raises
+``AggregateNotFoundError``.
 ``delete`` is ``delete_with_events`` (collection mode only).
 
 ODMantic has no event hooks and no revision field; its validation is pydantic's, at construction
@@ -51,21 +53,28 @@ class ODManticOutbox:
         """Insert or update ``instance`` with ``events``, as ``AIOEngine.save`` writes it.
         ``session``: an ODMantic ``AIOSession``/``AIOTransaction`` or a Motor session."""
         fields = instance.__fields_modified__ | instance.__mutable_fields__
-        owned = self.outbox._reserved
+        owned = self.outbox.owned_fields
         primary = instance.__primary_field__
-        body = instance.model_dump_doc(include=fields or None)
+        body = instance.model_dump_doc(include=fields) if fields else {}
         key = instance.model_dump_doc(include={primary})
         changed = {k: v for k, v in body.items() if k != "_id" and k not in owned}
+        driver = _driver_session(session)
         saved = await self.outbox.update_with_events(
-            _driver_session(session),
+            driver,
             self.engine.get_collection(type(instance)),
             key,
             {"$set": changed},
             events,
-            upsert=True,
+            # Only a new instance (all its fields modified, its primary key with them) is
+            # created: one loaded and deleted meanwhile is not re-created from the fields it
+            # sends, its sequence starting again at 1.
+            upsert=primary in instance.__fields_modified__,
             expected_version=expected_version,
         )
-        object.__setattr__(instance, "__fields_modified__", set())
+        if not getattr(driver, "in_transaction", False):
+            # In the caller's transaction the write may yet be aborted: until it commits, the
+            # instance keeps what it would send, and a save after an abort creates it again.
+            object.__setattr__(instance, "__fields_modified__", set())
         return saved
 
     async def delete(

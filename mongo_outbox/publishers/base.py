@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import string
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -14,7 +15,9 @@ from mongo_outbox._callables import is_async_callable
 from mongo_outbox.errors import (
     BrokerFullError,
     BrokerUnavailableError,
+    ConfigurationError,
     InvalidEventError,
+    PublishError,
     describe,
 )
 from mongo_outbox.events import Event
@@ -62,9 +65,66 @@ Naming = str | Callable[[Event], str]
 (``"events.{aggregate_type}.{type}"``), or a function of the event."""
 
 
+class NamingFailed(PublishError):
+    """The naming function raised for this event. A lookup it makes may fail for a moment, so
+    it is retried as any failed publish (and parked after ``max_attempts``), for this event
+    alone: the others of its wave go out. What it returns that is no name is the event's own
+    fault: ``InvalidEventError``, parked at once."""
+
+
+def check_naming(naming: Naming, setting: str, *, empty: bool = False) -> Naming:
+    """``naming`` if it can name an event: a function, or a template whose fields are the
+    event's, non-empty unless ``empty`` (a RabbitMQ routing key: a fanout exchange's is "");
+    ``ConfigurationError`` otherwise, before a publisher exists, rather than a refusal of
+    every event it publishes (each one parked)."""
+    if callable(naming):
+        return naming
+    if not isinstance(naming, str) or not (naming or empty):
+        raise ConfigurationError(
+            f"{setting} must be a non-empty str template or a function of the event, not "
+            f"{naming!r}",
+            setting=setting,
+        )
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(naming) if field is not None]
+    except ValueError as error:
+        raise ConfigurationError(
+            f"{setting} {naming!r} is no template: {error} (a literal brace is doubled: "
+            "'{{orders}}' names '{orders}')",
+            setting=setting,
+        ) from None
+    for field in fields:
+        root = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if root not in Event.model_fields:
+            raise ConfigurationError(
+                f"{setting} {naming!r} names {{{field}}}, which is no field of an event (its "
+                f"fields: {', '.join(Event.model_fields)}; a literal brace is doubled: "
+                "'{{orders}}' names '{orders}')",
+                setting=setting,
+            )
+    return naming
+
+
 def render(naming: Naming, event: Event) -> str:
     if callable(naming):
-        return naming(event)
+        # The user's function: whatever it raises or returns is this event's fault alone, not
+        # its wave's (a raise would fail every event sent beside it).
+        try:
+            name = naming(event)
+        except Exception as error:
+            raise NamingFailed(
+                f"the naming function {getattr(naming, '__name__', naming)!r} failed for event "
+                f"{event.id}: {describe(error)}",
+                event_id=event.id,
+            ) from error
+        if not isinstance(name, str) or not name:
+            raise InvalidEventError(
+                f"the naming function {getattr(naming, '__name__', naming)!r} returned "
+                f"{name!r} for event {event.id}: a subject, routing key or stream is a "
+                "non-empty str",
+                event_id=event.id,
+            )
+        return name
     # An unset field is missing, not the text "None": "events.None.placed" would be routed.
     fields = {name: value for name, value in event.__dict__.items() if value is not None}
     try:

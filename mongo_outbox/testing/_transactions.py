@@ -431,7 +431,10 @@ class TransactionsOverWire:
             try:
                 reply: dict[str, Any] = await execute()
             except OperationFailure as error:  # some commands raise where others reply
-                if CONFLICT_MARK not in str(error) and WAIT_MARK not in str(error):
+                marked = CONFLICT_MARK in str(error) or WAIT_MARK in str(error)
+                # In a transaction the reply is read as well: a failed command aborts it (a
+                # findAndModify upsert's duplicate key raises, an insert's is a write error).
+                if not (marked or in_transaction):
                     raise
                 reply = WireCommandExecutor.error_document(error)
             text = _error_text(reply)

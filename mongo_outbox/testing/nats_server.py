@@ -18,6 +18,7 @@ import argparse
 import collections
 import contextlib
 import importlib.metadata
+import os
 import shutil
 import signal
 import subprocess
@@ -127,6 +128,9 @@ def main(argv: list[str]) -> int:
         print(f"error: no nats-server found: {NEEDS}", flush=True)
         return 1
     signal.signal(signal.SIGTERM, _terminated)
+    # A terminal that closes hangs up its foreground process group, nats-server with it, which
+    # takes SIGHUP for "reload the configuration" and would run on, orphaned, its store left.
+    signal.signal(signal.SIGHUP, _terminated)
     with tempfile.TemporaryDirectory(prefix="mongo-outbox-nats-") as store:
         try:
             return serve(binary, args.port, store, stop_on_eof=args.stop_on_eof)
@@ -138,4 +142,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as stopped:  # a signal (the server stopped), or argparse's --help
+        status = stopped.code if isinstance(stopped.code, int) else 1 if stopped.code else 0
+    sys.stdout.flush()
+    # Not sys.exit: the --stop-on-eof thread may hold stdin's lock in a read, which the
+    # interpreter's shutdown would then wait for and abort on (a fatal error, not a stop).
+    os._exit(status)

@@ -24,7 +24,15 @@ from bson import ObjectId
 from pydantic import BaseModel, Field, ValidationError
 from pymongo import AsyncMongoClient
 
-from mongo_outbox import ConcurrencyError, Event, Outbox, PollingRelay, UsageError
+from mongo_outbox import (
+    AggregateNotFoundError,
+    ConcurrencyError,
+    Event,
+    InvalidEventError,
+    Outbox,
+    PollingRelay,
+    UsageError,
+)
 from mongo_outbox.odm.beanie import BeanieOutbox, RevisionConflictError
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.servers import MongoServer
@@ -160,6 +168,24 @@ async def test_a_refused_save_leaves_a_new_document_without_an_id(models: Any, m
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_refused_insert_leaves_the_revision_the_stored_document_has(
+    models: Any, mode: str
+) -> None:
+    tickets = outbox_of(models, mode)
+    ticket = Ticket(title="printer")
+    await tickets.insert(ticket, [Event(type="ticket.opened")])
+    stored = ticket.revision_id
+    with pytest.raises(ConcurrencyError):  # it exists: an insert is a create
+        await tickets.insert(ticket, [Event(type="ticket.opened")])
+    with pytest.raises(InvalidEventError):
+        await tickets.insert(Ticket(title="x"), ["not an event"])  # type: ignore[list-item]
+    assert ticket.revision_id == stored
+    # So its next save is not taken for a conflict with itself.
+    saved = await tickets.save(ticket, [Event(type="ticket.renamed")])
+    assert saved.version == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_updates_with_beanie_operators_refresh_the_document(models: Any, mode: str) -> None:
     orders = outbox_of(models, mode)
     order = Order(customer="ada", total=1)
@@ -217,3 +243,95 @@ async def test_a_save_joins_the_callers_transaction(models: Any) -> None:
             await session.abort_transaction()
     assert await models.orders.count_documents({}) == 0
     assert await models.outbox.count_documents({}) == 0
+
+
+class Stock(Document):
+    """Not validated on save: a stored quantity below zero is refused only when read back."""
+
+    sku: str
+    qty: int = Field(ge=0)
+    version: int = Field(default=0, alias="_version", exclude=True)
+
+    class Settings:
+        name = "stock"
+        use_revision = True
+
+
+class CheckedStock(Document):
+    sku: str
+    version: int = Field(default=0, alias="_version", exclude=True)
+
+    class Settings:
+        name = "checked_stock"
+        use_revision = True
+        validate_on_save = True
+
+
+@pytest.fixture
+async def stock(models: Any) -> BeanieOutbox:
+    await init_beanie(database=models, document_models=[Stock, CheckedStock])
+    return BeanieOutbox(Outbox(models))
+
+
+async def test_validation_on_save_keeps_the_version_and_the_revision(stock: BeanieOutbox) -> None:
+    item = CheckedStock(sku="pen")
+    await stock.save(item, [Event(type="stocked")])
+    loaded = await CheckedStock.get(item.id)
+    assert loaded is not None and loaded.version == 1
+    with pytest.raises(ConcurrencyError):
+        await stock.save(loaded, [Event(type="renamed")], expected_version=5)
+    # Beanie's validation rebuilds the model: the excluded version went back to 0, and the
+    # revision_id to None, which the guard then took for a conflict, every time.
+    assert loaded.version == 1
+    assert (await stock.save(loaded, [Event(type="renamed")], expected_version=1)).version == 2
+    assert (await stock.save(loaded, [Event(type="renamed")])).version == 3
+
+
+async def test_an_update_whose_read_back_fails_leaves_the_document_a_conflict(
+    stock: BeanieOutbox, models: Any
+) -> None:
+    item = Stock(sku="pen", qty=3)
+    await stock.insert(item, [Event(type="stocked")])
+    with pytest.raises(ValidationError):  # committed: qty -2 is stored, then refused on load
+        await stock.inc(item, {Stock.qty: -5}, [Event(type="taken")])
+    assert (await models.stock.find_one({"_id": item.id}))["qty"] == -2
+    item.sku = "blue pen"
+    # It still shows qty 3: with the update's new revision its save would overwrite it.
+    with pytest.raises(RevisionConflictError):
+        await stock.save(item, [Event(type="renamed")])
+    assert (await models.stock.find_one({"_id": item.id}))["qty"] == -2
+
+
+async def test_a_save_of_a_document_deleted_meanwhile_does_not_create_it_again(
+    stock: BeanieOutbox, models: Any
+) -> None:
+    item = Stock(sku="pen", qty=3)
+    await stock.insert(item, [Event(type="stocked")])
+    stale = await Stock.get(item.id)
+    assert stale is not None
+    await stock.delete(item, [Event(type="discontinued")])
+    stale.qty = 2
+    with pytest.raises(AggregateNotFoundError):
+        await stock.save(stale, [Event(type="taken")])
+    assert await models.stock.count_documents({}) == 0
+    # Its events would have started again at sequence 1, behind the deletion's 2.
+    assert [e["sequence"] async for e in models.outbox.find().sort("sequence", 1)] == [1, 2]
+
+
+async def test_a_stale_save_in_the_callers_transaction_is_a_revision_conflict(
+    stock: BeanieOutbox, models: Any
+) -> None:
+    item = Stock(sku="pen", qty=3)
+    await stock.insert(item, [Event(type="stocked")])
+    stale = await Stock.get(item.id)
+    assert stale is not None
+    item.qty = 2
+    await stock.save(item, [Event(type="taken")])
+    stale.qty = 1
+    # The refused write aborted the transaction (its upsert hit the stored _id): the conflict
+    # must be told without another read in it.
+    with pytest.raises(RevisionConflictError):
+        async with models.client.start_session() as session:
+            async with await session.start_transaction():
+                await stock.save(stale, [Event(type="taken")], session=session)
+    assert (await models.stock.find_one({"_id": item.id}))["qty"] == 2

@@ -193,6 +193,77 @@ async def test_resumable_error_resumes_from_the_checkpoint(db: Any, outbox: Outb
     assert source.opens[1] == {"resume_after": {"_data": "t1"}, "start_at": None}
 
 
+async def test_the_backoff_starts_over_once_the_stream_answers_again(
+    db: Any, outbox: Outbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each blip of a long-running relay is its first in a row: it waited as if it were the
+    # nth of its life (up to 300 s at the defaults, publishing nothing).
+    attempts: list[int] = []
+    monkeypatch.setattr(Backoff, "delay", lambda self, attempt: attempts.append(attempt) or 0.01)
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    docs = await save(outbox, db, 3)
+    source, publisher = ScriptedSource(), MemoryPublisher()
+    r = relay(outbox, publisher, source, leader_lease=1.0)
+    task = await running(r)
+    for n, doc in enumerate(docs):
+        source.play(AutoReconnect("primary stepped down"), inserts([doc], f"t{n + 1}"))
+        await publisher.wait_for(n + 1)
+        await asyncio.sleep(1.2)  # it follows the stream a lease long: the next is a first
+    await stopped(r, task)
+    assert attempts == [1, 1, 1]
+
+
+async def test_the_backoff_grows_for_an_error_that_comes_back_as_soon_as_it_follows(
+    db: Any, outbox: Outbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Say a privilege or a validator refuses each of its writes: the stream answers, then the
+    # same error. Starting over at every answer, it looped a warning every second.
+    attempts: list[int] = []
+    monkeypatch.setattr(Backoff, "delay", lambda self, attempt: attempts.append(attempt) or 0.01)
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    source = ScriptedSource()
+    for n in range(4):
+        source.play(ChangeBatch([], {"_data": f"t{n}"}), AutoReconnect("refused again"))
+    r = relay(outbox, MemoryPublisher(), source)
+    task = await running(r)
+    await until(lambda: len(attempts) == 4)
+    await stopped(r, task)
+    assert attempts == [1, 2, 3, 4]
+
+
+async def test_a_relay_backing_off_after_a_stream_error_is_on_standby(
+    db: Any, outbox: Outbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its lease is no longer renewed while it waits: "active" would count it as the leader
+    # while another relay may take the lease over.
+    monkeypatch.setattr(Backoff, "delay", lambda self, attempt: 30.0)
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    source = ScriptedSource()
+    r = relay(outbox, MemoryPublisher(), source)
+    task = await running(r)
+    await until(lambda: r.state == "active")
+    source.play(AutoReconnect("primary stepped down"))
+    await until(lambda: r.state == "standby")
+    status = await r.status()
+    assert not status.active and r.last_error is not None and "stepped down" in r.last_error
+    await stopped(r, task)  # at once: the wait ends with the stop
+
+
+async def test_a_resumed_relay_publishes_what_its_checkpoint_moved_past_when_it_is_due(
+    db: Any, outbox: Outbox
+) -> None:
+    # The checkpoint moves past entries whose publish failed (they wait in the outbox for their
+    # retry); after a restart they waited a whole sweep_interval, not until their retry.
+    await save(outbox, db, 1)
+    await db.outbox_relays.insert_one({"_id": "orders-relay", "token": {"_data": "t0"}})
+    source, publisher = ScriptedSource(), MemoryPublisher()
+    r = relay(outbox, publisher, source, sweep_interval=60.0)
+    task = await running(r)
+    await publisher.wait_for(1, timeout=5)
+    await stopped(r, task)
+    assert source.opens == [{"resume_after": {"_data": "t0"}, "start_at": None}]  # no recovery
+
+
 async def test_fatal_error_stops_with_a_clear_error(db: Any, outbox: Outbox) -> None:
     source = ScriptedSource()
     source.play(OperationFailure("not authorized on db to execute changeStream", code=13))

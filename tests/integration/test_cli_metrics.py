@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Event, Outbox
+from mongo_outbox.metrics import FAILURE_REASONS
 from tests.support.cli import Service, cli, environment, until_active
 from tests.support.metrics import get, samples, value
 from tests.support.servers import NATS_URL, MongoServer
@@ -104,10 +105,15 @@ async def test_the_relay_serves_prometheus_metrics_and_health_while_it_publishes
     assert value(text, "mongo_outbox_relay_recoveries_total", relay="metered") == 1
     lag = value(text, "mongo_outbox_checkpoint_lag_seconds", relay="metered")
     assert lag is not None and 0 <= lag < 60
-    # Nothing failed, so no failure series exists yet; the names are the documented ones.
+    # Nothing failed: each failure series is there at 0 (so that a first failure is an
+    # increase an alert sees); the names are the documented ones.
+    for reason in FAILURE_REASONS:
+        failed = value(text, "mongo_outbox_publish_failures_total", relay="metered", reason=reason)
+        assert failed == 0
     names = {name for name, _, _ in samples(text) if name.startswith("mongo_outbox_")}
     assert names == {
         "mongo_outbox_published_total",
+        "mongo_outbox_publish_failures_total",
         "mongo_outbox_relay_recoveries_total",
         "mongo_outbox_pending_events",
         "mongo_outbox_oldest_pending_age_seconds",
@@ -232,6 +238,28 @@ async def test_metrics_port_without_the_extra_fails_in_one_line_before_anything(
     assert module.split(".")[0] in line
     assert await db.outbox.count_documents({"status": "pending"}) == 1
     assert await db.outbox_relays.count_documents({}) == 0
+
+
+async def test_the_endpoint_serves_on_an_ipv6_address(
+    mongo: MongoServer, db: Any, nats_stream: str
+) -> None:
+    await Outbox(db).ensure_indexes()
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = int(probe.getsockname()[1])
+    args = relay_args(mongo, db, "six", f"{nats_stream}.{{type}}", port)
+    relay = await Service(*args[:-1], "--metrics-host=::1").start()
+    try:
+
+        async def healthy() -> bool:
+            return await scrape(relay, f"http://[::1]:{port}/healthz") == (200, "active\n")
+
+        await until(healthy, timeout=60, every=0.2)
+        ran = await relay.stop(signal.SIGTERM, timeout=20)
+    finally:
+        relay.kill()
+    assert ran.code == 0, ran.output
+    assert f"serving /metrics and /healthz on http://[::1]:{port}" in ran.err
 
 
 async def test_a_metrics_port_in_use_fails_in_one_line_before_relaying(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pty
+import uuid
 from typing import Any
 
 from mongo_outbox import Event, Outbox
@@ -145,6 +146,52 @@ async def test_relay_drain_publishes_what_is_due_with_its_progress_and_exits(
     assert progress[-1].startswith("drain: 1/1 events (100%), ")
     assert "\r" not in plain.err
     assert more.events[0].id in await stream_ids(nats_client, nats_stream, 4)
+
+
+def nowhere() -> str:
+    """A subject no stream takes: every publish to it fails."""
+    return f"--subject=nostream{uuid.uuid4().hex[:8]}.{{type}}"
+
+
+async def drain(mongo: MongoServer, db: Any, *more: str, env: dict[str, str] | None = None) -> Ran:
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--nats={NATS_URL}"]
+    return await cli("relay", "--drain", *where, *more, env=env)
+
+
+async def test_a_drain_whose_publishes_fail_exits_1(mongo: MongoServer, db: Any) -> None:
+    # No stream takes the subject: every publish fails. A job must see that it did not work.
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    await save_orders(outbox, db, 2)
+    ran = await drain(mongo, db, nowhere())
+    assert ran.code == 1, ran.output
+    assert ran.out.startswith("published 0 events; 2 publishes failed")
+    assert ran.err.splitlines()[-1] == (
+        "mongo-outbox: the drain published 0 events and 2 publishes failed: 0 parked, the rest "
+        "pending for their next attempt"
+    )
+    assert await db.outbox.count_documents({"status": "pending"}) == 2  # kept for a retry
+
+
+async def test_a_relay_given_collections_in_collection_mode_says_it(
+    mongo: MongoServer, db: Any
+) -> None:
+    # An environment with MONGO_OUTBOX_COLLECTIONS and no MONGO_OUTBOX_MODE: the events are
+    # in the aggregates, and the relay would look at the empty outbox collection in silence.
+    embedded = Outbox(db, mode="embedded", collections=["orders"])
+    await save_orders(embedded, db, 2)
+    ran = await drain(mongo, db, env=environment(MONGO_OUTBOX_COLLECTIONS="orders"))
+    assert ran.code == 0, ran.output
+    assert ran.out.startswith("published 0 events; 0 pending")
+    assert (
+        "--collections (orders) is for --mode embedded: this relay publishes the outbox "
+        "collection 'outbox' (collection mode); add --mode embedded (MONGO_OUTBOX_MODE)"
+    ) in ran.err
+    assert f"database {db.name} has none of outbox yet: relaying it all the same" in ran.err
+    embedded = await drain(mongo, db, nowhere(), "--mode=embedded", "--collections=orders")
+    assert embedded.code == 1  # no stream takes the subject: its publishes fail
+    assert embedded.out.startswith("published 0 events; 2 publishes failed")
+    assert "has none of" not in embedded.err
 
 
 async def test_relay_drain_refuses_partitions_in_one_line(mongo: MongoServer, db: Any) -> None:

@@ -144,6 +144,11 @@ async def test_inbox_failures_are_listed_and_requeued_for_their_next_delivery(
     assert len(json.loads((await cli("inbox", "failed", *where, "--since=1h", "--json")).out)) == 4
     later = await cli("inbox", "failed", *where, "--since=2999-01-01T00:00:00Z")
     assert later.out.strip() == "no failed messages"
+    misspelled = await cli("inbox", "failed", *where, "--consumer=biling")
+    assert misspelled.code == 0 and misspelled.out.strip() == (
+        "no failed messages; biling has none, these consumers have failed messages: "
+        "billing (3), mailer (1)"
+    )
     bad_time = await cli("inbox", "failed", *where, "--since=yesterday")
     assert bad_time.code == 1 and "--since" in bad_time.err
 

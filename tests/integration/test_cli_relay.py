@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Outbox, PollingRelay
+from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.cli import (
     Service,
@@ -22,6 +22,7 @@ from tests.support.cli import (
     stream_ids,
     until_active,
 )
+from tests.support.messages import bind_queue, drain_queue
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 from tests.support.waiting import until
 
@@ -130,6 +131,21 @@ BAD = [
         ["--uri={uri}", *NATS, "--partitions=2", "--leader-lease=30"],
         "is --member-lease",
         id="leader-lease-of-a-member",
+    ),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--polling", "--max-wait=1"],
+        "--max-wait would be unused: a polling relay (--polling) tunes --interval",
+        id="max-wait-of-a-polling-relay",
+    ),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--interval=2"],
+        "--interval would be unused: a change-stream relay tunes --max-wait",
+        id="interval-of-a-change-stream-relay",
+    ),
+    pytest.param(
+        ["--uri={uri}", *NATS, "--polling", "--leader-lease=30"],
+        "holds none",
+        id="leader-lease-of-a-polling-relay",
     ),
     pytest.param(
         ["--uri={uri}", *NATS, "--partitions=2", "--member-lease=5"],
@@ -244,6 +260,28 @@ async def test_declare_exchange_declares_a_named_exchange(
     finally:
         relay.kill()
     assert ran.code == 0, ran.output
+
+
+async def test_max_message_size_parks_a_longer_message_before_it_is_sent(
+    mongo: MongoServer, db: Any, channel: Any, unique: str
+) -> None:
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    short = Event(type="placed", payload={"note": "x"})
+    long = Event(type="placed", payload={"note": "x" * 2000})
+    for n, event in enumerate((short, long)):
+        await outbox.save_with_events(None, db.orders, {"_id": n}, [event])
+    queue = await bind_queue(channel, unique)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--rabbitmq={RABBITMQ_URL}"]
+
+    ran = await cli("relay", "--drain", *where, f"--exchange={unique}", "--max-message-size=1000")
+
+    assert ran.code == 1, ran.output  # a drain that parked an event did not do its whole job
+    assert ran.out.startswith("published 1 events"), ran.output
+    [parked] = await db.outbox.find({"status": "parked"}).to_list(None)
+    assert parked["_id"] == long.id and "1000" in parked["last_error"]
+    [message] = await drain_queue(queue, 1)
+    assert message.message_id == short.id
 
 
 @pytest.mark.parametrize("drain", [False, True])

@@ -97,6 +97,14 @@ async def test_replay_republishes_published_events_in_order_under_their_own_ids(
     assert {e.aggregate_id for _, e in await drain_queue(queue)} == {1, "o-3"}
     future = await cli("replay", *where, *broker, "--since=2999-01-01")
     assert future.out.startswith("republished 0 of 0 events")
+    assert f"no published event {db.name}.outbox keeps occurred since 2999-01-01" in future.err
+    misspelled = await cli("replay", *where, *broker, "--since=1h", "--type=order.piad")
+    assert misspelled.code == 0 and misspelled.out.startswith("republished 0 of 0 events")
+    assert ", of type order.piad: a type and an aggregate id match exactly" in misspelled.err
+    assert "no published event" not in paid.err + one.err
+    elsewhere = await cli("replay", f"--uri={mongo.uri}", f"--db={db.name}x", *broker, "--since=1h")
+    assert elsewhere.code == 0 and f"no published event {db.name}x.outbox keeps" in elsewhere.err
+    assert "a misspelled --db has none" in elsewhere.err
 
 
 async def test_replay_reaches_a_new_nats_stream(

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,6 +73,18 @@ class MongoGate:
         await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
 
 
+async def stop_when_mongodb_hangs(
+    relay: Service, gate: MongoGate, ready: Callable[[], Awaitable[bool]]
+) -> tuple[Any, float]:
+    """Once ``ready()``, make MongoDB silent, SIGTERM the relay: what it ran and the seconds
+    its stop took."""
+    await until(ready, timeout=30, every=0.1)
+    gate.hang()  # MongoDB stops answering the relay
+    started = time.monotonic()
+    ran = await relay.stop(signal.SIGTERM, timeout=40)
+    return ran, time.monotonic() - started
+
+
 async def test_a_standby_stops_at_once_during_a_mongodb_outage(
     mongo: MongoServer, db: Any, unique: str
 ) -> None:
@@ -102,11 +115,7 @@ async def test_a_standby_stops_at_once_during_a_mongodb_outage(
             except OSError:
                 return False
 
-        await until(standing_by, timeout=30, every=0.1)
-        gate.hang()  # MongoDB stops answering the relay
-        started = time.monotonic()
-        ran = await relay.stop(signal.SIGTERM, timeout=30)
-        took = time.monotonic() - started
+        ran, took = await stop_when_mongodb_hangs(relay, gate, standing_by)
     finally:
         relay.kill()
         await gate.close()
@@ -114,4 +123,36 @@ async def test_a_standby_stops_at_once_during_a_mongodb_outage(
     assert ran.code == 0, ran.output
     assert took < 8, f"stopped after {took:.1f}s (--stop-timeout is 10 s): {ran.err}"
     assert "lease runs out" not in ran.err
+    assert "relay orders-relay: stopped" in ran.err
+
+
+async def test_an_active_relay_stops_within_the_stop_timeout_during_a_mongodb_outage(
+    mongo: MongoServer, db: Any, unique: str
+) -> None:
+    # It waited for the change stream's getMore, then for its lease's release, each as long as
+    # the driver waits for a server (30 s): past --stop-timeout, so exit status 1.
+    await Outbox(db).ensure_indexes()
+    gate = MongoGate(mongo.uri)
+    await gate.start()
+    relay = await Service(
+        "relay",
+        f"--uri={gate.url}",
+        f"--db={db.name}",
+        "--name=orders-relay",
+        f"--nats={NATS_URL}",
+        f"--subject={unique}.{{type}}",
+    ).start()
+    try:
+
+        async def active() -> bool:
+            assert relay.process is not None and relay.process.returncode is None
+            found = await db.outbox_relays.find_one({"_id": "orders-relay"})
+            return bool(found and found.get("token") is not None)
+
+        ran, took = await stop_when_mongodb_hangs(relay, gate, active)
+    finally:
+        relay.kill()
+        await gate.close()
+    assert ran.code == 0, ran.err
+    assert took < 8, f"stopped after {took:.1f}s (--stop-timeout is 10 s): {ran.err}"
     assert "relay orders-relay: stopped" in ran.err

@@ -315,3 +315,16 @@ async def test_weak_or_half_given_credentials_stop_the_command_in_one_line(
     )
     half = await cli("console", *where, env=environment(MONGO_OUTBOX_CONSOLE_USER="ops"))
     assert half.code == 1 and "MONGO_OUTBOX_CONSOLE_PASSWORD" in half.err
+
+
+@pytest.mark.parametrize("history", ["-1", "0", "nan", "inf"])
+async def test_a_history_of_no_minutes_stops_the_command_in_one_line(
+    mongo: MongoServer, db: Any, history: str
+) -> None:
+    from tests.support.cli import cli
+
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", "--port=0"]
+    ran = await cli("console", *where, f"--history={history}")
+    assert ran.code == 1 and ran.err.strip() == (
+        f"mongo-outbox: --history must be > 0 minutes, not {float(history)!r}"
+    )

@@ -82,6 +82,17 @@ async def consuming(consumer: Awaitable[None], stop: asyncio.Event) -> AsyncIter
             await asyncio.wait_for(task, 10)
 
 
+def skip_on_nats_2_9(nats_client: Any) -> None:
+    """For a test that naks two messages with a delay after a fetch timed out."""
+    version = nats_client.connected_server_version
+    if (version.major, version.minor) <= (2, 9):
+        pytest.skip(
+            f"nats-server {version.major}.{version.minor}: 2.9.10 redelivers the wrong "
+            "message after a delayed nak now and then (tests/support/nats_delayed_nak.py, "
+            "with nats-py alone); the testing extra's nats-server, which .ci/run uses, does not"
+        )
+
+
 async def until(condition: Any, seconds: float = 20.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -196,13 +207,7 @@ async def test_stopping_ordered_consume_nats_gives_the_held_and_waiting_messages
 ) -> None:
     """Aggregate 1's first event is being retried (in the process, up to 300 s); its second
     waits behind it. Stop returns at once, neither is handled, and JetStream has both again."""
-    version = nats_client.connected_server_version
-    if (version.major, version.minor) <= (2, 9):
-        pytest.skip(
-            f"nats-server {version.major}.{version.minor}: 2.9.10 redelivers the wrong "
-            "message after a delayed nak now and then (tests/support/nats_delayed_nak.py, "
-            "with nats-py alone); the testing extra's nats-server, which .ci/run uses, does not"
-        )
+    skip_on_nats_2_9(nats_client)
     js = nats_client.jetstream()
     first, second = (
         Event(type="order.changed", aggregate_type="orders", aggregate_id=1, sequence=s)
@@ -251,3 +256,85 @@ async def test_stopping_ordered_consume_nats_gives_the_held_and_waiting_messages
     async with consuming(next_consumer, again):
         await until(lambda: len(handled) == 2, 10)
     assert sorted(handled) == [1, 2]
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+async def test_a_consumer_cancelled_while_a_handler_hangs_leaves_nothing_running_or_held(
+    db: Any, nats_client: Any, nats_stream: str, ordered: bool
+) -> None:
+    # The caller stops the consumer but will not wait for a handler that hangs: the consumer
+    # is cancelled during its drain. The handler ends, its keep-alive too, and the message goes
+    # back at once: it used to be renewed for as long as the process lived.
+    js = nats_client.jetstream()
+    skip_on_nats_2_9(nats_client)  # both are nak'ed with a delay after a fetch timed out
+    # Two of one aggregate: in ordered mode the second waits its turn behind the first.
+    events = [Event(type="order.placed", aggregate_type="orders", aggregate_id=1) for _ in "ab"]
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    for event in events:
+        await publisher.publish(event)
+    await publisher.aclose()
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    @inbox_guard(Inbox(db, consumer="c", transactional=False))
+    async def hangs(event: Event, session: Any) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.set()
+
+    before = asyncio.all_tasks()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        consume_nats(
+            js, f"{nats_stream}.>", "c", hangs, stream=nats_stream, ordered=ordered, stop=stop
+        )
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    stop.set()
+    with pytest.raises(asyncio.TimeoutError):  # wait_for cancels it
+        await asyncio.wait_for(task, 0.5)
+    await asyncio.sleep(0)
+    left = {t.get_coro().__qualname__ for t in asyncio.all_tasks() - before}  # type: ignore[union-attr]
+    assert not left & {"Dispatcher._run", "_keep_alive"}, left
+    assert ended.is_set()  # the handler was cancelled, not left hanging
+    # Given back (a nak, due again a second later), not held until the process ends.
+    again = await js.pull_subscribe(f"{nats_stream}.>", durable="c", stream=nats_stream)
+    messages = await again.fetch(2, timeout=5)
+    assert sorted(m.metadata.num_delivered for m in messages) == [2, 2]
+    for message in messages:
+        await message.ack()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+async def test_a_consumer_cancelled_before_its_drain_cancels_a_hanging_handler(
+    db: Any, nats_client: Any, nats_stream: str, ordered: bool
+) -> None:
+    # Cancelled in its read loop (in a fetch), the consumer drained in its finally block,
+    # waiting for the hanging handler: no second cancellation was coming, so it never ended
+    # (the cause of a CI run's 120 s timeout of the test above, whose wait_for cancelled the
+    # consumer now during its drain, now while it still fetched).
+    js = nats_client.jetstream()
+    event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    await publisher.publish(event)
+    await publisher.aclose()
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    @inbox_guard(Inbox(db, consumer="c", transactional=False))
+    async def hangs(event: Event, session: Any) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.set()
+
+    task = asyncio.create_task(
+        consume_nats(js, f"{nats_stream}.>", "c", hangs, stream=nats_stream, ordered=ordered)
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.sleep(0.1)  # back in its loop, waiting on a fetch
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=15)
+    assert done, "the cancelled consumer waited for its hanging handler"
+    assert task.cancelled() and ended.is_set()

@@ -179,3 +179,30 @@ async def test_add_events_outside_a_transaction_or_without_an_aggregate_writes_n
 
         await asyncio.to_thread(sync_misuse)
     assert await contents(db) == before
+
+
+async def test_add_events_to_a_missing_aggregate_aborts_the_caller_s_transaction(
+    writer: Writer, db: Any, client: Any, sync_client: MongoClient[Any]
+) -> None:
+    # The docs promised it; the transaction stayed open, and a caller that caught the error
+    # and went on committed its own writes without their events.
+    await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+    if writer.api == "async":
+        async with client.start_session() as session:
+            async with await session.start_transaction():
+                await db.stock.insert_one({"_id": "sku"}, session=session)
+                with pytest.raises(AggregateNotFoundError):
+                    await writer.add_events(session, db.orders, 2, [Event(type="b")])
+                assert not session.in_transaction
+    else:
+
+        def caught() -> None:
+            with sync_client.start_session() as session, session.start_transaction():
+                writer.sync_db.stock.insert_one({"_id": "sku"}, session=session)
+                with pytest.raises(AggregateNotFoundError):
+                    writer.outbox.add_events(session, writer.sync_db.orders, 2, [Event(type="b")])
+                assert not session.in_transaction
+
+        await asyncio.to_thread(caught)
+    assert await db.stock.count_documents({}) == 0  # the caller's own write went with it
+    assert await db.outbox.count_documents({}) == 1

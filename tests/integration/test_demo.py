@@ -5,17 +5,21 @@ fresh virtual environment with the MongoDB emulator and a nats-server of its own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pymongo import MongoClient
 
-from tests.support.servers import MongoServer
+from tests.support.servers import NATS_URL, MongoServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -185,3 +189,70 @@ def test_the_beanie_example_rebuilds_every_total_from_its_typed_events(
     assert summary["names tidied by the action"] == "True"
     assert summary["totals rebuilt from events match the orders"] == "True"
     assert summary["sequences gap-free per order"] == "True"
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 13), reason="make demo runs on Python >= 3.13 (the emulator's)"
+)
+def test_a_demo_stopped_by_sigterm_stops_its_relay_and_removes_what_it_made(
+    mongo: MongoServer,
+) -> None:
+    # Only Ctrl-C went through its clean-up: SIGTERM left the relay running, orphaned, and the
+    # run's JetStream stream and database behind.
+    with subprocess.Popen(
+        [sys.executable, "examples/order_service.py", "--orders", "5000"],
+        cwd=ROOT,
+        env=os.environ | {"MONGODB_URI": mongo.uri, "NATS_URL": NATS_URL},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as demo:
+        assert demo.stderr is not None and demo.stdout is not None
+        run = relay = ""
+        for line in demo.stderr:
+            if found := re.search(r"change-stream relay of (demo\w+)\.outbox", line):
+                run = found.group(1)
+            if "starting -> active" in line:
+                break
+        relay = subprocess.run(
+            ["pgrep", "-f", f"mongo_outbox relay .*--db {run}"], capture_output=True, text=True
+        ).stdout.strip()
+        assert run and relay, "the demo's relay never became active"
+        demo.send_signal(signal.SIGTERM)
+        try:
+            assert demo.wait(60) == 130, demo.stdout.read() + demo.stderr.read()
+            orphaned = pid_alive(int(relay))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(relay), signal.SIGKILL)  # whatever it left running
+    assert not orphaned
+    client: Any = MongoClient(mongo.uri)
+    try:
+        assert run not in client.list_database_names()
+    finally:
+        client.close()
+    streams = subprocess.run(
+        [sys.executable, "-c", NATS_STREAMS.replace("URL", repr(NATS_URL))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run not in streams.stdout.split()
+
+
+NATS_STREAMS = """
+import asyncio, nats
+async def main():
+    nc = await nats.connect(URL)
+    print(*[s.config.name for s in await nc.jetstream().streams_info()])
+    await nc.close()
+asyncio.run(main())
+"""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

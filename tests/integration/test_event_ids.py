@@ -61,6 +61,9 @@ async def test_an_event_id_pending_in_another_document_is_refused_and_nothing_is
                 expected_version=expected_version,
             )
         assert caught.value.collection == "orders"
+        assert caught.value.event_id == event.id  # said by the registry, or by the server
+        assert event.id in str(caught.value)
+        assert "full error" not in str(caught.value)  # no driver dump
     assert await contents(db) == before
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 1
@@ -555,6 +558,91 @@ async def test_a_copy_made_before_the_save_is_parked_not_dropped_once_its_id_wen
     assert [(e.id, e.payload) for e in publisher.events if e.id == event.id] == [
         (event.id, {"v": 1})
     ]
+
+
+async def test_copies_saved_into_the_same_document_while_pending_go_out_once_the_rest_parked(
+    db: Any,
+) -> None:
+    # Copies taken before the first save, changed, saved into the same document while the
+    # event is still pending: the document holds one id three times. One goes out (the first,
+    # which takes the id); the others are parked where they are, kept whole, not dropped by
+    # the broker as its duplicates, and not removed when the first is settled.
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    event = Event(type="placed", payload={"v": 1})
+    copies = [event.model_copy(update={"payload": {"v": n}}) for n in (2, 3)]
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [event])
+    for copy in copies:  # (in one save, a repeated id is refused before anything is written)
+        await outbox.update_with_events(None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [copy])
+    later = Event(type="after")
+    await outbox.update_with_events(None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [later])
+    publisher = MemoryPublisher()
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == 2
+    assert [(e.id, e.payload, e.sequence) for e in publisher.events] == [
+        (event.id, {"v": 1}, 1),
+        (later.id, {}, 4),
+    ]
+    parked = await relay.parked()
+    assert sorted((p["_id"], p["payload"]["v"], p["sequence"]) for p in parked) == [
+        (event.id, 2, 2),
+        (event.id, 3, 3),
+    ]
+    assert all("taken by event 1 of orders 1" in p["last_error"] for p in parked)
+    assert len(await unsettled(outbox, db)) == 2  # both kept, none lost
+    assert await relay.drain() == 0
+
+
+class WhilePublishing(MemoryPublisher):
+    """A publisher that runs ``meanwhile`` once, while the relay holds the document, as it
+    publishes ``event_id`` for the first time."""
+
+    def __init__(self, event_id: str, meanwhile: Any) -> None:
+        super().__init__()
+        self.event_id, self.meanwhile = event_id, meanwhile
+
+    async def publish(self, event: Event) -> None:
+        if event.id == self.event_id and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            await meanwhile()
+        await super().publish(event)
+
+
+@pytest.mark.parametrize("how", ["saved", "requeued"])
+async def test_a_copy_that_joins_the_document_while_its_original_is_published_is_kept(
+    db: Any, how: str
+) -> None:
+    # While the relay holds the document and publishes the original, a copy of it (same id,
+    # another payload) is saved into it, or the parked copy is requeued there. Settling the
+    # original removes the original's entry only: the copy stays, and the next claim parks it.
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    event = Event(type="placed", payload={"v": 1})
+    copy = event.model_copy(update={"payload": {"v": 2}})
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [event])
+    relay = PollingRelay(outbox, MemoryPublisher())
+    if how == "requeued":
+        await outbox.update_with_events(None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [copy])
+        # The original fails once (to be retried), the copy is parked as taken.
+        down = MemoryPublisher(fail=lambda e: RuntimeError("down"))
+        await PollingRelay(outbox, down).drain()
+        assert [p["payload"] for p in await relay.parked()] == [{"v": 2}]
+        await db.orders.update_one({"_id": 1}, {"$set": {"_outbox_due": utc_now()}})
+
+    async def meanwhile() -> None:
+        if how == "saved":
+            await outbox.update_with_events(None, db.orders, {"_id": 1}, {"$inc": {"n": 1}}, [copy])
+        else:
+            assert await relay.requeue([copy.id]) == 1
+
+    publisher = WhilePublishing(event.id, meanwhile)
+    assert await PollingRelay(outbox, publisher).drain() == 1
+    assert [(e.id, e.payload) for e in publisher.events] == [(event.id, {"v": 1})]
+    assert await PollingRelay(outbox, publisher).drain() == 0  # its next round: the copy
+    [parked] = await relay.parked()
+    assert (parked["_id"], parked["payload"]) == (event.id, {"v": 2})
+    assert "taken by event 1 of orders 1" in parked["last_error"]
+    assert len(await unsettled(outbox, db)) == 1  # kept, not removed with the original
 
 
 def test_an_event_pickled_by_an_older_version_saves_as_a_new_one() -> None:

@@ -218,3 +218,35 @@ async def test_faststream_reclaims_a_failing_entry_without_limit_or_dead_letter(
     assert set(calls) == {"poison"}
     assert await pending(redis, unique, "g") == 1
     assert int((await redis.xpending_range(unique, "g", "-", "+", 1))[0]["times_delivered"]) >= 6
+
+
+async def test_inbox_handler_on_a_redis_subscriber_says_to_use_consume_redis(
+    db: Any, redis: Redis, unique: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # It said "a builtins.dict message (a batch subscriber delivers a list ...)": this is no
+    # batch subscriber, and what guards a Redis stream is consume_redis.
+    from mongo_outbox import Event, Inbox
+    from mongo_outbox.faststream import inbox_handler
+    from mongo_outbox.publishers import FastStreamPublisher
+
+    broker = RedisBroker(REDIS_URL)
+    ran: list[str] = []
+
+    @broker.subscriber(stream=StreamSub(unique, group="g", consumer="c1"))
+    @inbox_handler(Inbox(db, consumer="billing"))
+    async def bill(event: Event, session: Any) -> None:
+        ran.append(event.id)
+
+    printed: list[str] = []
+
+    def said() -> bool:  # FastStream's own logger prints it (stdout): it does not propagate
+        printed.append("".join(capfd.readouterr()))
+        return "consume_redis guards Redis streams" in "".join(printed)
+
+    await broker.start()
+    try:
+        await FastStreamPublisher(broker, unique).publish(Event(type="e"))
+        await until(said, timeout=15)
+    finally:
+        await broker.stop()
+    assert ran == []

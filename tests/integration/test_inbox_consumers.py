@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import aio_pika
+import nats.js.errors
 import pytest
+from nats.js.api import ConsumerConfig
 
 from mongo_outbox import Backoff, Event, Inbox, inbox_guard
+from mongo_outbox.brokers.nats.consumer import _Delivery
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.billing import (
@@ -21,6 +24,7 @@ from tests.support.billing import (
     save_orders,
     wait_for_invoices,
 )
+from tests.support.brokers import FaultyGate
 from tests.support.servers import NATS_URL, RABBITMQ_URL
 from tests.support.waiting import until
 
@@ -233,15 +237,17 @@ async def test_stopping_consume_rabbitmq_leaves_a_retry_in_its_retry_queue(
     await channel.close()
 
 
+@pytest.mark.parametrize("limit", [0, 2])
 async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
-    db: Any, amqp_connection: Any, unique: str
+    db: Any, amqp_connection: Any, unique: str, limit: int
 ) -> None:
     """x-delivery-limit 2 with max_attempts 5, retries held in the process: the broker would
     drop the message after its third delivery, never dead-lettered, its record left
-    ``retrying``."""
+    ``retrying``. With a limit of 0 the first delivery is the last: it carries no count, which
+    was taken for no limit at all (one run, then dropped)."""
     channel = await amqp_connection.channel()
     queue = await channel.declare_queue(
-        unique, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 2}
+        unique, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": limit}
     )
     try:
         event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
@@ -260,12 +266,14 @@ async def test_rabbitmq_quorum_queue_s_last_delivery_is_dead_lettered(
         consumer = consume_rabbitmq(queue, guarded, stop=stop, retry_queues=False)
         async with consuming(consumer, stop):
             await until(dead_lettered, timeout=15)
-        assert runs == [1, 2, 3]
+        deliveries = limit + 1
+        assert runs == list(range(1, deliveries + 1))
         assert dead == [
-            "gave up after 3 on the broker's last delivery: ConnectionError: ledger down"
+            f"gave up after {deliveries} on the broker's last delivery: ConnectionError: "
+            "ledger down"
         ]
         [record] = await db.inbox.find().to_list(None)
-        assert (record["status"], record["attempts"]) == ("failed", 3)
+        assert (record["status"], record["attempts"]) == ("failed", deliveries)
         assert await queue.get(fail=False, timeout=1) is None
     finally:
         await queue.delete(if_unused=False, if_empty=False)
@@ -302,3 +310,85 @@ async def test_nats_consumer_s_last_delivery_is_dead_lettered(
     assert (record["status"], record["attempts"]) == ("failed", 3)
     info = await js.consumer_info(nats_stream, "billing")
     assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_a_nats_keep_alive_after_a_retry_s_nak_does_not_put_the_redelivery_off(
+    nats_client: Any, nats_stream: str
+) -> None:
+    # The keep-alive reads the messages in flight, then sends +WPI for each: one settled by a
+    # delayed nak in between got a +WPI after its nak, and JetStream then delivered it again
+    # after ack_wait (10 s here), not after the retry's delay (1 s).
+    js = nats_client.jetstream()
+    await js.publish(f"{nats_stream}.e", b"{}")
+    config = ConsumerConfig(ack_wait=10)
+    subscription = await js.pull_subscribe(f"{nats_stream}.e", "billing", config=config)
+    (message,) = await subscription.fetch(1, timeout=5)
+    delivery = _Delivery(message, None)
+    await delivery.retry_after(1.0, asyncio.Event())
+    await delivery.keep_alive()
+    try:
+        (again,) = await subscription.fetch(1, timeout=5)
+        assert again.metadata.num_delivered == 2
+        await again.ack()
+    finally:
+        await subscription.unsubscribe()
+
+
+async def test_a_consumer_whose_inbox_cannot_be_indexed_stops_and_says_why(
+    db: Any, nats_client: Any, nats_stream: str
+) -> None:
+    # A configuration error no retry fixes: the consumer does not start, and no message is
+    # delivered meanwhile (a supervisor restarting it would use up their deliveries), instead
+    # of every delivery failing as "inbox unavailable" for ever.
+    from mongo_outbox import ConfigurationError
+
+    await db.inbox.create_index("expire_at", expireAfterSeconds=3600, name="my_ttl")
+    event = Event(type="order.placed")
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    await publisher.publish(event)
+    await publisher.aclose()
+    runs: list[str] = []
+
+    @inbox_guard(Inbox(db, consumer="c", transactional=False))
+    async def handler(event: Event, session: Any) -> None:
+        runs.append(event.id)
+
+    js = nats_client.jetstream()
+    consumer = consume_nats(js, f"{nats_stream}.>", "c", handler, stream=nats_stream)
+    with pytest.raises(ConfigurationError, match="its index 'ttl' cannot be created"):
+        await asyncio.wait_for(consumer, 10)
+    assert runs == []
+    # It never subscribed: the message waits in the stream, delivered to no one.
+    assert (await js.stream_info(nats_stream)).state.messages == 1
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.consumer_info(nats_stream, "c")
+
+
+@pytest.mark.parametrize("how", ["refused", "hanging"])
+async def test_stopping_consume_rabbitmq_while_rabbitmq_is_down_returns(
+    db: Any, unique: str, how: str
+) -> None:
+    # Its cancel waited for the robust channel to come back: a stop during an outage did not
+    # return (and raised "channel closed" once RabbitMQ was back).
+    gate = FaultyGate()
+    await gate.start()
+    connection = await aio_pika.connect_robust(gate.url, timeout=5)
+    try:
+        queue = await (await connection.channel()).declare_queue(unique, auto_delete=True)
+
+        @inbox_guard(Inbox(db, consumer="billing"), backoff=Backoff(initial=0.05, maximum=0.1))
+        async def bill(event: Event, session: Any) -> None:
+            pass
+
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(consume_rabbitmq(queue, bill, stop=stop, retry_queues=False))
+        await asyncio.sleep(0.5)  # consuming
+        await gate.fail(how)
+        stop.set()
+        # A closed channel is not waited for; a silent one at most 5 s (_CANCEL_WAIT).
+        done, _ = await asyncio.wait([consumer], timeout=10)
+        assert done, f"consume_rabbitmq did not stop while RabbitMQ was {how}"
+        assert consumer.exception() is None
+    finally:
+        await gate.heal()
+        await connection.close()

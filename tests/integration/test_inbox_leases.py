@@ -131,17 +131,23 @@ async def test_a_crash_in_the_last_attempt_is_dead_lettered_without_another_run(
     async def dead_letter(event: Event, reason: str) -> None:
         dead.append(reason)
 
+    started = asyncio.Event()
+
     @inbox_guard(inbox, max_attempts=2, backoff=FAST, dead_letter=dead_letter)
     async def send_mail(event: Event, session: Any, *, attempt: int) -> None:
         attempts.append(attempt)
         if attempt == 2:
-            raise asyncio.CancelledError  # the process dies inside its last attempt
+            started.set()
+            await asyncio.Event().wait()  # until the process dies inside its last attempt
         raise ConnectionError("SMTP timed out")
 
     event = order_event()
     assert (await send_mail.handle(event)).outcome is Outcome.RETRY
+    dying = asyncio.create_task(send_mail.handle(event))
+    await started.wait()
+    dying.cancel()  # as a crash: nothing after it runs
     with pytest.raises(asyncio.CancelledError):
-        await send_mail.handle(event)
+        await dying
     for _ in range(100):
         result = await send_mail.handle(event)
         if result.error != "in progress":

@@ -58,6 +58,8 @@ async def test_inbox_durations_are_seconds_or_a_timedelta(db: Any) -> None:
         ({"consumer": ""}, "Inbox.consumer"),
         ({"consumer": 7}, "Inbox.consumer"),
         ({"collection": ""}, "Inbox.collection"),
+        ({"collection": "in$box"}, "Inbox.collection"),
+        ({"collection": "inbox."}, "Inbox.collection"),
         ({"transactional": "yes"}, "Inbox.transactional"),
     ],
 )
@@ -248,3 +250,34 @@ async def test_two_handlers_under_one_consumer_name_are_warned_about(
     assert "'billing'" in message
     assert f"{__name__}.test_two_handlers_under_one_consumer_name_are_warned_about" in message
     assert ".<locals>.bill" in message and ".<locals>.ship" in message
+
+
+@pytest.mark.parametrize("conflict", ["ttl_of_another_name", "identity_not_unique", "duplicates"])
+async def test_an_index_in_the_way_of_the_inbox_is_a_configuration_error_not_an_outage(
+    db: Any, conflict: str
+) -> None:
+    # Retried as "inbox unavailable", it never counted an attempt and never stopped: every
+    # delivery of every message came back for ever. No retry can fix it: it is refused.
+    if conflict == "ttl_of_another_name":
+        await db.inbox.create_index("expire_at", expireAfterSeconds=3600, name="my_ttl")
+    elif conflict == "identity_not_unique":
+        await db.inbox.create_index([("consumer", 1)], name="identity")
+    else:
+        record = {"consumer": "c", "source": None, "message_id": "m"}
+        await db.inbox.insert_many([dict(record), dict(record)])
+    inbox = Inbox(db, consumer="c", transactional=False)
+    with pytest.raises(ConfigurationError, match=r"its index .* cannot be created") as caught:
+        await inbox.ensure_indexes()
+    assert caught.value.setting == "Inbox.collection"
+    runs: list[str] = []
+
+    @inbox_guard(inbox)
+    async def handler(event: Event, session: Any) -> None:
+        runs.append(event.id)
+
+    # Called, the guard keeps its promise never to raise for it: a retry at the longest delay,
+    # not an attempt (the consumers refuse to start on it).
+    with pytest.raises(RetryLater, match=r"its index .* cannot be created") as retried:
+        await handler(Event(type="t"))
+    assert (retried.value.attempt, retried.value.delay) == (0, 300.0)
+    assert runs == []

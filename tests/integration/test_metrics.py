@@ -110,6 +110,35 @@ async def test_inbox_outcomes_and_handler_durations_are_counted(
     assert 0 < total < 30
 
 
+async def test_counters_exist_at_zero_before_their_first_count(db: Any, reader: Any) -> None:
+    # Prometheus' increase() reads a series that first appears at 1 as no increase: the first
+    # dead letter (or parked event) of a process went unseen by the kit's alerts.
+    from mongo_outbox._inbox.outcomes import Outcome
+
+    assert tuple(outcome.value for outcome in Outcome) == metrics.INBOX_OUTCOMES
+    inbox = Inbox(db, consumer="billing", transactional=False)
+
+    @inbox_guard(inbox)
+    async def bill(event: Event, session: Any) -> None:
+        raise PoisonMessage("no customer")
+
+    assert points(reader, "mongo_outbox_inbox_messages") == {
+        at(consumer="billing", outcome=outcome): 0 for outcome in metrics.INBOX_OUTCOMES
+    }
+    relay = PollingRelay(Outbox(db), MemoryPublisher(), name="orders-relay")
+    task = asyncio.create_task(relay.run())
+    await until(lambda: relay.state == "active")
+    relay.stop()
+    await asyncio.wait_for(task, 10)
+    assert mine(points(reader, "mongo_outbox_publish_failures"), "orders-relay") == {
+        at(database=db.name, relay="orders-relay", reason=reason): 0
+        for reason in metrics.FAILURE_REASONS
+    }
+    assert mine(points(reader, "mongo_outbox_published"), "orders-relay") == {
+        at(database=db.name, relay="orders-relay"): 0
+    }
+
+
 async def test_publish_failures_are_counted_by_reason_and_publishes_per_relay(
     db: Any, reader: Any
 ) -> None:

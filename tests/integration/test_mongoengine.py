@@ -12,6 +12,7 @@ import mongoengine as me
 import pytest
 from bson import ObjectId
 from mongoengine import signals
+from mongoengine.errors import InvalidDocumentError
 from pydantic import BaseModel
 
 from mongo_outbox import ConcurrencyError, Event, Outbox, PollingRelay
@@ -201,3 +202,26 @@ def test_a_save_joins_the_callers_transaction(engine: Any) -> None:
             session.abort_transaction()
     assert engine.orders.count_documents({}) == 0
     assert engine.outbox.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unchanged_document_saved_with_events_writes_no_field(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    stale = Order.objects.get(id=order.id)
+    fresh = Order.objects.get(id=order.id)
+    fresh.total = 7
+    orders.save(fresh, [Event(type="order.repriced")])
+    # Nothing changed on `stale` (MongoEngine's own save would write nothing): its events go,
+    # and the price another writer stored stays.
+    saved = orders.save(stale, [Event(type="order.viewed")])
+    assert saved.version == 3 and stale.version == 3
+    assert engine.orders.find_one({"_id": order.id})["total"] == 7
+
+
+def test_deleting_a_document_never_saved_is_refused_before_its_signals(engine: Any) -> None:
+    orders = outbox_of(engine, "collection")
+    with pytest.raises(InvalidDocumentError, match="primary key"):
+        orders.delete(Order(customer="ada", total=1), [Event(type="order.deleted")])
+    assert SIGNALS == [] and engine.outbox.count_documents({}) == 0

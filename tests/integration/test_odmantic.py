@@ -12,7 +12,7 @@ import pytest
 from odmantic import AIOEngine, Field, Model
 from pydantic import BaseModel
 
-from mongo_outbox import ConcurrencyError, Event, Outbox, PollingRelay
+from mongo_outbox import AggregateNotFoundError, ConcurrencyError, Event, Outbox, PollingRelay
 from mongo_outbox.odm.odmantic import ODManticOutbox
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.servers import MongoServer
@@ -101,3 +101,45 @@ async def test_a_save_joins_an_odmantic_transaction_and_delete_records_its_event
     await orders.save(order, [Event(type="order.placed")])
     deleted = await orders.delete(order, [Event(type="order.deleted")], expected_version=1)
     assert deleted.version == 2 and await engine.count(Order) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_unchanged_instance_saved_with_events_writes_no_field(
+    engine: AIOEngine, mode: str
+) -> None:
+    skus = outbox_of(engine, mode)
+    sku = Sku(code="pen", stock=3)
+    await skus.save(sku, [Event(type="stocked")])
+    stale = await engine.find_one(Sku, Sku.code == "pen")
+    fresh = await engine.find_one(Sku, Sku.code == "pen")
+    assert stale is not None and fresh is not None
+    fresh.stock = 1
+    await skus.save(fresh, [Event(type="taken")])
+    # Nothing to send from `stale` (ODMantic's own save writes nothing): its events go, and
+    # the stock another writer stored stays.
+    assert (await skus.save(stale, [Event(type="viewed")])).version == 3
+    assert (await engine.database.skus.find_one({"_id": "pen"}))["stock"] == 1
+    if mode == "collection":
+        await skus.delete(fresh, [Event(type="discontinued")])
+        with pytest.raises(AggregateNotFoundError):  # not created again, empty
+            await skus.save(stale, [Event(type="viewed")])
+        assert await engine.database.skus.count_documents({}) == 0
+
+
+async def test_a_loaded_instance_deleted_meanwhile_is_not_created_again(
+    engine: AIOEngine,
+) -> None:
+    orders = outbox_of(engine, "collection")
+    order = Order(customer="ada", total=1)
+    await orders.save(order, [Event(type="placed")])
+    stale = await engine.find_one(Order, Order.id == order.id)
+    assert stale is not None
+    await orders.delete(order, [Event(type="deleted")])
+    # Unchanged, it still sends its mutable field (lines): that made an upsert, which created
+    # {"lines": []} alone, its events starting again at sequence 1.
+    with pytest.raises(AggregateNotFoundError):
+        await orders.save(stale, [Event(type="viewed")])
+    stale.total = 2
+    with pytest.raises(AggregateNotFoundError):
+        await orders.save(stale, [Event(type="repriced")])
+    assert await engine.database.orders.count_documents({}) == 0

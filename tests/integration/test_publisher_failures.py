@@ -28,7 +28,7 @@ from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.servers import NATS_URL, RABBITMQ_URL
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, until
 
 
 @pytest.fixture
@@ -463,6 +463,96 @@ async def test_nats_aclose_fails_publishes_in_flight_as_closed_not_cancelled(
     assert all(r is None or unavailable(r) for r in results), {type(r) for r in results}
     with contextlib.suppress(BrokerUnavailableError):
         await publisher.publish(event())
+
+
+class _FakeNats:
+    """A fake NATS server (no real one can be made to do this on cue): it completes the
+    handshake, then never reads again. What the client writes after that stays in its
+    socket's buffer, so whatever waits for that socket to take it or to close waits for ever.
+    ``cut()`` sends the client an end of file and refuses new connections."""
+
+    def __init__(self) -> None:
+        self.accepted: list[asyncio.StreamWriter] = []
+        self._cut = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        self._cut.set()
+
+    def close(self) -> None:
+        for writer in self.accepted:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted.append(writer)
+        info = b'{"server_id":"fake","version":"2.10.0","headers":true,"max_payload":67108864}'
+        writer.write(b"INFO " + info + b"\r\n")
+        seen = b""
+        while b"PING\r\n" not in seen:
+            seen += await reader.read(4096)
+        writer.write(b"PONG\r\n")
+        await self._cut.wait()
+        writer.write_eof()
+
+
+@contextlib.asynccontextmanager
+async def _stuck_publisher() -> AsyncIterator[
+    tuple[_FakeNats, NatsPublisher, Any, asyncio.Transport]
+]:
+    """A publisher connected to a ``_FakeNats`` with 32 MiB it can never hand over, and the
+    client's socket transport that holds them."""
+    fake = _FakeNats()
+    publisher = await NatsPublisher.connect(f"nats://127.0.0.1:{await fake.start()}", timeout=1)
+    nc = publisher.connection
+    assert nc is not None
+    # Not awaited: nats-py flushes a publish this size at once, and waits for the socket.
+    stuck = asyncio.ensure_future(nc.publish("x", bytes(32 << 20)))
+    try:
+        socket = nc._transport._io_writer.transport
+        # All of it handed to the socket, which holds what the kernel did not take.
+        await until(lambda: nc.pending_data_size == 0 and socket.get_write_buffer_size() > 0)
+        yield fake, publisher, nc, socket
+    finally:
+        fake.close()
+        stuck.cancel()
+        with contextlib.suppress(BaseException):
+            await stuck
+
+
+async def test_nats_aclose_while_the_client_reconnects_from_a_stuck_socket_does_not_raise() -> None:
+    # nats-py's close cancels its reconnection, which waits on the very future the close then
+    # awaits: a CancelledError nobody asked for (a CI run on 3.10 met it at random).
+    async with _stuck_publisher() as (fake, publisher, nc, _):
+        fake.cut()
+        await until(lambda: nc.is_reconnecting)
+        await asyncio.sleep(0.1)  # the reconnection is now waiting for the socket to close
+        await publisher.aclose()
+        assert nc.is_closed
+
+
+async def test_nats_aclose_returns_and_drops_the_socket_when_the_server_stops_reading(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A hung server (stopped, or behind a stuck proxy) used to hold aclose, and so a relay's
+    # stop, for ever: nats-py's drain and close wait for the socket to take its buffer.
+    async with _stuck_publisher() as (_, publisher, nc, socket):
+        started = time.monotonic()
+        await publisher.aclose()
+        assert time.monotonic() - started < 2 * publisher.timeout + 1
+        assert nc.is_closed
+        # Dropped, not closed gracefully: a graceful close would keep the buffer, and the
+        # socket, until the server reads it.
+        assert socket.is_closing() and socket.get_write_buffer_size() == 0
+        assert "its socket is dropped" in caplog.text
 
 
 # --- RabbitMQ: a wave's confirms, one by one -----------------------------------------------

@@ -13,7 +13,13 @@ import aiormq
 import nats.js.errors
 import pytest
 
-from mongo_outbox import BrokerUnavailableError, Event, InvalidEventError, PublishError
+from mongo_outbox import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    Event,
+    InvalidEventError,
+    PublishError,
+)
 from mongo_outbox.publishers import (
     BatchPublisher,
     MemoryPublisher,
@@ -21,7 +27,7 @@ from mongo_outbox.publishers import (
     Publisher,
     RabbitMQPublisher,
 )
-from mongo_outbox.publishers.base import unavailable
+from mongo_outbox.publishers.base import NamingFailed, unavailable
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.outboxes import assert_in_order
 from tests.support.servers import NATS_URL, RABBITMQ_URL
@@ -146,7 +152,7 @@ def test_names_render_from_the_event_and_refuse_what_they_cannot_render() -> Non
     templated = RabbitMQPublisher(js, routing_key="{aggregate_type}.{headers[tenant]}")
     assert templated.routing_key_for(event()) == "orders.acme"
     unsaved = Event(type="t")  # never went through save_with_events: no aggregate_type
-    for template in ("events.{aggregate_type}.{type}", "{nope}", "{type.nope}", "{headers[x]}"):
+    for template in ("events.{aggregate_type}.{type}", "{type.nope}", "{headers[x]}"):
         with pytest.raises(InvalidEventError) as error:
             NatsPublisher(js, subject=template).subject_for(unsaved)
         assert error.value.event_id == unsaved.id
@@ -222,7 +228,7 @@ async def test_nats_raises_the_streams_own_refusal(nats_client: Any, unique: str
 
 
 @pytest.mark.parametrize(
-    "subject", ["{u}.has space", "{u}..empty", "{u}.*", "{u}.>", "{u}.a*b", "{u}.", ".{u}", ""]
+    "subject", ["{u}.has space", "{u}..empty", "{u}.*", "{u}.>", "{u}.a*b", "{u}.", ".{u}"]
 )
 async def test_nats_refuses_an_invalid_subject(
     nats_client: Any, nats_stream: str, subject: str
@@ -250,6 +256,33 @@ async def test_nats_publish_many_reports_each_event_in_order(
     assert isinstance(results[1], InvalidEventError)
     assert isinstance(results[2], BrokerUnavailableError)
     assert isinstance(results[2].__cause__, nats.js.errors.NoStreamResponseError)
+    messages = await read_stream(nats_client, nats_stream, 2)
+    assert {m.headers["Nats-Msg-Id"] for m in messages} == {good.id, also_good.id}
+
+
+@pytest.mark.parametrize("returns", ["raises", "none", "int", "empty"])
+async def test_a_naming_function_that_fails_for_one_event_fails_that_event_only(
+    nats_client: Any, nats_stream: str, returns: str
+) -> None:
+    # The user's function raises, or returns what is no subject, for one event: that event
+    # fails alone, the others of its wave go out (a raise used to fail the whole wave). A raise
+    # may be a lookup failing for a moment: retried as any failed publish (NamingFailed, a
+    # PublishError); a return that is no subject is the event's own fault (InvalidEventError,
+    # parked at once).
+    def subject(e: Event) -> Any:
+        if "bad" not in e.headers:
+            return f"{nats_stream}.ok"
+        if returns == "raises":
+            return e.headers["region"]
+        return {"none": None, "int": 42, "empty": ""}[returns]
+
+    good, bad, also_good = event(), event(headers={"bad": "1"}), event()
+    publisher = NatsPublisher(nats_client.jetstream(), subject=subject)
+    results = await publisher.publish_many([good, bad, also_good])
+    assert results[0] is None and results[2] is None, results
+    expected = NamingFailed if returns == "raises" else InvalidEventError
+    assert type(results[1]) is expected and results[1].event_id == bad.id
+    assert "naming function 'subject'" in str(results[1])
     messages = await read_stream(nats_client, nats_stream, 2)
     assert {m.headers["Nats-Msg-Id"] for m in messages} == {good.id, also_good.id}
 
@@ -354,6 +387,29 @@ async def test_rabbitmq_routes_by_the_configured_key(channel: Any, unique: str) 
     messages = await drain_queue(orders, 2)
     assert [m.routing_key for m in messages] == ["orders.order.placed", "orders.order.paid"]
     assert [m.message_id for m in messages] == [placed.id, paid.id]
+
+
+async def test_rabbitmq_a_message_over_max_message_size_fails_alone_before_it_is_sent(
+    channel: Any, unique: str
+) -> None:
+    # Sent, it would close the channel (PRECONDITION_FAILED) and fail the others of its wave.
+    publisher = await RabbitMQPublisher.connect(
+        RABBITMQ_URL, exchange=unique, max_message_size=2000
+    )
+    queue = await bind_queue(channel, unique)
+    small, big, also_small = event(), event(payload={"blob": "x" * 3000}), event()
+    results = await publisher.publish_many([small, big, also_small])
+    await publisher.aclose()
+    assert results[0] is None and results[2] is None, results
+    assert isinstance(results[1], InvalidEventError) and results[1].event_id == big.id
+    assert "over max_message_size 2000" in str(results[1])
+    messages = await drain_queue(queue, 2)
+    assert [m.message_id for m in messages] == [small.id, also_small.id]
+    with pytest.raises(ConfigurationError, match="max_message_size must be >= 1"):
+        RabbitMQPublisher(publisher.exchange, max_message_size=0)
+    # Refused before connecting (nothing listens on port 1): no connection left reconnecting.
+    with pytest.raises(ConfigurationError, match="max_message_size must be >= 1"):
+        await RabbitMQPublisher.connect("amqp://guest:guest@127.0.0.1:1/", max_message_size=0)
 
 
 async def test_rabbitmq_unroutable_message_is_an_error_not_a_drop(
@@ -498,7 +554,7 @@ async def test_rabbitmq_connect_that_does_not_finish_leaves_no_reconnecting_task
             with pytest.raises(asyncio.CancelledError):
                 await connecting
         else:
-            with pytest.raises(ConnectionError, match="RabbitMQ at"):
+            with pytest.raises(ConnectionError, match=r"RabbitMQ at .*: no answer within 0.5s"):
                 await connecting
         await asyncio.sleep(0)
         assert _reconnectors(before) == []

@@ -214,3 +214,90 @@ async def publish_all(publisher: RedisStreamsPublisher, events: list[Event]) -> 
     for result in await publisher.publish_many(events):
         if result is not None:
             raise result
+
+
+async def test_consume_redis_rides_out_a_failover_s_read_only_replica(
+    db: Any, redis_server: RedisServer
+) -> None:
+    # The server became a replica (a failover, seen from the old master): its writes answer
+    # READONLY. The consumer ended with a raw ReadOnlyError; it now waits as for an outage.
+    client = Redis.from_url(redis_server.url)
+    admin = Redis.from_url(redis_server.url)
+    publisher = RedisStreamsPublisher(client, stream="orders")
+    events = [Event(type="e", aggregate_type="orders", aggregate_id=n) for n in range(4)]
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(
+        consume_redis(client, "orders", "billing", guarded_billing(db), claim_idle=1, stop=stop)
+    )
+    try:
+        await until(lambda: consumer_group_exists(admin), timeout=10)
+        await admin.replicaof("127.0.0.1", "1")  # nothing listens there: read-only for good
+        await asyncio.sleep(1.5)
+        assert not consumer.done(), consumer
+        await admin.replicaof("NO", "ONE")
+        await publish_all(publisher, events)
+        assert await wait_for_invoices(db, len(events)) == {e.id: 1 for e in events}
+    finally:
+        stop.set()
+        await asyncio.wait_for(consumer, 30)
+        await client.aclose()
+        await admin.aclose()
+
+
+async def consumer_group_exists(client: Redis) -> bool:
+    return bool(await client.exists("orders"))
+
+
+async def test_consume_redis_stops_while_redis_does_not_answer(
+    db: Any, redis_server: RedisServer
+) -> None:
+    # A Redis that stopped answering on an open connection, and a client without a socket
+    # timeout (redis-py 5 to 7's default): the blocking read waited for ever, and so did stop.
+    client = Redis.from_url(redis_server.url, socket_timeout=None)
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(
+        consume_redis(client, "orders", "billing", guarded_billing(db), stop=stop)
+    )
+    assert redis_server.process is not None
+    try:
+        await until(lambda: consumer_group_exists(client), timeout=10)
+        redis_server.process.send_signal(signal.SIGSTOP)
+        stop.set()
+        # ANSWER_WAIT (5 s) and the read's block (0.5 s) at most.
+        done, _ = await asyncio.wait([consumer], timeout=15)
+        assert done, "consume_redis did not stop while Redis did not answer"
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+        await asyncio.gather(consumer, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_consumer_allowed_only_the_stream_commands_consumes(
+    db: Any, redis_server: RedisServer
+) -> None:
+    # A least-privilege ACL: the key-type check at start (TYPE, @keyspace) is skipped, not fatal.
+    admin = Redis.from_url(redis_server.url)
+    await admin.acl_setuser(
+        "billing",
+        enabled=True,
+        passwords=["+secret"],
+        keys=["*"],
+        commands=["+@stream", "+@connection"],
+    )
+    client = Redis(port=redis_server.port, username="billing", password="secret")
+    event = Event(type="e", aggregate_type="orders", aggregate_id=1)
+    stop = asyncio.Event()
+    try:
+        await publish_all(RedisStreamsPublisher(admin, stream="orders"), [event])
+        consumer = asyncio.create_task(
+            consume_redis(client, "orders", "billing", guarded_billing(db), stop=stop)
+        )
+        try:
+            assert await wait_for_invoices(db, 1) == {event.id: 1}
+            await until(lambda: nothing_pending(admin), timeout=15)
+        finally:
+            stop.set()
+            await asyncio.wait_for(consumer, 30)
+    finally:
+        await client.aclose()
+        await admin.aclose()

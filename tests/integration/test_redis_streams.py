@@ -20,12 +20,14 @@ from redis.asyncio import Redis
 from mongo_outbox import (
     Backoff,
     BrokerUnavailableError,
+    ConfigurationError,
     Event,
     Inbox,
     InvalidEventError,
     PoisonMessage,
     inbox_guard,
 )
+from mongo_outbox.brokers.redis import _entries
 from mongo_outbox.brokers.redis.publisher import entry_of
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
@@ -217,6 +219,166 @@ async def test_a_retry_is_left_pending_and_reclaimed_after_its_delay_not_after_c
     assert 0.25 <= runs[1] - runs[0] < 30
 
 
+class SettleRace:
+    """A real client whose first ``command`` sent while the first attempt runs is held back
+    until the retry's settle (``XCLAIM ... IDLE``) has been answered, or for ``hold`` seconds
+    (``None``: until cancelled): as if it waited for a connection of the pool while the settle
+    went out on another (or its connection was silently gone)."""
+
+    def __init__(self, client: Redis, command: str, hold: float | None = 1.0) -> None:
+        self.client = client
+        self.running = asyncio.Event()  # the first attempt runs
+        self.reached = asyncio.Event()  # the held-back command was sent
+        self.settled = asyncio.Event()
+        settle, held = client.xclaim, getattr(client, command)
+
+        async def xclaim(*args: Any, **kwargs: Any) -> Any:
+            answer = await settle(*args, **kwargs)
+            if kwargs.get("idle") is not None:
+                self.settled.set()
+            return answer
+
+        async def late(*args: Any, **kwargs: Any) -> Any:
+            # Only a keep-alive's XCLAIM, or any XAUTOCLAIM, is held back; never a settle.
+            if not self.reached.is_set() and self.running.is_set() and "idle" not in kwargs:
+                self.reached.set()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.settled.wait(), hold)
+                return await held(*args, **kwargs)
+            return await (xclaim if command == "xclaim" else held)(*args, **kwargs)
+
+        client.xclaim = xclaim  # type: ignore[method-assign]
+        setattr(client, command, late)
+
+    def handler(self, db: Any, runs: list[float]) -> Any:
+        @inbox_guard(Inbox(db, consumer="billing"), backoff=Backoff(initial=0.001, maximum=0.001))
+        async def handle(event: Event, session: Any, *, attempt: int) -> None:
+            if attempt == 1:
+                self.running.set()
+                await self.reached.wait()
+                runs.append(time.monotonic())
+                raise ConnectionError("ledger busy")
+            runs.append(time.monotonic())
+
+        return handle
+
+    async def retried(self, db: Any, stream: str) -> float:
+        """Seconds from the first attempt's failure to the second attempt."""
+        runs: list[float] = []
+        try:
+            await RedisStreamsPublisher(self.client, stream=stream).publish(
+                Event(type="e", aggregate_type="o")
+            )
+            # A keep-alive every 2 s: the first attempt waits for one when it is held back.
+            async with consuming(self.client, stream, self.handler(db, runs), claim_idle=6):
+                await until(lambda: len(runs) == 2, timeout=15)
+                await until(lambda: no_pending(self.client, stream))
+        finally:
+            await self.client.aclose()
+        return runs[1] - runs[0]
+
+
+# In the three tests below, the second attempt comes within about a second (the held-back
+# command's wait, then a read); before, after claim_idle's 6 s, or never.
+
+
+async def test_a_retry_settled_while_a_reclaim_is_on_its_way_is_reclaimed_not_dropped(
+    db: Any, redis: Redis, unique: str
+) -> None:
+    # The reclaim went out while the first attempt ran and reached Redis after the retry made
+    # the entry due: it claimed the entry and dropped it as still in the process, so the entry
+    # waited a whole claim_idle untouched instead of the retry's delay.
+    race = SettleRace(Redis.from_url(REDIS_URL), "xautoclaim")
+    assert await race.retried(db, f"{unique}:orders") < 4
+
+
+async def test_a_keep_alive_on_its_way_does_not_undo_a_retry_s_delay(
+    db: Any, redis: Redis, unique: str
+) -> None:
+    # The keep-alive went out while the first attempt ran and reached Redis after the retry's
+    # settle: it reset the entry's idle time, so the retry waited claim_idle, not its delay.
+    race = SettleRace(Redis.from_url(REDIS_URL), "xclaim")
+    assert await race.retried(db, f"{unique}:orders") < 4
+
+
+async def test_a_keep_alive_redis_never_answers_holds_no_settle_up(
+    db: Any, redis: Redis, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The settles wait for the keep-alive's turn: one never answered would hold them for ever.
+    monkeypatch.setattr(_entries, "ANSWER_WAIT", 0.5)
+    race = SettleRace(Redis.from_url(REDIS_URL), "xclaim", hold=None)
+    assert await race.retried(db, f"{unique}:orders") < 4
+
+
+@pytest.mark.parametrize(
+    ("setup", "options", "said"),
+    [
+        ("stream", {}, "holds a string, not a stream"),
+        ("dead", {}, "holds a string, not a stream"),
+        (None, {"start_id": "banana"}, "Redis refused group 'billing' of stream"),
+        (None, {"max_deliveries": 0}, "max_deliveries must be >= 1"),
+        (None, {"claim_idle": 1e20}, "claim_idle is too long"),
+    ],
+)
+async def test_what_redis_would_refuse_stops_the_consumer_before_it_reads(
+    db: Any, redis: Redis, unique: str, setup: str | None, options: dict[str, Any], said: str
+) -> None:
+    # Each was a raw redis error at the first command that met it, or (max_deliveries=0) taken
+    # as unlimited; a dead-letter key of another type made every dead letter an XACK without
+    # its copy.
+    stream = f"{unique}:orders"
+    if setup is not None:
+        await redis.set(stream if setup == "stream" else f"{stream}:dead", "a string")
+    with pytest.raises(ConfigurationError, match=said):
+        await asyncio.wait_for(
+            consume_redis(redis, stream, "billing", guarded_billing(db), **options), 10
+        )
+
+
+async def test_a_dead_letter_that_cannot_be_written_leaves_the_entry_pending(
+    db: Any, redis: Redis, unique: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The dead-letter key became a string after the consumer started: the XADD fails, and the
+    # XACK that ran after it in one MULTI acknowledged an entry with no copy anywhere.
+    stream = f"{unique}:orders"
+    rejected: list[str] = []
+
+    async def on_rejected(body: bytes, reason: str) -> None:
+        rejected.append(reason)
+
+    async with consuming(redis, stream, guarded_billing(db), rejected=on_rejected, claim_idle=1):
+        await until(lambda: redis.exists(stream))  # started: the key was checked
+        await redis.set(f"{stream}:dead", "a string")
+        await redis.xadd(stream, {"body": b"{}"})  # no event id: to the dead letter
+        await until(lambda: any("could not settle" in r.getMessage() for r in caplog.records))
+        assert rejected and await pending(redis, stream) == 1  # not acknowledged
+        await redis.delete(f"{stream}:dead")  # fixed: the next delivery moves it
+        await until(lambda: no_pending(redis, stream), timeout=15)
+        [(_, fields)] = await redis.xrange(f"{stream}:dead")
+        assert b"no id to deduplicate on" in fields[b"dead-letter-reason"]
+
+
+async def test_a_short_socket_timeout_reads_without_a_timeout_each_second(
+    db: Any, unique: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A read blocking 0.5 s under a 0.2 s socket timeout failed each time: a warning a second
+    # on an idle stream. Under such a timeout the reads do not block.
+    client = Redis.from_url(REDIS_URL, socket_timeout=0.2)
+    stream = f"{unique}:orders"
+    try:
+        with caplog.at_level(logging.WARNING, logger="mongo_outbox.brokers.redis.consumer"):
+            async with consuming(client, stream, guarded_billing(db)):
+                await asyncio.sleep(2)
+                await RedisStreamsPublisher(client, stream=stream).publish(
+                    Event(type="e", aggregate_type="orders")
+                )
+                await until(lambda: no_pending_and_read(client, stream))
+        assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+    finally:
+        await client.delete(stream, f"{stream}:dead")
+        await client.aclose()
+
+
 async def test_poison_goes_to_the_dead_letter_stream_and_the_inbox_s_failed(
     db: Any, redis: Redis, unique: str
 ) -> None:
@@ -406,3 +568,23 @@ async def test_a_client_that_decodes_responses_consumes_alike(db: Any, unique: s
     finally:
         await redis.delete(stream, f"{stream}:dead")
         await redis.aclose()
+
+
+async def test_a_decoding_client_meeting_an_entry_that_is_not_utf8_stops_saying_why(
+    db: Any, redis: Redis, unique: str
+) -> None:
+    # A foreign producer's binary entry: redis-py's decoder raised UnicodeDecodeError out of
+    # the consumer, and again at every restart, without a word of what to do.
+    stream = f"{unique}:orders"
+    await redis.xadd(stream, {"event-id": b"\xff\xfe", "body": b"\x80\x81"})
+    decoding = Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        with pytest.raises(ConfigurationError, match="give consume_redis a client without it"):
+            await asyncio.wait_for(
+                consume_redis(decoding, stream, "billing", guarded_billing(db)), 15
+            )
+    finally:
+        await decoding.aclose()
+    # The raw client reads it, and dead-letters it as no Event.
+    async with consuming(redis, stream, guarded_billing(db), claim_idle=1):
+        await until(lambda: redis.exists(f"{stream}:dead"), timeout=15)

@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from mongo_outbox import Backoff, Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox import (
+    Backoff,
+    BrokerUnavailableError,
+    Event,
+    Outbox,
+    PollingRelay,
+    RelaySettings,
+)
 from mongo_outbox._relay.store import store_for
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
@@ -297,3 +304,30 @@ async def test_ttl_prunes_published_entries_only(db: Any) -> None:
         await asyncio.sleep(0.5)
     remaining = await db.outbox.find().to_list(None)
     assert [(e["type"], e["status"]) for e in remaining] == [("pending", "pending")]
+
+
+async def test_an_event_whose_confirmation_never_comes_while_others_do_is_parked(db: Any) -> None:
+    # A timeout counted as an outage of the whole broker, and each round that confirmed others
+    # woke it: retried every round for ever, holding its wave for a publish timeout each time.
+    outbox = make_outbox(db, "collection")
+    await outbox.ensure_indexes()
+    tries: list[str] = []
+
+    def fail(event: Event) -> BaseException | None:
+        if event.type != "stuck":
+            return None
+        tries.append(event.id)
+        return BrokerUnavailableError("confirmation timed out", event_id=event.id)
+
+    relay = PollingRelay(
+        outbox,
+        MemoryPublisher(fail=fail),
+        settings=RelaySettings(backoff=FAST, max_attempts=2),
+    )
+    await outbox.save_with_events(None, db.orders, {"_id": "s"}, [Event(type="stuck")])
+    for n in range(40):  # others keep coming, and are confirmed
+        await outbox.save_with_events(None, db.orders, {"_id": n}, [Event(type="ok")])
+        await relay.publish_batch()
+    [parked] = await relay.parked()
+    assert parked["type"] == "stuck" and "timed out" in parked["last_error"]
+    assert len(tries) == 4  # two waits, then two attempts: max_attempts of each

@@ -4,6 +4,7 @@ recorded partition count, and members that share, rebalance and hand partitions 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -98,10 +99,18 @@ async def test_saves_store_the_partition_with_the_entries(
 
 
 async def test_a_writer_or_group_with_another_partition_count_is_refused(
-    db: Any, mode: str
+    db: Any, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await make_outbox(db, mode, partitions=4).ensure_indexes()
+    with caplog.at_level(logging.WARNING, logger="mongo_outbox"):
+        await make_outbox(db, mode, partitions=4).ensure_indexes()
+        await make_outbox(db, mode, partitions=4).ensure_indexes()  # recorded already: quiet
     assert (await db.outbox_config.find_one({"_id": "partitions"}))["count"] == 4
+    # Recording it is said once: from then on every writer and relay must use it.
+    [said] = [r.getMessage() for r in caplog.records if "recorded partitions" in r.getMessage()]
+    assert said.endswith(
+        "recorded partitions=4 in outbox_config: every writer and relay of this outbox must now "
+        "use partitions=4 (docs/groups.md says how to change it)"
+    )
     for count in (1, 8):
         other = make_outbox(db, mode, partitions=count)
         with pytest.raises(ConfigurationError, match="records partitions=4"):
@@ -262,3 +271,36 @@ async def test_a_group_publishes_entries_saved_without_partitions(
     assert_in_order(publisher.events, saved + late, once=True)
     partitions = await stored_partitions(db, outbox)
     assert all(found == {partition_of("orders", i, 4)} for i, found in partitions.items())
+
+
+async def test_a_partition_whose_change_stream_mongodb_refuses_fails_the_member(
+    db: Any, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fatal change-stream error (not authorized: no retry can fix it) in one partition's
+    relay made the member start that partition again every beat, an error line a second, while
+    the member stayed active and healthy. Now the member gives its partitions back, leaves
+    the group and fails with that error, as a relay does."""
+    from pymongo.errors import OperationFailure
+
+    from mongo_outbox.changestream.source import WatchSource
+    from mongo_outbox.errors import ChangeStreamError
+
+    opened: list[object] = []
+    open_stream = WatchSource.open
+
+    async def refused(self: WatchSource, **options: Any) -> Any:
+        opened.append(options)
+        if len(opened) > 1:  # the first partition's opens; the second's is refused
+            raise OperationFailure("not authorized on shop to execute command", code=13)
+        return await open_stream(self, **options)
+
+    monkeypatch.setattr(WatchSource, "open", refused)
+    outbox = make_outbox(db, mode, partitions=2)
+    await outbox.ensure_indexes()
+    member = group(outbox, MemoryPublisher(), source="changestream")
+    with pytest.raises(ChangeStreamError, match="not authorized"):
+        await asyncio.wait_for(member.run(), 30)
+    assert member.state == "failed" and "not authorized" in (member.last_error or "")
+    assert len(opened) == 2  # not again, every beat
+    assert member.owned == []
+    assert await db.outbox_relay_members.count_documents({}) == 0  # it left the group

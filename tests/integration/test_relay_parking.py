@@ -16,7 +16,13 @@ from mongo_outbox import (
 )
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
-from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_one_by_one
+from tests.support.outboxes import (
+    MODES,
+    assert_in_order,
+    make_outbox,
+    save_one_by_one,
+    unsettled,
+)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -102,6 +108,27 @@ async def test_a_requeued_event_brings_back_the_earlier_parked_ones_of_its_aggre
     publisher = MemoryPublisher()
     assert await PollingRelay(outbox, publisher).drain() == 3
     assert [e.sequence for e in publisher.events] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_requeued_event_starts_with_no_failures_counted(db: Any, mode: str) -> None:
+    # Misses too (its destination full or missing): embedded mode kept them, so an event
+    # requeued once its queue was bound again was parked after fewer misses than the first time.
+    outbox = make_outbox(db, mode)
+    [saved] = await save_one_by_one(outbox, db, aggregates=1, events=1)
+    refusing = MemoryPublisher(fail=lambda e: RuntimeError("refused"))
+    relay = PollingRelay(outbox, refusing, settings=RelaySettings(max_attempts=1))
+    await relay.drain()
+    counted = {"attempts": 3, "waits": 2, "misses": 2}
+    if mode == "collection":
+        await db.outbox.update_one({"_id": saved.id}, {"$set": counted})
+    else:
+        await db.orders.update_one(
+            {"_id": 0}, {"$set": {f"_outbox.0.{name}": n for name, n in counted.items()}}
+        )
+    assert await relay.requeue([saved.id]) == 1
+    [entry] = await unsettled(outbox, db)
+    assert {name: entry.get(name) or 0 for name in counted} == dict.fromkeys(counted, 0)
 
 
 async def test_embedded_requeue_takes_event_ids_literally(db: Any) -> None:

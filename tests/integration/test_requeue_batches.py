@@ -5,6 +5,7 @@ says how far it got). A requeue used to be one command naming every id and aggre
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict
 from typing import Any
 
@@ -14,6 +15,10 @@ from pymongo import AsyncMongoClient, monitoring
 
 from mongo_outbox import Event, Outbox, PollingRelay
 from mongo_outbox._relay.store import base as store_base
+from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.store.base import ParkedKey
+from mongo_outbox.cli.console import data as console_data
+from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.cli import cli, environment
 from tests.support.outboxes import MODES, make_outbox, unsettled
@@ -25,29 +30,35 @@ EVENTS = 25  # per save: 2,400 in all, more than two batches of REQUEUE_BATCH
 
 
 class Commands(monitoring.CommandListener):
-    """Every command the client sends, encoded, to measure what a requeue sends."""
+    """Every command the client sends and every reply, encoded, to measure what a requeue
+    sends and reads."""
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []
+        self.read = 0
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         self.sent.append(bson.encode(event.command))
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
+        self.read += len(bson.encode(event.reply))
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
 
 
 async def park_many(
-    outbox: Outbox, db: Any, saves: int = SAVES, events: int = EVENTS
+    outbox: Outbox, db: Any, saves: int = SAVES, events: int = EVENTS, padding: int = 0
 ) -> list[Event]:
-    """``saves`` saves of ``events`` events in each of 24 aggregates, every one parked."""
+    """``saves`` saves of ``events`` events in each of 24 aggregates, every one parked; each
+    payload holds ``padding`` more bytes."""
     saved: list[Event] = []
     for step in range(saves):
         for aggregate in range(AGGREGATES):
-            batch = [Event(type="noted", payload={"n": n}) for n in range(events)]
+            batch = [
+                Event(type=f"noted{n % 2}", payload={"n": n, "pad": "x" * padding})
+                for n in range(events)
+            ]
             result = await outbox.save_with_events(
                 None, db.orders, {"_id": aggregate, "step": step}, batch
             )
@@ -136,3 +147,67 @@ async def test_the_cli_requeues_a_large_parked_set_showing_its_progress(
     left = await unsettled(outbox, db)
     assert len(left) == len(saved)
     assert all(e.get("status", "pending") == "pending" and not e.get("parked") for e in left)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_choosing_what_to_requeue_reads_ids_types_and_aggregates_not_payloads(
+    db: Any, mongo: MongoServer, mode: str
+) -> None:
+    """``parked requeue --all`` (or ``--type``, ``--aggregate``, the console's "requeue all")
+    chooses from every parked entry: it reads each one's id, type and aggregate, not the whole
+    entry, so a large parked set is not held in memory (it used to read every entry whole)."""
+    outbox = make_outbox(db, mode)
+    await outbox.ensure_indexes()
+    padding = 20_000
+    saved = await park_many(outbox, db, saves=1, events=2, padding=padding)  # 48, ~1 MB
+    listener = Commands()
+    watched: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, tz_aware=True, event_listeners=[listener]
+    )
+    try:
+        store = store_for(make_outbox(watched[db.name], mode))
+        keys = await store.parked_keys()
+        read = listener.read
+        some = await store.parked([saved[0].id, saved[3].id, "no-such-event"])
+    finally:
+        await watched.close()
+    assert sorted(keys) == sorted((e.id, e.type, e.aggregate_id) for e in saved)
+    assert read < len(saved) * padding / 10, f"{read:,} bytes read to choose"
+    # Asked for by id, the entries come whole, and only those parked.
+    assert [e["_id"] for e in some] == sorted([saved[0].id, saved[3].id])
+    assert all(len(e["payload"]["pad"]) == padding for e in some)
+    assert [key.id for key in keys if key.matches(["noted1"], [])] == sorted(
+        e.id for e in saved if e.type == "noted1"
+    )
+
+
+async def test_entries_of_odd_ids_are_chosen_listed_and_requeued_without_a_crash(db: Any) -> None:
+    # Entries of another producer, parked as unreadable: an id that is a document, a number,
+    # none at all. Choosing by type (the console's page, parked list --type) lists each once,
+    # by its own key, and a requeue of them all takes those it can name.
+    outbox = make_outbox(db, "embedded")
+    await outbox.ensure_indexes()
+    due = {"_sequence": 1, "_outbox_due": utc_now()}
+    await db.orders.insert_many(
+        [
+            {"_id": 1, **due, "_outbox": [{"id": {"a": 1}, "type": "odd", "sequence": 1}]},
+            {"_id": 2, **due, "_outbox": [{"id": 7, "type": "odd", "sequence": 1}]},
+            {"_id": 3, **due, "_outbox": [{"type": "none", "sequence": 1}]},
+            {"_id": 4, **due, "_outbox": ["not a document"]},
+        ]
+    )
+    assert await PollingRelay(outbox, MemoryPublisher()).drain() == 0
+    store = store_for(outbox)
+    keys = await store.parked_keys()
+    assert sorted(map(repr, keys)) == sorted(
+        map(repr, [ParkedKey.of(e) for e in await store.parked()])
+    )
+    assert len(keys) == 4
+    conn = types.SimpleNamespace(outbox=outbox)
+    odd = await console_data.parked(conn, ["odd"], [])  # type: ignore[arg-type]
+    assert sorted(map(repr, (e["_id"] for e in odd.entries))) == ["7", "{'a': 1}"]
+    none = await console_data.parked(conn, ["none"], [])  # type: ignore[arg-type]
+    assert [(e["_id"], e["type"]) for e in none.entries] == [(None, "none")]
+    assert [e["_id"] for e in await store.parked([{"a": 1}])] == [{"a": 1}]
+    # The two with an id come back; the two without one cannot be named (fixed by hand).
+    assert await store.requeue([key.id for key in keys]) == 2

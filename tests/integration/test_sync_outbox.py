@@ -235,5 +235,18 @@ def test_each_outbox_refuses_a_database_of_the_other_api(
         with pytest.raises(UsageError, match="is async: give it an AsyncDatabase"):
             Outbox(sync_client[name])
         Outbox(motor[name])  # Motor's database is async too
+        # A collection or a client answers any attribute, so it passed for a database: a sync
+        # outbox over db.orders made indexes in "orders.outbox" and refused writes confusingly.
+        for given, kind in [
+            (sync_client[name].orders, "collection"),
+            (client[name].orders, "collection"),
+            (motor[name].orders, "collection"),
+            (sync_client, "client"),
+            (client, "client"),
+            (motor, "client"),
+        ]:
+            for api in (Outbox, SyncOutbox):
+                with pytest.raises(UsageError, match=f"not a {kind}"):
+                    api(given)
     finally:
         motor.close()

@@ -28,7 +28,7 @@ from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from mongo_outbox.tenants import TenantRelays
 from tests.support.changestream_sources import ScriptedSource
 from tests.support.cli import Service, cli, held, lease_of, until_active
-from tests.support.servers import NATS_URL, MongoServer
+from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
 from tests.support.waiting import until
 
 
@@ -214,7 +214,34 @@ async def test_the_command_line_relays_several_databases_and_stops_cleanly(
     assert ran.code == 0, ran.output
     for db in databases:
         assert not held(await lease_of(db, "outbox-relay"))  # each gave its lease up
-        assert db.name in ran.err
+        # Every database's relay is named outbox-relay: its lines say which database.
+        assert f": [{db.name}] relay outbox-relay: active -> stopped" in ran.err, ran.err
+
+
+async def test_a_drain_of_several_databases_says_which_each_line_is_about(
+    mongo: MongoServer, databases: list[Any], channel: Any, unique: str
+) -> None:
+    for db in databases:
+        outbox = Outbox(db)
+        await outbox.ensure_indexes()
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 1}, [Event(type="placed", payload={"note": "x" * 2000})]
+        )
+    ran = await cli(
+        "relay",
+        "--drain",
+        f"--uri={mongo.uri}",
+        "--databases=" + ",".join(db.name for db in databases),
+        f"--rabbitmq={RABBITMQ_URL}",
+        f"--exchange={unique}",
+        "--declare-exchange",
+        "--max-message-size=1000",  # every event is parked: one error line per database
+    )
+    assert ran.code == 1, ran.output
+    parking = [line for line in ran.err.splitlines() if " parking " in line]
+    assert len(parking) == len(databases), ran.err
+    for db, line in zip(databases, parking, strict=True):
+        assert f": [{db.name}] parking " in line
 
 
 @pytest.mark.parametrize(

@@ -247,3 +247,48 @@ async def test_an_event_a_traced_save_returned_is_refused_once_published(
     with pytest.raises(DuplicateEventError, match="published"):
         await outbox.save_with_events(None, db.orders, {"_id": 1}, [again])
     assert await published(outbox) == []
+
+
+class Broken(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["start_span", "end"])
+@pytest.mark.parametrize("batch", [False, True], ids=["publish", "publish_many"])
+async def test_a_tracing_sdk_that_fails_does_not_stop_publishing(
+    db: Any, where: str, batch: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The tracer raises on the third span, or a span on its end: the relay publishes
+    # everything all the same and says so, once a wave. It used to fail, its other publish
+    # workers left running, every event published again after its claim ran out.
+    from opentelemetry.sdk.trace import Span, Tracer
+
+    outbox = make_outbox(db, "collection")
+    await outbox.ensure_indexes()
+    for n in range(6):
+        await outbox.save_with_events(None, db.orders, {"_id": n}, [Event(type="t")])
+    started = [0]
+    start_span, end = Tracer.start_span, Span.end
+
+    def failing_start(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started[0] += 1
+        if where == "start_span" and started[0] == 3:
+            raise Broken("tracer exploded")
+        return start_span(self, *args, **kwargs)
+
+    def failing_end(self: Any, *args: Any, **kwargs: Any) -> None:
+        if where == "end":
+            raise Broken("exporter exploded")
+        end(self, *args, **kwargs)
+
+    publisher = MemoryPublisher()
+    if not batch:  # a publisher without publish_many: one worker per event in flight
+        publisher.publish_many = None  # type: ignore[assignment,method-assign]
+    with recorded_spans(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tracer, "start_span", failing_start)
+        patch.setattr(Span, "end", failing_end)
+        with caplog.at_level("WARNING", logger="mongo_outbox.tracing"):
+            assert await PollingRelay(outbox, publisher).drain() == 6
+    assert sorted(e.aggregate_id for e in publisher.events) == list(range(6))
+    assert await db.outbox.count_documents({"status": "published"}) == 6
+    assert any("tracing failed" in r.getMessage() for r in caplog.records)

@@ -19,15 +19,28 @@ NO_SUCH_TRANSACTION = 251
 OPERATION_NOT_SUPPORTED_IN_TRANSACTION = 263
 
 
+def _insert(db: Any, session: Any) -> Any:
+    return db.c.insert_one({"_id": 1}, session=session)
+
+
+def _upsert(db: Any, session: Any) -> Any:
+    # Matches nothing (the stored _id 1 has no x), so its insert hits the _id 1: a command
+    # that raises in the emulator where insert replies with a write error.
+    return db.c.find_one_and_update(
+        {"_id": 1, "x": 1}, {"$set": {"y": 1}}, upsert=True, session=session
+    )
+
+
+@pytest.mark.parametrize("duplicate", [_insert, _upsert], ids=["insert", "findAndModify upsert"])
 async def test_a_duplicate_key_inside_a_transaction_aborts_it(
-    client: AsyncMongoClient[Any], db: Any
+    client: AsyncMongoClient[Any], db: Any, duplicate: Any
 ) -> None:
     await db.c.insert_one({"_id": 1})
     async with client.start_session() as session:
         await session.start_transaction()
         await db.c.insert_one({"_id": 2}, session=session)
         with pytest.raises(DuplicateKeyError):
-            await db.c.insert_one({"_id": 1}, session=session)
+            await duplicate(db, session)
         with pytest.raises(OperationFailure) as refused:
             await db.c.insert_one({"_id": 3}, session=session)
         assert refused.value.code == NO_SUCH_TRANSACTION

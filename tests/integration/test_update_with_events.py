@@ -95,6 +95,31 @@ async def test_update_operators_change_only_the_fields_they_name(writer: Writer,
     assert publisher.events[1] == saved.events[0]
 
 
+async def test_a_sequence_the_caller_gave_is_numbered_over_as_every_write_does(
+    writer: Writer, db: Any
+) -> None:
+    # An event copied from another (model_copy), or built with a sequence: an embedded update
+    # of operators pushed it as it was, and the relay published 1, 99, 1 where Saved said 1, 2,
+    # 3 (a consumer checking sequences would drop the last as stale).
+    await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a", sequence=5)])
+    for n, (kind, numbered) in enumerate([("b", 99), ("c", 1)]):
+        update = {"$set": {"x": n}}
+        await writer.update_with_events(
+            None, db.orders, {"_id": 1}, update, [Event(type=kind, sequence=numbered)]
+        )
+    pipeline = [{"$set": {"y": 1}}]
+    await writer.update_with_events(None, db.orders, {"_id": 1}, pipeline, [Event(type="d")])
+    assert [s for _, _, s in await pending(writer)] == [1, 2, 3, 4]
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.relay_outbox, publisher).drain() == 4
+    assert [(e.type, e.sequence) for e in publisher.events] == [
+        ("a", 1),
+        ("b", 2),
+        ("c", 3),
+        ("d", 4),
+    ]
+
+
 async def test_a_pipeline_update_reads_the_stored_fields(writer: Writer, db: Any) -> None:
     await writer.save_with_events(None, db.orders, {"_id": 1, "a": 2, "b": 3, "gone": 1}, [])
     saved = await writer.update_with_events(

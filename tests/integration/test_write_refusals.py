@@ -271,3 +271,38 @@ async def test_an_event_subclass_with_fields_of_its_own_is_refused(
     publisher = MemoryPublisher()
     assert await PollingRelay(writer.relay_outbox, publisher).drain() == 1
     assert publisher.events[0].payload == {"total": 3}
+
+
+@pytest.mark.parametrize("write", ["save", "update"])
+async def test_a_stored_outbox_field_that_is_no_array_refuses_the_write(
+    db: Any, write: str
+) -> None:
+    # Written by other code: the entries cannot be appended to it. The server refuses the
+    # write; the outbox says which document, and nothing changes.
+    outbox = Outbox(db, **EMBEDDED)
+    await db.orders.insert_one({"_id": 1, "_outbox": "not an array", "_version": 1})
+    before = await contents(db)
+    with pytest.raises(InvalidAggregateError, match=r"refused the .* of orders 1"):
+        if write == "save":
+            await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="t")])
+        else:
+            await outbox.update_with_events(
+                None, db.orders, {"_id": 1}, {"$set": {"a": 1}}, [Event(type="t")]
+            )
+    assert await contents(db) == before
+
+
+@pytest.mark.parametrize(
+    "update",
+    [[{"$unset": []}], {"$set": {"a..b": 1}}, {"$unset": {".a": ""}}, [{"$unset": "a."}]],
+    ids=["empty_unset_stage", "empty_segment", "leading_dot", "trailing_dot"],
+)
+async def test_an_update_with_no_field_path_is_refused_before_anything_is_written(
+    db: Any, update: Any
+) -> None:
+    outbox = Outbox(db)
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [])
+    before = await contents(db)
+    with pytest.raises(InvalidAggregateError, match=r"is not a field path|is not accepted"):
+        await outbox.update_with_events(None, db.orders, {"_id": 1}, update, [Event(type="t")])
+    assert await contents(db) == before

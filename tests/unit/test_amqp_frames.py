@@ -5,6 +5,7 @@ by the lean path, and its sizes (checked against ``frame_max``) are the real one
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import pamqp.frame
@@ -14,7 +15,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from mongo_outbox import Event
-from mongo_outbox.brokers.rabbitmq._confirms import Encoder
+from mongo_outbox.brokers.rabbitmq._confirms import ConfirmWindow, Encoder
 from mongo_outbox.publishers.base import message_headers
 
 
@@ -77,3 +78,23 @@ def test_a_routing_key_s_method_frame_is_encoded_once() -> None:
     encoder = Encoder("events")
     assert encoder.method(1, "k") is encoder.method(1, "k")
     assert encoder.method(2, "k") != encoder.method(1, "k")  # the channel is in the frame
+
+
+@pytest.mark.parametrize(
+    ("version", "limit"),
+    [
+        (b"3.10.8", 128 * 1024 * 1024),
+        (b"4.0.5", 16 * 1024 * 1024),
+        ("4.1.0", 16 * 1024 * 1024),
+        (b"", 16 * 1024 * 1024),  # a server that does not say: the lower, newer one
+    ],
+)
+def test_the_message_size_limit_is_by_default_the_servers_versions(
+    version: Any, limit: int
+) -> None:
+    # FAKE connection and channel: the window reads only these attributes when it opens.
+    connection = SimpleNamespace(
+        server_properties={"version": version}, connection_tune=SimpleNamespace(frame_max=4096)
+    )
+    window = ConfirmWindow(SimpleNamespace(), connection)  # type: ignore[arg-type]
+    assert window.message_max == limit

@@ -158,11 +158,12 @@ def redis_errors() -> list[BaseException]:
 
 
 def test_redis_errors_are_classified_alike_by_redis_publisher_and_faststream() -> None:
+    import redis.asyncio
     from faststream.redis import RedisBroker
 
     from mongo_outbox.publishers import RedisStreamsPublisher
 
-    direct = RedisStreamsPublisher(object())  # type: ignore[arg-type] - a stand-in, never called
+    direct = RedisStreamsPublisher(redis.asyncio.Redis())  # never connects: never called
     faststream = through_faststream(RedisBroker())
     for error in redis_errors():
         mine = verdict(error, direct._classify(EVENT, error, DESTINATION))

@@ -32,6 +32,7 @@ def test_the_options_are_listed_broker_by_broker_in_the_table_s_order() -> None:
         "--exchange",
         "--routing-key",
         "--declare-exchange",
+        "--max-message-size",
     ]
     assert list(COMMAND_LINE) == ["nats", "rabbitmq"]
 
@@ -48,11 +49,18 @@ def test_exactly_one_broker_is_named(args: tuple[str, ...]) -> None:
     [
         (
             ("--nats", "nats://a", "--exchange", "e"),
-            "--exchange, --routing-key and --declare-exchange are for --rabbitmq; use --subject",
+            "--exchange, --routing-key, --declare-exchange and --max-message-size are for "
+            "--rabbitmq; use --subject",
         ),
         (
             ("--nats", "nats://a", "--declare-exchange"),
-            "--exchange, --routing-key and --declare-exchange are for --rabbitmq; use --subject",
+            "--exchange, --routing-key, --declare-exchange and --max-message-size are for "
+            "--rabbitmq; use --subject",
+        ),
+        (
+            ("--nats", "nats://a", "--max-message-size", "10"),
+            "--exchange, --routing-key, --declare-exchange and --max-message-size are for "
+            "--rabbitmq; use --subject",
         ),
         (
             ("--rabbitmq", "amqp://b", "--subject", "s"),
@@ -79,3 +87,13 @@ def test_a_named_rabbitmq_exchange_must_exist_unless_it_is_to_be_declared() -> N
     assert named.output.strip() == repr(RabbitMQ("amqp://b", "o.{type}", "orders", declare=False))
     declared = run("--rabbitmq", "amqp://b", "--exchange", "orders", "--declare-exchange")
     assert declared.output.strip() == repr(RabbitMQ("amqp://b", "{type}", "orders", declare=True))
+
+
+def test_max_message_size_is_a_positive_number_of_bytes() -> None:
+    sized = run("--rabbitmq", "amqp://b", "--max-message-size", "1048576")
+    assert sized.output.strip() == repr(
+        RabbitMQ("amqp://b", "{type}", "events", declare=True, max_message_size=1048576)
+    )
+    for bad in ("0", "-5", "16MiB"):
+        refused = run("--rabbitmq", "amqp://b", "--max-message-size", bad)
+        assert refused.exit_code == 2 and "--max-message-size" in refused.output

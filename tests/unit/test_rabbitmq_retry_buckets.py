@@ -4,13 +4,17 @@ the delay they stand for (unless it is beyond the longest)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mongo_outbox import Backoff
+from mongo_outbox import Backoff, ConfigurationError
 from mongo_outbox.brokers.rabbitmq._retry_queues import (
     MAX_BUCKETS,
+    RetryQueues,
     bucket_for,
     retry_buckets,
     retry_queue_name,
@@ -57,3 +61,12 @@ def test_buckets_are_few_and_cover_every_delay_of_the_backoff(
     assert buckets[0] == math.ceil(initial * 1000)
     delay = backoff.delay(attempt)
     assert bucket_for(buckets, delay) >= delay * 1000  # a retry never comes back early
+
+
+def test_a_backoff_longer_than_rabbitmq_s_longest_ttl_is_refused_before_declaring() -> None:
+    # RabbitMQ answered value_too_large, which was reported as a retry queue "with other
+    # arguments" to delete.
+    queue: Any = SimpleNamespace(name="orders", exclusive=False)  # FAKE: only its name is read
+    with pytest.raises(ConfigurationError, match="longer than RabbitMQ's longest message TTL"):
+        RetryQueues(queue, Backoff(initial=1, maximum=1e12))
+    assert RetryQueues(queue, Backoff(initial=1, maximum=86_400)).buckets[-1] == 86_400_000

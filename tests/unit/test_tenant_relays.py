@@ -121,3 +121,55 @@ async def test_an_object_without_a_relays_members_is_refused(
     del half.outbox
     with pytest.raises(UsageError, match=r"mongo_outbox\.relay\.Relay\), not HandmadeRelay"):
         TenantRelays([half])
+
+
+async def test_a_relay_of_another_tenant_relays_or_a_second_run_is_refused(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    # Shared, or run twice at once, one TenantRelays stopped the other's relay and left its
+    # database unrelayed while the first reported itself active.
+    shared = PollingRelay(Outbox(offline.shop), MemoryPublisher())
+    TenantRelays([shared])
+    with pytest.raises(UsageError, match="belongs to another TenantRelays"):
+        TenantRelays([PollingRelay(Outbox(offline.billing), MemoryPublisher()), shared])
+    mine = [HandmadeRelay(Outbox(offline[db]), f"mine-{db}") for db in ("shop", "billing")]
+    tenants = TenantRelays(mine)
+    task = asyncio.ensure_future(tenants.run())
+    await asyncio.wait_for(asyncio.gather(*(r.running.wait() for r in mine)), 5)
+    with pytest.raises(UsageError, match="already running"):
+        await tenants.run()
+    assert [relay.state for relay in mine] == ["active", "active"]  # untouched
+    tenants.stop()
+    await asyncio.wait_for(task, 5)
+
+
+class FailsOnce(HandmadeRelay):
+    """Fails its first run; runs as the others do after."""
+
+    runs = 0
+
+    async def run(self) -> None:
+        self.runs += 1
+        if self.runs == 1:
+            self.state = "failed"
+            raise RuntimeError("boom")
+        await super().run()
+
+
+async def test_a_tenant_relays_run_again_after_a_failure_runs_every_relay(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    # A supervisor loop runs it again: the relay that failed must not find a stop() left for
+    # it (its next run returned at once, its database unrelayed, the process healthy).
+    failing = FailsOnce(Outbox(offline.shop), "shop")
+    other = HandmadeRelay(Outbox(offline.billing), "billing")
+    tenants = TenantRelays([failing, other])
+    with pytest.raises(RuntimeError, match="boom"):
+        await asyncio.wait_for(tenants.run(), 5)
+    assert not failing._stopping.is_set()
+    other._stopping.clear()  # a HandmadeRelay's stop is not consumed by its run: reset it
+    task = asyncio.ensure_future(tenants.run())
+    await asyncio.wait_for(asyncio.gather(failing.running.wait(), other.running.wait()), 5)
+    assert tenants.state == "active"
+    tenants.stop()
+    await asyncio.wait_for(task, 5)

@@ -20,6 +20,7 @@ from mongo_outbox import (
     InvalidEventError,
     OutboxError,
     Upcasters,
+    UsageError,
 )
 from mongo_outbox.upcasters import version_of
 
@@ -186,13 +187,71 @@ def test_a_type_without_steps_passes_through_and_a_step_sees_the_headers() -> No
     assert event.headers == {"currency": "USD"}
 
 
+def test_a_step_whose_headers_are_positional_only_is_refused_when_registered() -> None:
+    # It was registered, then failed with a TypeError at every upcast: headers go by keyword.
+    def positional(payload: dict[str, Any], headers: dict[str, str], /) -> dict[str, Any]:
+        return payload
+
+    with pytest.raises(ConfigurationError, match="headers as a positional-only parameter"):
+        Upcasters().register("t", {1: positional})
+
+
+def test_an_async_step_is_refused_when_registered() -> None:
+    # It was registered, and its coroutine stood for the payload: every old event retried,
+    # then dead-lettered.
+    async def step(payload: dict[str, Any]) -> dict[str, Any]:
+        return payload
+
+    with pytest.raises(ConfigurationError, match="is async"):
+        Upcasters().register("t", {1: step})
+
+
+def test_steps_registered_from_two_threads_at_once_are_all_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    import mongo_outbox.upcasters as module
+
+    upcasters = Upcasters()
+    inside, go_on = threading.Event(), threading.Event()
+    real = module._takes_headers
+
+    def slow(step: Any) -> bool | None:
+        # The first registration checks its step while the second one registers.
+        if threading.current_thread().name == "first":
+            inside.set()
+            go_on.wait(5)
+        return real(step)
+
+    monkeypatch.setattr(module, "_takes_headers", slow)
+    first = threading.Thread(target=upcasters.register, args=("t", {2: lambda p: p}), name="first")
+    first.start()
+    inside.wait(5)
+    upcasters.register("t", {1: lambda p: p})
+    go_on.set()
+    first.join(5)
+    # Both steps: v1 events upcast to v3 (one of them was lost, and v1 events refused).
+    assert upcasters.latest("t") == 3
+    assert upcasters.upcast(Event(type="t", version=1, payload={"a": 1})).version == 3
+
+
 def test_a_step_that_returns_no_payload_is_an_invalid_event() -> None:
     upcasters = Upcasters().register("t", {1: lambda payload: None})
     with pytest.raises(InvalidEventError, match="upcaster of t from v1 returned a NoneType"):
         upcasters.upcast(Event(type="t"))
     broken = Upcasters().register("t", {1: lambda payload: {"n": float("nan")}})
-    with pytest.raises(InvalidEventError):
-        broken.upcast(Event(type="t"))
+    event = Event(type="t")
+    with pytest.raises(InvalidEventError, match="upcasters of t from v1 to v2 made a payload") as e:
+        broken.upcast(event)
+    assert e.value.event_id == event.id
+
+
+@pytest.mark.parametrize("to", ["2", 1.5, True, 0, -1])
+def test_upcast_to_anything_but_a_version_is_refused(to: Any) -> None:
+    upcasters = Upcasters().register("t", {1: lambda payload: payload})
+    with pytest.raises(UsageError, match="a whole number from 1"):
+        upcasters.upcast(Event(type="t"), to=to)
 
 
 class PlacedV1(BaseModel):

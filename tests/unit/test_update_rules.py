@@ -124,6 +124,13 @@ def test_a_checked_update_is_a_copy_the_outbox_may_add_to() -> None:
     assert update == {"$set": {"a": 1}} and checked == {"$set": {"a": 1}}
 
 
+def test_an_operator_with_no_field_is_not_sent() -> None:
+    # An ODM's save of an unchanged document: the events go, no field is written, and MongoDB
+    # before 5.0 refuses an empty $set.
+    checked = check_update({"$set": {}}, OWNED, "orders")
+    assert with_operators(checked, {"$inc": {"_version": 1}}) == {"$inc": {"_version": 1}}
+
+
 def test_an_upsert_filter_naming_an_owned_field_at_any_depth_of_and_or_is_refused() -> None:
     check_upsert_filter({"_id": 1, "$or": [{"a": 1}, {"$and": [{"b": 2}]}]}, OWNED, "orders")
     with pytest.raises(InvalidAggregateError, match=r"names '_sequence\.x'"):

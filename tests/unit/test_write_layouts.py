@@ -25,6 +25,7 @@ from mongo_outbox.errors import (
     InvalidAggregateError,
     UsageError,
 )
+from mongo_outbox.sync import Outbox
 from tests.support.layouts import embedded, layout
 from tests.support.scripted import Turn, play
 
@@ -51,6 +52,21 @@ def test_collection_mode_owns_the_counters_and_embedded_mode_its_bookkeeping_fie
     }
     assert layout(shop).partition_field == "partition"
     assert embedded(shop).partition_field == "_outbox_partition"
+
+
+def test_an_outbox_names_the_fields_it_owns_for_the_odm_integrations(shop: Any) -> None:
+    assert Outbox(shop).owned_fields == {"_version", "_sequence"}
+    embedded_outbox = Outbox(shop, mode="embedded", collections=["orders"], field="_events")
+    assert embedded_outbox.owned_fields == {
+        "_version",
+        "_sequence",
+        "_events",
+        "_events_due",
+        "_events_claim",
+        "_events_wait",
+        "_events_sent",
+        "_events_partition",
+    }
 
 
 def test_only_collection_mode_runs_a_transaction_of_its_own_and_not_inside_the_callers(

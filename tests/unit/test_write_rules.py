@@ -5,6 +5,8 @@ a rule that sent a command would fail these tests by a server selection timeout.
 
 from __future__ import annotations
 
+import math
+import re
 import types
 import uuid
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 from bson import ObjectId
 from bson.binary import UuidRepresentation
 from bson.codec_options import CodecOptions
+from pydantic import model_validator
 from pymongo import MongoClient, WriteConcern
 
 from mongo_outbox import Event
@@ -24,6 +27,7 @@ from mongo_outbox.errors import (
     InvalidEventError,
     UsageError,
 )
+from mongo_outbox.sync import Outbox
 from tests.support.layouts import embedded, layout
 
 OWNED = frozenset({"_version", "_sequence", "_outbox", "_due"})
@@ -54,6 +58,18 @@ def test_a_save_stamps_its_events_with_the_aggregate_and_leaves_out_the_fields_t
     assert plan.entries[0]["_id"] == event.id
     assert plan.entries[0]["aggregate_type"] == "Order"
     assert plan.given == (event,)
+
+
+def test_a_save_gives_a_document_without_id_one_only_when_it_is_not_refused(shop: Any) -> None:
+    document: dict[str, Any] = {"total": 3}
+    with pytest.raises(InvalidEventError):
+        rules(shop).save(None, shop.orders, document, ["not an event"], None)  # type: ignore[list-item]
+    with pytest.raises(InvalidAggregateError):
+        rules(shop).save(None, shop.orders, document | {"bad": {1, 2}}, [Event(type="p")], None)
+    assert document == {"total": 3}  # as the caller had it
+    plan = rules(shop).save(None, shop.orders, document, [Event(type="placed")], None)
+    assert isinstance(document["_id"], ObjectId)  # as insert_one does
+    assert plan.body == {"_id": document["_id"], "total": 3} and plan.doc_id == document["_id"]
 
 
 def test_an_embedded_entry_keeps_its_id_under_id_because_the_array_has_no_underscore_id(
@@ -122,6 +138,93 @@ def test_a_session_of_another_client_or_one_that_ended_is_refused(shop: Any) -> 
         rules(shop).save(Session(object()), shop.orders, {"_id": 1}, [], None)
     with pytest.raises(UsageError, match="the session has ended"):
         rules(shop).save(Session(shop.client, has_ended=True), shop.orders, {"_id": 1}, [], None)
+
+
+def test_a_collection_or_session_of_the_wrong_kind_is_refused(shop: Any) -> None:
+    with pytest.raises(InvalidAggregateError, match=r"must be a collection.*not a str"):
+        rules(shop).save(None, "orders", {"_id": 1}, [], None)
+    with pytest.raises(InvalidAggregateError, match="not a NoneType"):
+        rules(shop).save(None, None, {"_id": 1}, [], None)
+    with pytest.raises(UsageError, match=r"session must be a session.*not a str"):
+        rules(shop).save("s", shop.orders, {"_id": 1}, [], None)
+
+
+@pytest.mark.parametrize(
+    "name", ["outbox", "outbox_config", "outbox_event_ids", "system.views", "system.js"]
+)
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+def test_the_outboxs_own_collections_and_mongodbs_take_no_aggregates(
+    shop: Any, name: str, mode: str
+) -> None:
+    # Written there, an aggregate would overwrite the partition record (every writer then
+    # refuses), stand in the outbox as an entry, or take an event id in the registry.
+    outbox = Outbox(shop, mode=mode, collections=["orders"] if mode == "embedded" else ())
+    with pytest.raises(InvalidAggregateError, match=rf"{name} is one of .* own collections"):
+        outbox.save_with_events(None, shop[name], {"_id": "partitions", "count": 2}, [])
+    with pytest.raises(InvalidAggregateError, match="own collections"):
+        outbox.update_with_events(None, shop[name], {"_id": 1}, {"$set": {"a": 1}}, [])
+
+
+@pytest.mark.parametrize(
+    ("collections", "problem"),
+    [
+        ("orders", "a list of collection names, not the str 'orders'"),
+        (["outbox_event_ids"], "outbox_event_ids is one of the outbox's own collections"),
+        (["orders", "outbox"], "outbox is one of the outbox's own collections"),
+        (["system.views"], "system.views is one of MongoDB's own collections"),
+        ([""], "must be a non-empty str"),
+        ([None], "must be a non-empty str, not None"),
+    ],
+)
+def test_embedded_collections_that_cannot_hold_aggregates_are_refused_at_once(
+    shop: Any, collections: Any, problem: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(problem)) as refused:
+        Outbox(shop, mode="embedded", collections=collections)
+    assert refused.value.setting == "Outbox.collections"
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        lambda e: e.model_copy(update={"payload": {"a": math.nan}}),
+        lambda e: e.model_copy(update={"id": 5}),
+        lambda e: e.model_copy(update={"id": {"$gt": ""}}),
+        lambda e: e.model_copy(update={"type": ""}),
+        lambda e: e.model_copy(update={"headers": {"k": 1}}),
+        lambda e: Event.model_construct(type="y", payload="not a dict"),
+    ],
+    ids=["nan", "int_id", "dict_id", "empty_type", "int_header", "constructed"],
+)
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+def test_an_event_made_without_validation_is_refused_as_its_constructor_would(
+    shop: Any, made: Any, mode: str
+) -> None:
+    # model_copy(update=...) and model_construct skip pydantic's validation; stored, such an
+    # event could never be read back to be published: the relay would park it.
+    event = made(Event(type="placed"))
+    with pytest.raises(InvalidEventError, match="made without validation"):
+        rules(shop, mode).save(None, shop.orders, {"_id": 1}, [Event(type="ok"), event], None)
+
+
+class Placed(Event):
+    """An Event subclass whose constructor takes input of its own shape."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_order(cls, data: Any) -> Any:
+        data = dict(data)
+        order = data.pop("order")
+        return data | {"type": "order.placed", "payload": {"order": order}}
+
+
+def test_a_subclass_built_by_its_own_validators_is_checked_as_the_event_it_is(shop: Any) -> None:
+    # Checked again as an Event (what the relay reads), not through the subclass's validators,
+    # which expect the subclass's own input.
+    event = Placed(order="A-1")
+    for made in (event, event.model_copy(), event.model_copy(update={"payload": {"order": "B"}})):
+        plan = rules(shop).save(None, shop.orders, {"_id": 1}, [made], None)
+        assert plan.events[0].type == "order.placed"
 
 
 def test_events_given_as_anything_but_a_list_of_events_are_refused(shop: Any) -> None:
@@ -234,3 +337,22 @@ def test_add_events_needs_the_callers_open_transaction(shop: Any) -> None:
             rules(shop).add(session, shop.orders, 1, [Event(type="x")])
     plan = rules(shop).add(Session(shop.client), shop.orders, 1, [Event(type="x")])
     assert plan.query == {"_id": 1} and plan.kind == "add"
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+def test_a_database_collection_or_client_given_as_the_session_is_refused(
+    shop: Any, mode: str
+) -> None:
+    # Each answers client, in_transaction and has_ended with a sub-object, so it passed for a
+    # session: a NotImplementedError (a collection's truth tested) or "another client".
+    for given in (shop, shop.orders, shop.client):
+        with pytest.raises(UsageError, match="the session must be a session of the outbox"):
+            rules(shop, mode).save(given, shop.orders, {"_id": 1}, [Event(type="p")], None)
+
+
+def test_one_event_instead_of_a_list_is_refused_saying_so(shop: Any) -> None:
+    # A pydantic model iterates as its (field, value) pairs: "expected an Event, got tuple".
+    one = Event(type="placed")
+    with pytest.raises(InvalidEventError, match=r"not one Event: write \[event\]") as refused:
+        rules(shop).save(None, shop.orders, {"_id": 1}, one, None)  # type: ignore[arg-type]
+    assert refused.value.event_id == one.id

@@ -321,8 +321,12 @@ def test_a_delete_overtaken_by_concurrent_writes_gives_up_after_three_attempts(s
         find({"_id": 7}, there, "_outbox_due"),
         find({"_id": 7}, there, "_outbox_due"),
     )
-    with pytest.raises(ConcurrencyError):
+    with pytest.raises(ConcurrencyError) as raised:
         play(writer(shop).write(plan, None, NOW), *attempt, *attempt, *attempt)
+    # No version was expected: it said "not at version None", expected_version 0 ("must not
+    # exist").
+    assert "changed under this write at each of its tries" in str(raised.value)
+    assert raised.value.expected_version is None
 
 
 def test_an_update_the_server_refuses_for_its_content_is_invalid_but_a_transient_error_is_not(

@@ -11,7 +11,7 @@ from typing import Protocol
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
-from mongo_outbox._relay.rounds import Rounds, pause
+from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
@@ -136,7 +136,8 @@ class PollingWorker:
             if lost.is_set() or self.lease.fence is None:
                 log.warning("group %s: partition %d lease lost", self.group, self.partition)
                 return
-            _, more = await self.rounds.batch(lost=lost)
+            # A stop (or the partition given back) ends the round before its next wave too.
+            _, more = await self.rounds.batch(lost=AnyOf(lost, self._stopping))
             if not more:
                 await pause(self._stopping, self.interval)
 

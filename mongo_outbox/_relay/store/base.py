@@ -16,13 +16,19 @@ back), ``park`` sets the entry aside as dead-lettered with its error.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, cast
+
+import bson
+from pymongo.errors import BulkWriteError
 
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox
+
+log = logging.getLogger("mongo_outbox.relay")
 
 RECHECK = timedelta(seconds=1)
 """How soon an entry held back by another relay's claim is looked at again: a blocker held by
@@ -36,11 +42,53 @@ aggregate's order holds whatever batch its entries fall in, and an interrupted r
 whole batches requeued and the rest parked, for the same requeue to pick up again."""
 
 
+def hashable(event_id: Any) -> Hashable:
+    """``event_id`` as a set member: an id another producer stored as a document or an array
+    (its entry parked as unreadable) stands for itself by its BSON form."""
+    try:
+        hash(event_id)
+    except TypeError:
+        return ("bson", bson.encode({"id": event_id}))
+    return cast("Hashable", event_id)
+
+
+async def tolerant(write: Awaitable[Any]) -> None:
+    """Await a bulk write of per-entry fixes (parks, releases) made with ``ordered=False``: an
+    op that one odd entry makes fail is logged, not raised, so that entry costs the round
+    nothing but itself (it is met again at the next claim); the other ops were applied."""
+    try:
+        await write
+    except BulkWriteError as error:
+        failed = error.details.get("writeErrors") or error.details.get("writeConcernErrors") or []
+        first = failed[0].get("errmsg") if failed else error
+        log.warning("relay: %d of its writes for odd entries failed, first: %s", len(failed), first)
+
+
 def batches(ids: Sequence[Any], size: int | None = None) -> list[list[Any]]:
     """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_BATCH``)."""
     size = size or REQUEUE_BATCH
-    unique = list(dict.fromkeys(ids))
+    unique = list({hashable(i): i for i in ids}.values())
     return [unique[start : start + size] for start in range(0, len(unique), size)]
+
+
+class ParkedKey(NamedTuple):
+    """What a requeue by type or aggregate chooses a parked entry by, without reading it whole."""
+
+    id: Any
+    type: Any
+    aggregate_id: Any
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> ParkedKey:
+        """The key of an entry as ``Store.parked`` lists it."""
+        return cls(entry.get("_id"), entry.get("type"), entry.get("aggregate_id"))
+
+    def matches(self, types: Sequence[str], aggregates: Sequence[str]) -> bool:
+        """As ``parked list --type --aggregate``: any of ``types``, any of ``aggregates``
+        (aggregate ids as text, as an operator types them); no filter matches all."""
+        if types and self.type not in types:
+            return False
+        return not aggregates or str(self.aggregate_id) in aggregates
 
 
 @dataclass(frozen=True)
@@ -58,6 +106,10 @@ class Claim:
     """Failures for want of its destination (full, or missing) so far, by event id."""
     holders: Mapping[str, Any] = field(default_factory=dict)
     """Embedded mode: the (collection, document id) that holds each event."""
+    positions: Mapping[str, int] = field(default_factory=dict)
+    """Embedded mode: where each event's entry stood in its document's array when claimed. It
+    stays there while the claim holds (writers only append, and only the claimer removes), and
+    a document may hold one id twice (a copy saved into it), so settle acts by position."""
     held: tuple[Any, ...] = ()
     """Embedded mode: every document this claim holds (including ones with nothing to send)."""
     more: bool = False
@@ -121,9 +173,14 @@ class Store(Protocol):
     async def next_due(self) -> datetime | None:
         """When the earliest pending entry comes due (it may be in the past)."""
 
-    async def parked(self) -> list[dict[str, Any]]:
-        """Entries parked as dead-lettered: ``_id`` (the event id), the event's fields,
-        ``status: "parked"``, ``attempts`` and ``last_error``."""
+    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        """Entries parked as dead-lettered, in id order (only those of ``event_ids`` when
+        given): ``_id`` (the event id), the event's fields, ``status: "parked"``,
+        ``attempts`` and ``last_error``."""
+
+    async def parked_keys(self) -> list[ParkedKey]:
+        """Every parked entry's id, type and aggregate id, in id order: a requeue by type, by
+        aggregate or of all chooses from these, so it never holds every parked entry whole."""
 
     async def parked_count(self) -> int: ...
 
@@ -143,6 +200,33 @@ class Store(Protocol):
         occurred at or after ``since`` (and before ``until``), of ``types`` and
         ``aggregates`` (their ``aggregate_id``) when given, sorted by aggregate and then
         sequence. Embedded mode keeps no published entries: ``UsageError``."""
+
+
+@dataclass(frozen=True)
+class ParkedChoice:
+    """Parked entries chosen by type and aggregate (``choose_parked``)."""
+
+    keys: list[ParkedKey]
+    """Every parked entry's key."""
+    chosen: list[Any]
+    """The ids of those the filters keep."""
+    entries: list[dict[str, Any]]
+    """Those read whole, as ``Store.parked`` lists them."""
+
+
+async def choose_parked(
+    store: Store, types: Sequence[str], aggregates: Sequence[str], read: int | None = None
+) -> ParkedChoice:
+    """The parked entries of any of ``types`` and any of ``aggregates`` (none: all), chosen by
+    their keys, so that only the chosen are read whole: all of them, or the first ``read``."""
+    keys = await store.parked_keys()
+    chosen = [key.id for key in keys if key.matches(types, aggregates)]
+    ids = chosen if read is None else chosen[:read]
+    found = await store.parked(ids) if ids else []
+    # By id, the store lists every parked entry of those ids: the filters again, for an id
+    # parked in two documents, or the entries of no id.
+    entries = [entry for entry in found if ParkedKey.of(entry).matches(types, aggregates)]
+    return ParkedChoice(keys, chosen, entries if read is None else entries[:read])
 
 
 def scope(outbox: Outbox, partition: int | None) -> dict[str, Any]:

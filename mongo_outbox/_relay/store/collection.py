@@ -10,16 +10,27 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import decode, ours, shown
+from mongo_outbox._codec import counter, decode, ours, shown
+from mongo_outbox._commands import chunked
 from mongo_outbox._partitions import partition_of
-from mongo_outbox._relay.store.base import RECHECK, Backlog, Claim, PublishFailure, batches, scope
+from mongo_outbox._relay.store.base import (
+    RECHECK,
+    Backlog,
+    Claim,
+    ParkedKey,
+    PublishFailure,
+    batches,
+    hashable,
+    scope,
+    tolerant,
+)
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -73,47 +84,59 @@ class CollectionStore:
         self, candidates: Sequence[Mapping[str, Any]], now: datetime, lease: timedelta
     ) -> tuple[Claim, int]:
         token = uuid.uuid4().hex
-        claimed = await self.coll.update_many(
-            {
-                **self.scope,
-                "_id": {"$in": [c["_id"] for c in candidates]},
-                "status": "pending",
-                # A fresh entry is claimable whatever the writer's clock said; others when due.
-                "$or": [
-                    {"available_at": {"$lte": now}},
-                    {"claim": None, "attempts": 0, "waits": None, "misses": None},
-                ],
-            },
-            {"$set": {"available_at": now + lease, "claim": token}},
-        )
-        if not claimed.modified_count:
+        claimed = 0
+        for ids in chunked([c["_id"] for c in candidates]):
+            result = await self.coll.update_many(
+                {
+                    **self.scope,
+                    "_id": {"$in": ids},
+                    "status": "pending",
+                    # A fresh entry is claimable whatever its writer's clock said; others when due.
+                    "$or": [
+                        {"available_at": {"$lte": now}},
+                        {"claim": None, "attempts": 0, "waits": None, "misses": None},
+                    ],
+                },
+                {"$set": {"available_at": now + lease, "claim": token}},
+            )
+            claimed += result.modified_count
+        if not claimed:
             return Claim(token), 0
         # Every pending entry of the claimed aggregates up to the last one claimed, to find
         # entries that must go first (reading further would cost O(backlog) per round).
-        last: dict[tuple[Any, Any], int | None] = {}
+        # Aggregates are told apart by their hashable form: another producer's aggregate id may
+        # be a document (its entries are parked, and must not stop everyone else's).
+        last: dict[tuple[Hashable, Hashable], tuple[Any, Any, int | None]] = {}
         for c in candidates:
-            key, seq = (c.get("aggregate_type"), c.get("aggregate_id")), c.get("sequence")
-            if key not in last or last[key] is not None:
+            t, i, seq = c.get("aggregate_type"), c.get("aggregate_id"), c.get("sequence")
+            key = (hashable(t), hashable(i))
+            if key not in last or last[key][2] is not None:
                 # No bound for an aggregate with an entry of no sequence (another producer's).
-                last[key] = max(last.get(key) or 0, seq) if isinstance(seq, int) else None
-        pending = (
-            await self.coll.find(
-                {
-                    "status": "pending",
-                    "$or": [
-                        {"aggregate_type": t, "aggregate_id": i}
-                        | ({} if seq is None else {"sequence": {"$lte": seq}})
-                        for (t, i), seq in last.items()
-                    ],
-                },
-                batch_size=10_000,
+                before = last[key][2] or 0 if key in last else 0
+                last[key] = (t, i, max(before, seq) if isinstance(seq, int) else None)
+        pending: list[dict[str, Any]] = []
+        for aggregates in chunked(list(last.values())):
+            # Each aggregate is read whole by one command, so each is in sequence order.
+            pending += (
+                await self.coll.find(
+                    {
+                        "status": "pending",
+                        "$or": [
+                            # $eq: a stored value is matched as itself, never as an operator.
+                            {"aggregate_type": {"$eq": t}, "aggregate_id": {"$eq": i}}
+                            | ({} if seq is None else {"sequence": {"$lte": seq}})
+                            for t, i, seq in aggregates
+                        ],
+                    },
+                    batch_size=10_000,
+                )
+                .sort("sequence", 1)
+                .to_list(None)
             )
-            .sort("sequence", 1)
-            .to_list(None)
-        )
-        by_aggregate: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+        by_aggregate: dict[tuple[Hashable, Hashable], list[dict[str, Any]]] = defaultdict(list)
         for entry in pending:
-            by_aggregate[(entry.get("aggregate_type"), entry.get("aggregate_id"))].append(entry)
+            key = (hashable(entry.get("aggregate_type")), hashable(entry.get("aggregate_id")))
+            by_aggregate[key].append(entry)
         groups: list[tuple[Event, ...]] = []
         counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
         released: list[UpdateMany] = []
@@ -143,13 +166,14 @@ class CollectionStore:
                         continue
                     group.append(event)
                     for name, values in counters.items():
-                        values[event.id] = int(entry.get(name) or 0)
+                        # A counter another writer stored as no whole number counts as none.
+                        values[event.id] = counter(entry.get(name)) or 0
             if group:
                 groups.append(tuple(group))
             if blocker is not None and behind:
-                released.append(self._behind(blocker, behind, token, now))
+                released += self._behind(blocker, behind, token, now)
         if unreadable or released:
-            await self.coll.bulk_write([*unreadable, *released], ordered=False)
+            await tolerant(self.coll.bulk_write([*unreadable, *released], ordered=False))
         claim = Claim(
             token,
             tuple(groups),
@@ -158,29 +182,34 @@ class CollectionStore:
             misses=counters["misses"],
             more=bool(unreadable),
         )
-        return claim, claimed.modified_count
+        return claim, claimed
 
     @staticmethod
-    def _behind(blocker: dict[str, Any], ids: list[Any], token: str, now: datetime) -> UpdateMany:
+    def _behind(
+        blocker: dict[str, Any], ids: list[Any], token: str, now: datetime
+    ) -> list[UpdateMany]:
         """Release entries queued behind ``blocker``: until its backoff ends (and woken with it),
         or, while another relay holds it, for a second: a live holder publishes it at once."""
         due = max(as_utc(blocker["available_at"]), now)
         held = blocker.get("claim") is not None
-        return UpdateMany(
-            {"_id": {"$in": ids}, "claim": token},
-            {
-                "$set": {
-                    "available_at": min(due, now + RECHECK) if held else due,
-                    "waiting": bool(blocker.get("waiting")) and not held,
+        return [
+            UpdateMany(
+                {"_id": {"$in": chunk}, "claim": token},
+                {
+                    "$set": {
+                        "available_at": min(due, now + RECHECK) if held else due,
+                        "waiting": bool(blocker.get("waiting")) and not held,
+                    },
+                    "$unset": {"claim": ""},
                 },
-                "$unset": {"claim": ""},
-            },
-        )
+            )
+            for chunk in chunked(ids)
+        ]
 
     @staticmethod
     def _park(entry_id: Any, token: str | None, error: str) -> UpdateOne:
         return UpdateOne(
-            {"_id": entry_id, "status": "pending", "claim": token},
+            {"_id": {"$eq": entry_id}, "status": "pending", "claim": token},
             {
                 "$set": {"status": "parked", "last_error": error},
                 "$inc": {"attempts": 1},
@@ -194,10 +223,12 @@ class CollectionStore:
         now = utc_now()
         token = claim.token
         ops: list[Any] = []
-        if published:
+        # One bulkWrite, whose ops each name a bounded number of ids: the driver splits a bulk
+        # into commands of the server's size, but never one op.
+        for ids in chunked([e.id for e in published]):
             ops.append(
                 UpdateMany(
-                    {"_id": {"$in": [e.id for e in published]}},
+                    {"_id": {"$in": ids}},
                     {
                         "$set": {
                             "status": "published",
@@ -318,9 +349,19 @@ class CollectionStore:
         )
         return as_utc(doc["available_at"]) if doc else None
 
-    async def parked(self) -> list[dict[str, Any]]:
-        found = await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None)
-        return [shown(entry) for entry in found]
+    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        if event_ids is None:
+            found = await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None)
+            return [shown(entry) for entry in found]
+        chosen: list[dict[str, Any]] = []
+        for batch in batches(event_ids):
+            asked = self.coll.find({"_id": {"$in": batch}, "status": "parked"})
+            chosen += [shown(entry) async for entry in asked]
+        return sorted(chosen, key=lambda entry: str(entry["_id"]))
+
+    async def parked_keys(self) -> list[ParkedKey]:
+        found = self.coll.find({"status": "parked"}, projection={"type": 1, "aggregate_id": 1})
+        return [ParkedKey.of(entry) async for entry in found.sort("_id", 1)]
 
     async def parked_count(self) -> int:
         return int(await self.coll.count_documents({"status": "parked"}))

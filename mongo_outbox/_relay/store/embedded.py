@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,10 +24,18 @@ from typing import Any
 import bson
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import decode, numbered, ours
+from mongo_outbox._codec import counter, decode, numbered, ours
+from mongo_outbox._commands import chunked
 from mongo_outbox._partitions import partition_of
-from mongo_outbox._relay.store.base import Backlog, Claim, PublishFailure, scope
-from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries
+from mongo_outbox._relay.store.base import (
+    Backlog,
+    Claim,
+    PublishFailure,
+    hashable,
+    scope,
+    tolerant,
+)
+from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries, Read
 from mongo_outbox._write.aggregates import type_of
 from mongo_outbox._write.event_ids import Holder, PublishedIds
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
@@ -105,18 +113,21 @@ class EmbeddedStore(ParkedEntries):
     ) -> Claim:
         token = uuid.uuid4().hex
         held: list[tuple[str, Any]] = []
-        read: list[tuple[Holder, list[tuple[Event, dict[str, Any]]]]] = []
+        read: list[tuple[Holder, list[Read]]] = []
         missed = False
         for name, ids in found.items():
             if not ids:
                 continue
             coll = self.colls[name]
-            claimed = await coll.update_many(
-                {"_id": {"$in": ids}, **due},
-                {"$set": {self.due: now + lease, self.claim_field: token}},
-            )
-            missed = missed or claimed.modified_count < len(set(ids))
-            if not claimed.modified_count:
+            claimed = 0
+            for chunk in chunked(ids):
+                result = await coll.update_many(
+                    {"_id": {"$in": chunk}, **due},
+                    {"$set": {self.due: now + lease, self.claim_field: token}},
+                )
+                claimed += result.modified_count
+            missed = missed or claimed < len({hashable(i) for i in ids})
+            if not claimed:
                 continue
             docs = await coll.find(
                 {self.claim_field: token}, projection={self.field: 1, "_sequence": 1}
@@ -124,7 +135,7 @@ class EmbeddedStore(ParkedEntries):
             unreadable: list[UpdateOne] = []
             for doc in docs:
                 held.append((name, doc["_id"]))
-                entries: list[tuple[Event, dict[str, Any]]] = []
+                entries: list[Read] = []
                 stored = doc.get(self.field) or []
                 for index, (raw, entry) in enumerate(
                     zip(stored, numbered(stored, doc.get("_sequence")), strict=True)
@@ -134,7 +145,7 @@ class EmbeddedStore(ParkedEntries):
                     try:
                         if not isinstance(entry, dict):
                             raise InvalidEventError(f"outbox entry {entry!r} is not a document")
-                        entries.append((decode(entry, "id"), entry))
+                        entries.append(Read(decode(entry, "id"), entry, index, raw))
                     except InvalidEventError as error:
                         unreadable.append(
                             self._park_at(doc["_id"], index, raw, entry, token, error)
@@ -142,18 +153,23 @@ class EmbeddedStore(ParkedEntries):
                 read.append(((name, doc["_id"]), entries))
             if unreadable:
                 missed = True  # what queued behind them may go at once
-                await coll.bulk_write(unreadable, ordered=False)
-        holders = await self._owners(read, token)
-        missed = missed or sum(len(entries) for _, entries in read) > len(holders)
+                await tolerant(coll.bulk_write(unreadable, ordered=False))
+        owners = await self._owners(read, token)
+        missed = missed or sum(len(entries) for _, entries in read) > len(owners)
         groups: list[tuple[Event, ...]] = []
         counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
+        positions: dict[str, int] = {}
         for place, entries in read:
             group: list[Event] = []
-            for event, entry in entries:
-                if holders.get(event.id) == place:  # else parked, or another entry's id
+            for event, entry, position, _ in entries:
+                # Else parked, or another entry's id: of this document too (a copy of an event
+                # saved twice into it), so the entry is told by its sequence, not only its id.
+                if owners.get(event.id) == (place, event.sequence):
                     group.append(event)
-                    for counter, values in counters.items():
-                        values[event.id] = int(entry.get(counter) or 0)
+                    positions[event.id] = position
+                    for name, values in counters.items():
+                        # A counter another writer stored as no whole number counts as none.
+                        values[event.id] = counter(entry.get(name)) or 0
             if group:
                 groups.append(tuple(group))
         return Claim(
@@ -162,38 +178,39 @@ class EmbeddedStore(ParkedEntries):
             attempts=counters["attempts"],
             waits=counters["waits"],
             misses=counters["misses"],
-            holders=holders,
+            holders={event_id: place for event_id, (place, _) in owners.items()},
+            positions=positions,
             held=tuple(held),
             more=missed,
         )
 
     async def _owners(
-        self, read: Sequence[tuple[Holder, list[tuple[Event, dict[str, Any]]]]], token: str
-    ) -> dict[str, Holder]:
+        self, read: Sequence[tuple[Holder, list[Read]]], token: str
+    ) -> dict[str, tuple[Holder, Any]]:
         """Which document each id read goes out from: its own, the id taken for that entry in the
         registry (``_write.event_ids``), unless the registry has it for another entry (of another
         document, or of this one under another sequence) or an earlier document of this claim
         has it. The entries that lose are parked where they are: published, one of two entries
         under one id would be dropped by the broker as the other's duplicate."""
-        places: dict[str, list[tuple[Holder, Event]]] = defaultdict(list)
+        places: dict[str, list[tuple[Holder, Read]]] = defaultdict(list)
         for place, entries in read:
-            for event, _ in entries:
-                places[event.id].append((place, event))
-        first = {i: (found[0][0], found[0][1].sequence) for i, found in places.items()}
+            for one in entries:
+                places[one.event.id].append((place, one))
+        first = {i: (found[0][0], found[0][1].event.sequence) for i, found in places.items()}
         taken = await self.ids.own(first)
-        owners: dict[str, Holder] = {}
+        owners: dict[str, tuple[Holder, Any]] = {}
         doomed: list[Doomed] = []
         for event_id, found in places.items():
             holder, sequence = taken.get(event_id, first[event_id])
-            for place, event in found:
+            for place, one in found:
                 if (
                     place == holder
-                    and sequence in (None, event.sequence)
+                    and sequence in (None, one.event.sequence)
                     and event_id not in owners
                 ):
-                    owners[event_id] = place
+                    owners[event_id] = (place, one.event.sequence)
                 else:
-                    doomed.append((place, event, (holder, sequence)))
+                    doomed.append(Doomed(place, one, (holder, sequence)))
         if doomed:
             await self._park_taken(doomed, token)
         return owners
@@ -207,9 +224,15 @@ class EmbeddedStore(ParkedEntries):
         (``_codec.numbered``). The filter names the exact element as stored (``raw``), so a
         concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
+        parked = {"parked": True, "last_error": describe(error), "entry": entry}
+        # As literals, in a pipeline: an element such as {"$x": 1} is matched and kept as
+        # itself, never read as an operator (nor refused by $set as a field name).
+        stored = f"${self.field}"
+        before = [{"$slice": [stored, 0, index]}] if index else []
+        after = {"$slice": [stored, index + 1, _INT32_MAX]}
         return UpdateOne(
-            {"_id": doc_id, self.claim_field: token, at: raw},
-            {"$set": {at: {"parked": True, "last_error": describe(error), "entry": entry}}},
+            {"_id": doc_id, self.claim_field: token, at: {"$eq": raw}},
+            [{"$set": {self.field: {"$concatArrays": [*before, [{"$literal": parked}], after]}}}],
         )
 
     # -- settling ---------------------------------------------------------------------------
@@ -218,38 +241,51 @@ class EmbeddedStore(ParkedEntries):
         self, claim: Claim, published: Sequence[Event], failed: Sequence[PublishFailure]
     ) -> None:
         now = utc_now()
-        done: dict[tuple[str, Any], list[str]] = defaultdict(list)
+        # Documents are told apart by their hashable form: another producer's _id may be a
+        # document, and must not stop the settle of everyone else's.
+        done: dict[tuple[str, Hashable], list[str]] = defaultdict(list)
         for event in published:
-            done[claim.holders[event.id]].append(event.id)
+            done[_key(claim.holders[event.id])].append(event.id)
         # The ids stay taken for retention from now, in the registry, before their entries go:
         # a crash in between leaves them pending here, and they are published again.
         await self.ids.mark_published(
             [(event.id, *claim.holders[event.id]) for event in published], now
         )
-        failures = {claim.holders[f.event.id]: f for f in failed}
+        failures = {_key(claim.holders[f.event.id]): f for f in failed}
         ops: dict[str, list[Any]] = defaultdict(list)
         for name, doc_id in claim.held:
             mine = {"_id": doc_id, self.claim_field: claim.token}
-            ids = done.get((name, doc_id))
+            ids = done.get(_key((name, doc_id)), [])
+            gone = sorted(claim.positions[i] for i in ids)
             if ids:
                 # Under our claim only: once another relay holds the document, its round
                 # decides what is left (it publishes these again: at least once, never lost).
                 # Their ids stay in the document until its next settle: a save repeated at this
                 # instant, which found their reservations not yet published, is refused here.
+                # The entries claimed go, by position, and no other: a copy of one of them
+                # appended or requeued meanwhile stays, for the next claim to park.
+                here = {f"{self.field}.{claim.positions[i]}.id": i for i in ids}
                 ops[name].append(
                     UpdateOne(
-                        mine,
-                        {
-                            "$pull": {self.field: {"id": {"$in": ids}}},
-                            "$set": {self.sent_field: ids},
-                        },
+                        mine | here,
+                        [
+                            {
+                                "$set": {
+                                    self.field: _without(self.field, gone),
+                                    self.sent_field: {"$literal": ids},
+                                }
+                            }
+                        ],
                     )
                 )
-            failure = failures.get((name, doc_id))
+            failure = failures.get(_key((name, doc_id)))
             if failure is None:
                 ops[name].append(self._release([doc_id], claim.token, now))
             else:
-                entry = f"{self.field}.$"
+                # Where it stands once the published entries before it are gone.
+                position = claim.positions[failure.event.id]
+                position -= sum(1 for p in gone if p < position)
+                entry = f"{self.field}.{position}"
                 # Its number is written too: an entry appended unnumbered keeps it however the
                 # entries after it come and go (_codec.numbered).
                 sets: dict[str, Any] = {
@@ -266,7 +302,7 @@ class EmbeddedStore(ParkedEntries):
                     counter = f"{entry}.{kind[failure.kind]}"
                 ops[name].append(
                     UpdateOne(
-                        {**mine, f"{self.field}.id": failure.event.id},
+                        {**mine, f"{entry}.id": failure.event.id},
                         {"$set": sets, "$inc": {counter: 1}, "$unset": {self.claim_field: ""}},
                     )
                 )
@@ -377,3 +413,25 @@ class EmbeddedStore(ParkedEntries):
             if doc and isinstance(doc.get(self.due), datetime):
                 times.append(as_utc(doc[self.due]))
         return min(times, default=None)
+
+
+def _key(holder: Holder) -> tuple[str, Hashable]:
+    name, doc_id = holder
+    return name, hashable(doc_id)
+
+
+def _without(field: str, positions: list[int]) -> dict[str, Any]:
+    """The array ``field`` without the elements at ``positions`` (ascending): the slices
+    between them, joined, the last one with whatever was appended since."""
+    parts: list[dict[str, Any]] = []
+    start = 0
+    for position in positions:
+        if position > start:
+            parts.append({"$slice": [f"${field}", start, position - start]})
+        start = position + 1
+    parts.append({"$slice": [f"${field}", start, _INT32_MAX]})
+    return {"$concatArrays": parts}
+
+
+_INT32_MAX = 2**31 - 1
+"""The most elements a ``$slice`` takes: the rest of any array a document can hold."""

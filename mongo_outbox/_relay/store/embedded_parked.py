@@ -8,19 +8,34 @@ at.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NamedTuple
 
 from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._relay.store.base import batches
+from mongo_outbox._relay.store.base import ParkedKey, batches, hashable, tolerant
 from mongo_outbox._write.event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
 
-Doomed = tuple[Holder, Event, Taken]
-"""An entry to park: its document, its event, and who holds its id in the registry."""
+
+class Read(NamedTuple):
+    """An entry as a claim read it: its event, the entry (numbered), and where it stands in
+    its document's array, as stored (to park it, and no other entry of the same id)."""
+
+    event: Event
+    entry: dict[str, Any]
+    position: int
+    raw: Any
+
+
+class Doomed(NamedTuple):
+    """An entry to park: its document, the entry, and who holds its id in the registry."""
+
+    place: Holder
+    read: Read
+    taken: Taken
 
 
 class ParkedEntries:
@@ -35,16 +50,18 @@ class ParkedEntries:
         """Park where they are the entries whose id another document holds (``_write.event_ids``):
         published, one of the two would be dropped by the broker as the other's duplicate."""
         parks: dict[str, list[UpdateOne]] = defaultdict(list)
-        for (name, doc_id), event, ((holder, holder_id), sequence) in doomed:
+        for (name, doc_id), (event, _, position, raw), ((holder, holder_id), sequence) in doomed:
             which = f"event {sequence} of " if sequence is not None else ""
             error = (
                 f"DuplicateEventError: event id {event.id} is taken by {which}{holder} "
                 f"{holder_id!r}: the broker would drop one of the two as a duplicate"
             )
-            entry = f"{self.field}.$"
+            # By position, as stored: the document may hold the id twice (a copy of an event
+            # saved into it twice), and the other entry is the one that goes out.
+            entry = f"{self.field}.{position}"
             parks[name].append(
                 UpdateOne(
-                    {"_id": doc_id, self.claim_field: token, f"{self.field}.id": event.id},
+                    {"_id": doc_id, self.claim_field: token, entry: {"$eq": raw}},
                     # Its number too, as settle's park writes it (_codec.numbered).
                     {
                         "$set": {
@@ -56,17 +73,53 @@ class ParkedEntries:
                 )
             )
         for name, writes in parks.items():
-            await self.colls[name].bulk_write(writes, ordered=False)
+            await tolerant(self.colls[name].bulk_write(writes, ordered=False))
 
-    async def parked(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = []
+    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        if event_ids is None:
+            found = [listed async for listed in self._parked({f"{self.field}.parked": True})]
+            return sorted(found, key=lambda entry: str(entry["_id"]))
+        chosen: list[dict[str, Any]] = []
+        for batch in batches(event_ids):
+            wanted = {hashable(i) for i in batch}
+            async for listed in self._parked(self._holding(batch)):
+                if hashable(listed["_id"]) in wanted:
+                    chosen.append(listed)
+        return sorted(chosen, key=lambda entry: str(entry["_id"]))
+
+    async def parked_keys(self) -> list[ParkedKey]:
+        # Of each entry only what a key holds (of a wrapped one, of its original): not the
+        # payloads of every entry of every document that holds a parked one.
+        keys = [
+            f"{self.field}.{wrap}{key}"
+            for wrap in ("", "entry.")
+            for key in ("id", "type", "aggregate_id")
+        ]
+        found = self._parked({f"{self.field}.parked": True}, [*keys, f"{self.field}.parked"])
+        chosen = [ParkedKey.of(listed) async for listed in found]
+        return sorted(chosen, key=lambda key: str(key.id))
+
+    async def _parked(
+        self, query: dict[str, Any], fields: list[str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The parked entries of the documents ``query`` finds (only ``fields`` of them when
+        given), one document in memory at a time."""
+        projection = dict.fromkeys(fields or [self.field], 1)
         for name, coll in self.colls.items():
-            docs = coll.find({f"{self.field}.parked": True}, projection={self.field: 1})
-            async for doc in docs:
-                for entry in doc[self.field]:
+            async for doc in coll.find(query, projection=projection):
+                for entry in doc.get(self.field) or ():
                     if isinstance(entry, dict) and entry.get("parked"):
-                        found.append(self._listed(entry, name))
-        return sorted(found, key=lambda entry: str(entry["_id"]))
+                        yield self._listed(entry, name)
+
+    def _holding(self, event_ids: list[Any]) -> dict[str, Any]:
+        """The documents holding any of ``event_ids`` parked, or parked wrapped (an unreadable
+        entry keeps its original under ``entry``)."""
+        return {
+            "$or": [
+                {self.field: {"$elemMatch": {key: {"$in": event_ids}, "parked": True}}}
+                for key in ("id", "entry.id")
+            ]
+        }
 
     @staticmethod
     def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
@@ -107,16 +160,9 @@ class ParkedEntries:
 
     async def _requeue_batch(self, batch: list[str]) -> int:
         requeued = 0
-        wanted = set(batch)
-        # A parked entry, or an unreadable one parked wrapped with its original under "entry".
-        asked = {
-            "$or": [
-                {self.field: {"$elemMatch": {key: {"$in": batch}, "parked": True}}}
-                for key in ("id", "entry.id")
-            ]
-        }
+        wanted = {hashable(i) for i in batch}
         for coll in self.colls.values():
-            docs = coll.find(asked, projection={self.field: 1})
+            docs = coll.find(self._holding(batch), projection={self.field: 1})
             async for doc in docs:
                 # The entries are in their aggregate's order (each write appends its own), so
                 # the earlier parked ones are those before the last one asked for.
@@ -125,7 +171,7 @@ class ParkedEntries:
                     for index, e in enumerate(doc[self.field])
                     if isinstance(e, dict) and e.get("parked")
                 ]
-                upto = max((index for index, id_ in parked if id_ in wanted), default=-1)
+                upto = max((index for index, id_ in parked if hashable(id_) in wanted), default=-1)
                 ids = [id_ for index, id_ in parked if id_ is not None and index <= upto]
                 if not ids:  # an id the query matched inside an array: no entry of ours
                     continue
@@ -141,7 +187,7 @@ class ParkedEntries:
         ids = {"$literal": event_ids}
         parked = {"$eq": ["$$e.parked", True]}
         chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
-        again = {"parked": False, "attempts": 0, "waits": 0}
+        again = {"parked": False, "attempts": 0, "waits": 0, "misses": 0}
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
         # it was (to be read again: a fix by hand, a newer version), in its place, if it has its

@@ -101,12 +101,17 @@ class _Delivery:
             self.headers = raw.headers or {}
             self.message_id = raw.message_id
             self.body = raw.body
-            delivered = self.headers.get("x-delivery-count")
+            delivered = self.headers.get("x-delivery-count", 0)  # none on a first delivery
         else:
+            # FastStream's Redis subscribers deliver a dict, its batch subscribers a list.
+            why = (
+                "a Redis subscriber's: consume_redis guards Redis streams (docs/redis.md)"
+                if isinstance(raw, dict)
+                else "a batch subscriber delivers a list: guard one message at a time"
+            )
             raise ConfigurationError(
                 f"inbox_handler guards RabbitMQ and NATS JetStream subscribers, not a "
-                f"{type(raw).__module__}.{type(raw).__name__} message (a batch subscriber "
-                "delivers a list: guard one message at a time)",
+                f"{type(raw).__module__}.{type(raw).__name__} message ({why})",
                 setting="inbox_handler",
             )
         self.last = (

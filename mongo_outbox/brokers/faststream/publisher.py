@@ -35,6 +35,7 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import (
     Naming,
+    check_naming,
     client_call,
     closed_error,
     message_headers,
@@ -112,7 +113,7 @@ class FastStreamPublisher:
                 setting="FastStreamPublisher.stream",
             )
         self.broker = broker
-        self.destination = destination
+        self.destination = check_naming(destination, "FastStreamPublisher.destination")
         self.exchange = exchange
         self.stream = stream
         self.timeout = check_seconds(timeout, "FastStreamPublisher.timeout")

@@ -18,8 +18,10 @@ from typing import Any
 from mongo_outbox.consumers.base import (
     Dispatcher,
     Rejected,
+    being_cancelled,
     check_source,
     delivery_limit_of,
+    ready,
     settle,
 )
 from mongo_outbox.errors import ConfigurationError, describe
@@ -49,14 +51,18 @@ class _Delivery:
         self.message_id: object = self.headers.get("Nats-Msg-Id")
         self.body = message.data
         self.last = bool(max_deliver) and message.metadata.num_delivered >= (max_deliver or 0)
+        self.settled = False
 
     async def ack(self) -> None:
+        self.settled = True
         await self.message.ack()
 
     async def reject(self) -> None:
+        self.settled = True
         await self.message.term()
 
     async def retry_after(self, delay: float, stop: asyncio.Event) -> None:
+        self.settled = True
         await self.message.nak(delay=delay)
 
     async def give_back(self) -> None:
@@ -66,10 +72,16 @@ class _Delivery:
         # wait out ack_wait. The pull went out on this connection before the nak, so it has
         # expired once _FETCH_WAIT has passed since the server read the nak; twice that keeps the
         # two server timers from racing.
+        self.settled = True
         await self.message.nak(delay=_GIVE_BACK_AFTER)
 
     async def keep_alive(self) -> None:
-        await self.message.in_progress()
+        # Never after a settle: JetStream takes a +WPI after a delayed nak as work going on, and
+        # would deliver the message again after ack_wait rather than the delay. The check and
+        # the +WPI's place in the connection's buffer come with no await between them, so one
+        # that passed the check goes out before the settle.
+        if not self.settled:
+            await self.message.in_progress()
 
     def messaging(self) -> dict[str, str]:
         return {"messaging.system": "nats", "messaging.destination.name": self.message.subject}
@@ -135,6 +147,7 @@ async def consume_nats(
     )
     check_source(source, "consume_nats.source")
     stop = stop or asyncio.Event()
+    await ready(guarded)
     subscription = await js.pull_subscribe(subject, durable=durable, stream=stream)
     try:
         config = (await subscription.consumer_info()).config
@@ -156,8 +169,12 @@ async def consume_nats(
                 for message in messages:
                     dispatcher.dispatch(_Delivery(message, max_deliver))
         finally:
-            await dispatcher.drain()
-            ticker.cancel()
+            try:
+                await dispatcher.drain(cancelled=being_cancelled())
+            finally:
+                # Even if the drain was cancelled: a keep-alive left running would hold its
+                # messages from every other consumer for as long as the process lives.
+                ticker.cancel()
     finally:
         await subscription.unsubscribe()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from mongo_outbox.errors import (
     BrokerFullError,
@@ -16,6 +17,8 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import (
     Naming,
+    NamingFailed,
+    check_naming,
     closed_error,
     message_headers,
     redact_url,
@@ -96,7 +99,7 @@ class NatsPublisher:
         timeout: Duration = 5.0,
     ) -> None:
         self.js = js
-        self.subject = subject
+        self.subject = check_naming(subject, "NatsPublisher.subject")
         self.timeout = check_seconds(timeout, "NatsPublisher.timeout")
         self.closed = False
         self.connection: Client | None = None
@@ -119,6 +122,7 @@ class NatsPublisher:
         ``ConnectionError`` is raised. Logs and errors show ``url`` without its credentials.
         """
         wait = check_seconds(timeout, "NatsPublisher.timeout")
+        check_naming(subject, "NatsPublisher.subject")  # before a connection that would outlive it
         shown = redact_url(url)
 
         async def log_error(error: Exception) -> None:
@@ -218,7 +222,7 @@ class NatsPublisher:
             for index, event in enumerate(events):
                 try:
                     subject, body, headers, block = self._message(event, limit)
-                except InvalidEventError as error:
+                except (InvalidEventError, NamingFailed) as error:
                     outcomes[index] = error
                     continue
                 subjects[index] = subject
@@ -270,8 +274,9 @@ class NatsPublisher:
         return BrokerUnavailableError(f"NATS: {reason}", event_id=event.id)
 
     async def aclose(self) -> None:
-        """Stop publishing; drain and close the connection ``connect`` opened. Never raises:
-        a connection that cannot be drained (the server is gone) is closed as it is."""
+        """Stop publishing; drain and close the connection ``connect`` opened. Never raises,
+        and returns within ``2 * timeout``: a connection that cannot be drained (the server
+        is gone, or takes nothing more) is closed as it is, its socket dropped."""
         self.closed = True
         if self._mux is not None:
             # Nothing in flight can be confirmed any more: fail it now, not at its timeout.
@@ -280,17 +285,49 @@ class NatsPublisher:
         nc = self.connection
         if nc is None or nc.is_closed or nc.is_draining:
             return
-        try:
-            if nc.is_connected:
-                await nc.drain()
-            else:
-                # drain() refuses a connection that is (re)connecting; close it as it is.
-                await nc.close()
-        except Exception as error:  # noqa: BLE001 - closing must not fail the caller
-            # nats-py 2.16 writes what it buffered during an outage into the dead socket and
-            # fails (TypeError from asyncio) after marking the connection closed. Nothing it
-            # buffered was confirmed, so the relay publishes it again.
-            log.debug("closing the NATS connection: %s", describe(error))
-            if not nc.is_closed:
-                with contextlib.suppress(Exception):
-                    await nc.close()
+        if await _within(_shut(nc), self.timeout):
+            if nc.is_closed:
+                return
+        else:
+            # nats-py waits for the socket to take what it buffered, for ever from a server
+            # that stopped reading; it has no abort of its own.
+            log.warning(
+                "NATS did not take the connection's close within %gs; its socket is dropped",
+                self.timeout,
+            )
+            writer = getattr(nc._transport, "_io_writer", None)
+            if isinstance(writer, asyncio.StreamWriter):
+                writer.transport.abort()
+        await _within(nc.close(), self.timeout)
+
+
+async def _shut(nc: Client) -> None:
+    if nc.is_connected:
+        await nc.drain()
+    else:
+        # drain() refuses a connection that is (re)connecting; close it as it is.
+        await nc.close()
+
+
+async def _within(closing: Coroutine[Any, Any, None], seconds: float) -> bool:
+    """Run one step of closing a connection; ``False`` if it took longer than ``seconds``
+    (it is cancelled then). A failure is logged, not raised: closing must not fail the
+    caller, and nothing nats-py buffered was confirmed, so the relay publishes it again."""
+    # In a task of its own: nats-py's close, run while its reconnection waits for the dead
+    # socket to close, cancels that shared wait and so raises CancelledError into its caller,
+    # although nobody cancelled the caller. The task tells the two apart.
+    task = asyncio.ensure_future(closing)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        return False
+    failed = asyncio.CancelledError() if task.cancelled() else task.exception()
+    if failed is not None:
+        # e.g. nats-py 2.16 writes what it buffered during an outage into the dead socket and
+        # fails (TypeError from asyncio) after marking the connection closed.
+        log.debug("closing the NATS connection: %s", describe(failed))
+    return True

@@ -185,6 +185,19 @@ class _ConfirmChannel(aiormq.Channel):
             self.window.returned(message)
 
 
+def server_major(connection: aiormq.abc.AbstractConnection) -> int | None:
+    """The major version the RabbitMQ server said it runs, if it said."""
+    version = connection.server_properties.get("version") or b""
+    text = version.decode() if isinstance(version, bytes) else str(version)
+    major = text.split(".", 1)[0]
+    return int(major) if major.isdigit() else None
+
+
+MESSAGE_MAX_3 = 128 * 1024 * 1024
+"""RabbitMQ 3's default ``max_message_size``; 4's is ``MESSAGE_MAX_4``."""
+MESSAGE_MAX_4 = 16 * 1024 * 1024
+
+
 class ConfirmWindow:
     """Publishes waves on one channel in confirm mode and settles them from its confirms."""
 
@@ -192,6 +205,9 @@ class ConfirmWindow:
         self.channel = channel
         self.connection = connection
         self.frame_max: int = connection.connection_tune.frame_max
+        major = server_major(connection)
+        # The server's default limit: RabbitMQ does not say the one it was configured with.
+        self.message_max = MESSAGE_MAX_4 if major is None or major >= 4 else MESSAGE_MAX_3
         self._tag = 0  # the last delivery tag used
         self._waves: deque[Wave] = deque()
         self._writing = asyncio.Lock()

@@ -70,6 +70,7 @@ _BROKER_HEADERS = frozenset(
 # Reply codes a queue declaration fails with that are the topology's fault, not the network's.
 _ACCESS_REFUSED = 403  # a reserved name ("amq."), or no configure permission
 _PRECONDITION_FAILED = 406  # the queue exists with other arguments
+_MAX_TTL_MS = 2**32 - 1  # x-message-ttl is an unsigned 32-bit count of milliseconds
 
 
 def retry_buckets(backoff: Backoff) -> tuple[int, ...]:
@@ -107,6 +108,13 @@ class RetryQueues:
     def __init__(self, queue: AbstractQueue, backoff: Backoff) -> None:
         self.queue = queue
         self.buckets = retry_buckets(backoff)
+        if self.buckets[-1] > _MAX_TTL_MS:
+            # RabbitMQ refuses it (value_too_large), which read as a queue with other arguments.
+            raise ConfigurationError(
+                f"the guard's Backoff.maximum ({self.buckets[-1] / 1000:g} s) is longer than "
+                f"RabbitMQ's longest message TTL ({_MAX_TTL_MS / 1000:g} s, about 49 days)",
+                setting="inbox_guard.backoff",
+            )
         self.names = {ms: retry_queue_name(queue.name, ms) for ms in self.buckets}
         self._channel: AbstractChannel | None = None
         self._opening = asyncio.Lock()

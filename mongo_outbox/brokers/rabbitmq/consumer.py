@@ -22,12 +22,15 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from mongo_outbox.brokers.rabbitmq._confirms import server_major
 from mongo_outbox.brokers.rabbitmq._retry_queues import RetryQueues
 from mongo_outbox.consumers.base import (
     Dispatcher,
     Rejected,
+    being_cancelled,
     check_source,
     delivery_limit_of,
+    ready,
     settle,
     stopped_within,
 )
@@ -36,6 +39,7 @@ from mongo_outbox.guard import Guarded
 from mongo_outbox.inbox import Outcome
 
 try:
+    import aiormq.exceptions
     from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -60,7 +64,8 @@ class _Delivery:
         self.message_id: object = message.message_id
         self.body = message.body
         self.headers: Mapping[str, Any] = message.headers or {}
-        delivered = self.headers.get("x-delivery-count")
+        # A first delivery carries no count: 0 (with a limit of 0 it is the last).
+        delivered = self.headers.get("x-delivery-count", 0)
         self.last = (
             delivery_limit is not None
             and isinstance(delivered, int)
@@ -158,6 +163,7 @@ async def consume_rabbitmq(
     """
     check_source(source, "consume_rabbitmq.source")
     limit = delivery_limit_of(delivery_limit, "consume_rabbitmq.delivery_limit")
+    await ready(guarded)
     if limit is None:
         limit = await _declared_limit(queue)
     retries: RetryQueues | None = None
@@ -175,13 +181,37 @@ async def consume_rabbitmq(
         try:
             await stop.wait()
         finally:
+            cancelled = being_cancelled()
             try:
-                await queue.cancel(tag)
+                await _cancel(queue, tag)
             finally:
-                await dispatcher.drain()
+                await dispatcher.drain(cancelled=cancelled)
     finally:
         if retries is not None:
             await retries.close()
+
+
+_CANCEL_WAIT = 5.0
+"""Seconds a stop waits for RabbitMQ to take the consumer's cancel."""
+
+
+async def _cancel(queue: AbstractQueue, tag: str) -> None:
+    # With the connection down, a robust channel waits for it to come back: a stop would wait
+    # as long. A consumer whose connection is gone gets nothing more; the drain settles what
+    # it holds (what cannot be acked now comes back to another consumer).
+    if getattr(queue.channel, "is_closed", False):
+        log.warning("consumer %s of queue %s: its channel is closed: stopping", tag, queue.name)
+        return
+    try:
+        await asyncio.wait_for(queue.cancel(tag), _CANCEL_WAIT)
+    except (asyncio.TimeoutError, aiormq.exceptions.AMQPError, ConnectionError) as error:
+        log.warning(
+            "consumer %s of queue %s: no cancel within %gs (%s): stopping all the same",
+            tag,
+            queue.name,
+            _CANCEL_WAIT,
+            describe(error),
+        )
 
 
 async def _declared_limit(queue: AbstractQueue) -> int | None:
@@ -192,7 +222,5 @@ async def _declared_limit(queue: AbstractQueue) -> int | None:
     if arguments.get("x-queue-type") != "quorum":
         return None  # classic queues and streams have no delivery limit
     channel = await queue.channel.get_underlay_channel()
-    version = channel.connection.server_properties.get("version") or b""
-    text = version.decode() if isinstance(version, bytes) else str(version)
-    major = text.split(".", 1)[0]
-    return _RABBITMQ_4_QUORUM_LIMIT if major.isdigit() and int(major) >= 4 else None
+    major = server_major(channel.connection)
+    return _RABBITMQ_4_QUORUM_LIMIT if major is not None and major >= 4 else None

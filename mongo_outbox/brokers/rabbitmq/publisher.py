@@ -22,6 +22,8 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import SHORT_STRING_BYTES, Event
 from mongo_outbox.publishers.base import (
     Naming,
+    NamingFailed,
+    check_naming,
     client_call,
     closed_error,
     message_headers,
@@ -29,7 +31,7 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
-from mongo_outbox.settings import Duration, check_seconds
+from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:
     import aio_pika
@@ -58,6 +60,12 @@ def routing_key_of(naming: Naming, event: Event) -> str:
     return key
 
 
+def _checked_size(max_message_size: int | None) -> int | None:
+    if max_message_size is None:
+        return None
+    return check_count(max_message_size, "RabbitMQPublisher.max_message_size")
+
+
 class RabbitMQPublisher:
     """Publishes each event as a persistent message and waits for the broker's confirm.
 
@@ -81,6 +89,9 @@ class RabbitMQPublisher:
         timeout: seconds (or a ``timedelta``) a publish may take, reopening the channel
             included, before it raises ``BrokerUnavailableError`` (and the connection's
             timeout, in ``connect``).
+        max_message_size: the broker's ``max_message_size`` in bytes; by default its
+            version's default (RabbitMQ 4: 16 MiB, 3: 128 MiB). A longer message raises
+            ``InvalidEventError`` before it is sent.
     """
 
     def __init__(
@@ -89,10 +100,12 @@ class RabbitMQPublisher:
         *,
         routing_key: Naming = "{type}",
         timeout: Duration = 5.0,
+        max_message_size: int | None = None,
     ) -> None:
         self.exchange = exchange
-        self.routing_key = routing_key
+        self.routing_key = check_naming(routing_key, "RabbitMQPublisher.routing_key", empty=True)
         self.timeout = check_seconds(timeout, "RabbitMQPublisher.timeout")
+        self.max_message_size = _checked_size(max_message_size)
         self.closed = False
         self.connection: AbstractRobustConnection | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
@@ -110,6 +123,7 @@ class RabbitMQPublisher:
         routing_key: Naming = "{type}",
         timeout: Duration = 5.0,
         declare: bool = True,
+        max_message_size: int | None = None,
     ) -> RabbitMQPublisher:
         """Open a connection of its own and declare ``exchange`` as a durable topic exchange;
         with ``declare=False`` the exchange must exist already (a misspelled name is refused
@@ -118,6 +132,9 @@ class RabbitMQPublisher:
         Raises ``ConnectionError`` when RabbitMQ cannot be reached; it shows ``url`` without
         its password."""
         wait = check_seconds(timeout, "RabbitMQPublisher.timeout")
+        # Before a connection exists that would outlive a refusal.
+        check_naming(routing_key, "RabbitMQPublisher.routing_key", empty=True)
+        _checked_size(max_message_size)
         connection = aio_pika.RobustConnection(make_url(url))
         try:
             # The outer bound is for Python 3.10, whose asyncio.TimeoutError aio-pika does not
@@ -128,7 +145,11 @@ class RabbitMQPublisher:
             # connect and shrugs off cancellation itself: only close() ends it. Left open, it
             # retried forever and the event loop of a stopped command never finished.
             await connection.close()
-            if isinstance(error, (aiormq.exceptions.AMQPError, OSError, asyncio.TimeoutError)):
+            if isinstance(error, (asyncio.TimeoutError, TimeoutError)):  # it says nothing itself
+                raise ConnectionError(
+                    f"RabbitMQ at {redact_url(url)}: no answer within {wait:g}s"
+                ) from error
+            if isinstance(error, (aiormq.exceptions.AMQPError, OSError)):
                 raise ConnectionError(
                     f"RabbitMQ at {redact_url(url)}: {describe(error)}"
                 ) from error
@@ -151,7 +172,9 @@ class RabbitMQPublisher:
         except BaseException:
             await connection.close()
             raise
-        publisher = cls(declared, routing_key=routing_key, timeout=wait)
+        publisher = cls(
+            declared, routing_key=routing_key, timeout=wait, max_message_size=max_message_size
+        )
         publisher.connection = connection
         return publisher
 
@@ -198,7 +221,7 @@ class RabbitMQPublisher:
         for index, event in enumerate(events):
             try:
                 key, frame = self._frames(window, event)
-            except InvalidEventError as error:
+            except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
             frames.append(frame)
@@ -258,6 +281,15 @@ class RabbitMQPublisher:
                     event_id=event.id,
                 )
         body = event.model_dump_json().encode()
+        limit = self.max_message_size or window.message_max
+        if len(body) > limit:
+            # Sent, the broker would close the channel (PRECONDITION_FAILED), failing every
+            # other message of its wave with it.
+            raise InvalidEventError(
+                f"event {event.id}: its message takes {len(body)} bytes, over "
+                f"max_message_size {limit} (RabbitMQ's max_message_size)",
+                event_id=event.id,
+            )
         number = window.channel.number
         header = self._encoder.content_header(
             number,

@@ -1,7 +1,17 @@
 """The Redis commands behind ``consume_redis``: reading and reclaiming entries (``Reader``) and
 settling each one (``PendingEntry``). An entry is settled by its delivery: ``XACK``; a move to
-the dead-letter stream (``XADD`` there and ``XACK`` here in one ``MULTI``); or a new idle time
+the dead-letter stream (``XADD`` there, then ``XACK`` here); or a new idle time
 (``XCLAIM ... IDLE ... JUSTID`` by its owner), which decides when a reclaim takes it again.
+
+Three commands of one consumer set an entry's idle time: the keep-alive's ``XCLAIM`` (idle 0),
+a settle's ``XCLAIM ... IDLE`` (due after the retry delay) and the reclaim's ``XAUTOCLAIM`` (idle
+0, delivered). They go out on different connections of the client's pool, so Redis may run them
+in another order than they were sent: a keep-alive run after the settle, or an entry reclaimed
+after its settle but dropped as still in the process, would leave the entry untouched for a
+whole ``claim_idle`` instead of the delay. ``Entries.lock`` runs them one at a time, each
+bounded by ``ANSWER_WAIT`` (one unanswered command would hold the others up), and
+``Entries.held`` maps each entry this consumer is handling to its delivery: a reclaim and a
+keep-alive read it under the lock, and a delivery settles the entry only while it holds it.
 """
 
 from __future__ import annotations
@@ -9,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+import sys
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import redis.exceptions
 
+from mongo_outbox.brokers.redis.errors import is_outage
 from mongo_outbox.consumers.base import decode
+from mongo_outbox.errors import ConfigurationError
 
 log = logging.getLogger("mongo_outbox.brokers.redis.consumer")  # the logger users configure
 
 BLOCK_MS = 500  # how long XREADGROUP waits for entries: how soon the loop notices a stop
+_POLL_PAUSE = 0.1  # seconds between reads that do not block (see _block_ms)
 _TRIM_CHECK_EVERY = 10.0  # seconds between checks that trimming has not passed the group
 _BUSYGROUP = "BUSYGROUP"  # XGROUP CREATE: the group exists already
 
@@ -39,12 +53,71 @@ class Entries:
         self.consumer = consumer
         self.dead = dead
         self.idle_ms = idle_ms
+        self.lock = asyncio.Lock()
+        self.held: dict[bytes, PendingEntry] = {}
 
-    async def set_idle(self, entry_id: bytes, idle_ms: int) -> None:
-        # XCLAIM by its owner, JUSTID: the delivery count stays, the idle time is reset.
-        await self.client.xclaim(
-            self.stream, self.group, self.consumer, 0, [entry_id], idle=idle_ms, justid=True
-        )
+    def holds(self, entry: PendingEntry) -> bool:
+        return self.held.get(entry.entry_id) is entry
+
+    async def set_idle(self, entry: PendingEntry, idle_ms: int) -> None:
+        async with self.lock:
+            if not self.holds(entry):
+                # Its settle failed (no answer) and a reclaim has taken it since, for another
+                # delivery: that one decides now.
+                return
+            try:
+                # XCLAIM by its owner, JUSTID: the delivery count stays, the idle time is reset.
+                await answer(
+                    self.client.xclaim(
+                        self.stream,
+                        self.group,
+                        self.consumer,
+                        0,
+                        [entry.entry_id],
+                        idle=idle_ms,
+                        justid=True,
+                    )
+                )
+            finally:
+                # Failed, the entry is still the group's: a reclaim takes it after claim_idle.
+                del self.held[entry.entry_id]
+
+    async def keep_alive(self) -> None:
+        """Reset the idle time of every entry this consumer is handling: nobody reclaims them."""
+        async with self.lock:
+            if self.held:
+                # Delivered "now" again, to this consumer.
+                await answer(
+                    self.client.xclaim(
+                        self.stream, self.group, self.consumer, 0, list(self.held), justid=True
+                    )
+                )
+
+    def settled(self, entry: PendingEntry) -> None:
+        # Acknowledged (or moved): a keep-alive or reclaim after it finds it no longer pending.
+        if self.holds(entry):
+            del self.held[entry.entry_id]
+
+
+ANSWER_WAIT = 5.0
+"""Seconds a command run under ``Entries.lock`` waits for Redis's answer: far longer than a
+live Redis takes; an unanswered one fails, as a lost connection does, and frees the lock."""
+
+
+async def answer(command: Awaitable[Any], blocks: float = 0.0) -> Any:
+    """``command``'s answer, within ``ANSWER_WAIT`` (and the ``blocks`` seconds it may block
+    for): every command of the consumer is bounded, so that a Redis that stopped answering on
+    an open connection (a client without ``socket_timeout``) holds no stop up."""
+    wait = ANSWER_WAIT + blocks
+    try:
+        if sys.version_info >= (3, 11):
+            # Not wait_for: before 3.12 it could swallow a cancellation that came as the
+            # command ended, and the consumer would go on reading.
+            async with asyncio.timeout(wait):
+                return await command
+        return await asyncio.wait_for(command, wait)
+    except asyncio.TimeoutError as error:
+        raise redis.exceptions.TimeoutError(f"no answer from Redis within {wait:g}s") from error
 
 
 class PendingEntry:
@@ -75,7 +148,10 @@ class PendingEntry:
 
     async def ack(self) -> None:
         entries = self.entries
-        await entries.client.xack(entries.stream, entries.group, self.entry_id)
+        try:
+            await answer(entries.client.xack(entries.stream, entries.group, self.entry_id))
+        finally:
+            entries.settled(self)
 
     async def reject(self) -> None:
         # settle() refuses an entry for the reason decode() gives; the dead letter says it.
@@ -83,7 +159,11 @@ class PendingEntry:
         await self.dead_letter(reason if isinstance(reason, str) else "rejected")
 
     async def dead_letter(self, reason: str) -> None:
-        """Move the entry to the dead-letter stream: XADD there and XACK here, atomically."""
+        """Move the entry to the dead-letter stream: XADD there, then XACK here. Not in one
+        MULTI: Redis runs the rest of a MULTI after a command that fails as it runs (a
+        dead-letter key of another type), so the XACK dropped an entry whose copy was never
+        made. A crash between the two leaves a copy and the entry pending: dead-lettered
+        again, a second copy, never none."""
         entries = self.entries
         fields = dict(self.fields)
         fields.update(
@@ -95,10 +175,11 @@ class PendingEntry:
                 "dead-letter-deliveries": str(self.delivered),
             }
         )
-        async with entries.client.pipeline(transaction=True) as pipeline:
-            pipeline.xadd(entries.dead, fields)
-            pipeline.xack(entries.stream, entries.group, self.entry_id)
-            await pipeline.execute()
+        try:
+            await answer(entries.client.xadd(entries.dead, fields))
+            await answer(entries.client.xack(entries.stream, entries.group, self.entry_id))
+        finally:
+            entries.settled(self)
         log.error(
             "entry %s of stream %s dead-lettered to %s: %s",
             _text(self.entry_id),
@@ -110,11 +191,11 @@ class PendingEntry:
     async def retry_after(self, delay: float, stop: asyncio.Event) -> None:
         # Left pending, idle as if delivered claim_idle - delay ago: reclaimed after the delay.
         idle_ms = max(0, self.entries.idle_ms - int(delay * 1000))
-        await self.entries.set_idle(self.entry_id, idle_ms)
+        await self.entries.set_idle(self, idle_ms)
 
     async def give_back(self) -> None:
         # Idle for claim_idle at once: the next reclaim, of any consumer, takes it.
-        await self.entries.set_idle(self.entry_id, self.entries.idle_ms)
+        await self.entries.set_idle(self, self.entries.idle_ms)
 
 
 def _headers(raw: Any) -> Mapping[str, Any]:
@@ -137,46 +218,87 @@ class Reader:
         self.cursor: bytes | str = "0-0"
         self.trimmed: str | None = None
         self.checked = 0.0
+        self.block_ms = _block_ms(entries.client)
 
     async def ensure_group(self) -> None:
+        """Create the group (and the stream) unless it exists. ``ConfigurationError`` when the
+        stream's or the dead-letter stream's key holds something else, or Redis refuses the
+        group as given (``start_id``); an outage is raised as it is."""
         entries = self.entries
+        for key, setting in ((entries.stream, "stream"), (entries.dead, "dead_letter_stream")):
+            try:
+                kind = _text(await answer(entries.client.type(key)))
+            except redis.exceptions.NoPermissionError:
+                continue  # an ACL with the stream commands only: the commands themselves say
+            if kind not in ("none", "stream"):
+                raise ConfigurationError(
+                    f"the Redis key {key!r} holds a {kind}, not a stream",
+                    setting=f"consume_redis.{setting}",
+                )
         try:
-            await entries.client.xgroup_create(
-                entries.stream, entries.group, id=self.start_id, mkstream=True
+            await answer(
+                entries.client.xgroup_create(
+                    entries.stream, entries.group, id=self.start_id, mkstream=True
+                )
             )
         except redis.exceptions.ResponseError as error:
-            if not str(error).startswith(_BUSYGROUP):
+            if str(error).startswith(_BUSYGROUP):
+                return
+            if is_outage(error):
                 raise
+            wrong_type = str(error).startswith("WRONGTYPE")  # the key changed type meanwhile
+            raise ConfigurationError(
+                f"Redis refused group {entries.group!r} of stream {entries.stream!r} starting "
+                f"at {self.start_id!r}: {error}",
+                setting="consume_redis.stream" if wrong_type else "consume_redis.start_id",
+            ) from error
 
-    async def read(self, wanted: int, in_flight: set[bytes]) -> list[PendingEntry]:
+    async def read(self, wanted: int) -> list[PendingEntry]:
+        """Entries to handle, each held (``Entries.held``) until it is settled."""
         await self._check_trimmed()  # before the read, which would move the group past a gap
-        deliveries = await self._reclaim(wanted, in_flight)
+        deliveries = await self._reclaim(wanted)
         if deliveries:
             return deliveries
         entries = self.entries
-        answer = await entries.client.xreadgroup(
-            entries.group, entries.consumer, {entries.stream: ">"}, count=wanted, block=BLOCK_MS
+        new = await answer(
+            entries.client.xreadgroup(
+                entries.group,
+                entries.consumer,
+                {entries.stream: ">"},
+                count=wanted,
+                block=self.block_ms,
+            ),
+            blocks=(self.block_ms or 0) / 1000,
         )
-        return [
+        if not new and self.block_ms is None:
+            await asyncio.sleep(_POLL_PAUSE)  # the wait a blocking read would have had
+        read = [
             PendingEntry(entries, entry_id, fields, 1, self.max_deliveries)
-            for _, stream_entries in answer or ()
+            for _, stream_entries in new or ()
             for entry_id, fields in stream_entries
         ]
+        entries.held.update((entry.entry_id, entry) for entry in read)
+        return read
 
-    async def _reclaim(self, wanted: int, in_flight: set[bytes]) -> list[PendingEntry]:
+    async def _reclaim(self, wanted: int) -> list[PendingEntry]:
         entries = self.entries
-        answer = await entries.client.xautoclaim(
-            entries.stream,
-            entries.group,
-            entries.consumer,
-            entries.idle_ms,
-            start_id=self.cursor,
-            count=wanted,
-        )
-        self.cursor, claimed = answer[0], answer[1]
-        deleted = list(answer[2]) if len(answer) > 2 else []  # Redis >= 7 lists them
+        async with entries.lock:
+            claim = await answer(
+                entries.client.xautoclaim(
+                    entries.stream,
+                    entries.group,
+                    entries.consumer,
+                    entries.idle_ms,
+                    start_id=self.cursor,
+                    count=wanted,
+                )
+            )
+            # Our own held entries come back only if their keep-alive came too late.
+            claimed = [(i, f) for i, f in claim[1] if f is not None and i not in entries.held]
+        self.cursor = claim[0]
+        deleted = list(claim[2]) if len(claim) > 2 else []  # Redis >= 7 lists them
         # Redis 6.2 returns a deleted entry with no fields instead (and leaves it pending).
-        deleted += [entry_id for entry_id, fields in claimed if fields is None]
+        deleted += [entry_id for entry_id, fields in claim[1] if fields is None]
         for entry_id in deleted:
             log.error(
                 "entry %s of stream %s was deleted (trimmed: see maxlen) before group %s "
@@ -186,14 +308,15 @@ class Reader:
                 entries.group,
             )
         if deleted:
-            await entries.client.xack(entries.stream, entries.group, *deleted)
-        # Our own in-flight entries come back only if their keep-alive came too late.
-        claimed = [(i, f) for i, f in claimed if f is not None and i not in in_flight]
+            await answer(entries.client.xack(entries.stream, entries.group, *deleted))
         counts = await self._delivery_counts([entry_id for entry_id, _ in claimed])
-        return [
+        reclaimed = [
             PendingEntry(entries, entry_id, fields, counts.get(entry_id, 1), self.max_deliveries)
             for entry_id, fields in claimed
         ]
+        # Held from here, not before: a read that fails leaves them to a reclaim, not kept alive.
+        entries.held.update((entry.entry_id, entry) for entry in reclaimed)
+        return reclaimed
 
     async def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
         if not ids or self.max_deliveries is None:
@@ -202,7 +325,7 @@ class Reader:
         async with entries.client.pipeline(transaction=False) as pipeline:
             for entry_id in ids:
                 pipeline.xpending_range(entries.stream, entries.group, entry_id, entry_id, 1)
-            answers = await pipeline.execute()
+            answers = await answer(pipeline.execute())
         return {
             pending[0]["message_id"]: int(pending[0]["times_delivered"])
             for pending in answers
@@ -220,8 +343,8 @@ class Reader:
         self.checked = loop.time()
         entries = self.entries
         try:
-            info = await entries.client.xinfo_stream(entries.stream)
-            groups = await entries.client.xinfo_groups(entries.stream)
+            info = await answer(entries.client.xinfo_stream(entries.stream))
+            groups = await answer(entries.client.xinfo_groups(entries.stream))
         except redis.exceptions.ResponseError:  # the stream is gone: the next read says so
             return
         first = info.get("first-entry")
@@ -244,6 +367,20 @@ class Reader:
                     entries.group,
                     read,
                 )
+
+
+def _block_ms(client: Any) -> int | None:
+    """``BLOCK_MS``, or ``None`` (reads that do not block) under a client socket timeout that
+    a blocking read could outlast: each would fail as a timeout, a warning a second on an
+    idle stream. Redis ends a block on its own timer (10 times a second by default), so a
+    read may block about 100 ms longer than asked."""
+    pool = getattr(client, "connection_pool", None)
+    # A RedisCluster has no pool of its own: its nodes' settings are its own.
+    settings = getattr(pool, "connection_kwargs", None) or getattr(client, "connection_kwargs", {})
+    timeout = settings.get("socket_timeout") if isinstance(settings, dict) else None
+    if isinstance(timeout, (int, float)) and timeout < BLOCK_MS / 1000 + 0.5:
+        return None
+    return BLOCK_MS
 
 
 def _entry_id(text: str) -> tuple[int, int]:

@@ -12,7 +12,7 @@ A retry is not held in the process: the entry stays pending, its idle time set t
 delay has passed, or after ``claim_idle`` when the delay is longer. Redis has no delivery limit
 and no dead-letter destination of its own: a dead-lettered entry, and one that cannot be handled
 at all (no ``event-id`` field, a body that is not an Event), is added to the dead-letter stream
-and acknowledged in one transaction, never dropped. ``max_deliveries`` (XPENDING's delivery
+and then acknowledged, never dropped. ``max_deliveries`` (XPENDING's delivery
 count) makes a delivery the last, like a quorum queue's delivery limit.
 """
 
@@ -27,8 +27,9 @@ import uuid
 from mongo_outbox.consumers.base import (
     Dispatcher,
     Rejected,
+    being_cancelled,
     check_source,
-    delivery_limit_of,
+    ready,
 )
 from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.guard import Guarded
@@ -39,7 +40,8 @@ try:
     import redis.exceptions
 
     # Imports redis too: after the check that names the extra.
-    from mongo_outbox.brokers.redis._entries import Entries, PendingEntry, Reader
+    from mongo_outbox.brokers.redis._entries import Entries, Reader
+    from mongo_outbox.brokers.redis.errors import is_outage
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the Redis consumer needs the redis extra: pip install 'mongo-outbox[redis]'"
@@ -112,7 +114,16 @@ async def consume_redis(
             setting="consume_redis.dead_letter_stream",
         )
     idle = check_seconds(claim_idle, "consume_redis.claim_idle")
-    limit_deliveries = delivery_limit_of(max_deliveries, "consume_redis.max_deliveries") or None
+    if idle * 1000 >= 2**62:  # Redis takes idle times in milliseconds, as a 64-bit integer
+        raise ConfigurationError(
+            f"consume_redis.claim_idle is too long: {idle:g} s", setting="consume_redis.claim_idle"
+        )
+    # 0 would mean "no delivery": refused rather than taken as unlimited (None says that).
+    limit_deliveries = (
+        None
+        if max_deliveries is None
+        else check_count(max_deliveries, "consume_redis.max_deliveries")
+    )
     batch = check_count(batch, "consume_redis.batch")
     limit = (
         batch
@@ -121,53 +132,62 @@ async def consume_redis(
     )
     check_source(source, "consume_redis.source")
     stop = stop or asyncio.Event()
+    await ready(guarded)
     entries = Entries(client, stream, group, consumer, dead, int(idle * 1000))
     reader = Reader(entries, start_id, limit_deliveries)
     await reader.ensure_group()
     dispatcher = Dispatcher(guarded, source=source, rejected=rejected, ordered=ordered)
-    ticker = asyncio.create_task(_keep_alive(entries, dispatcher, idle / 3))
+    ticker = asyncio.create_task(_keep_alive(entries, idle / 3))
     regroup = False
     try:
         while not stop.is_set():
             await dispatcher.room(limit, stop)
             if stop.is_set():
                 break
-            in_flight = {
-                d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, PendingEntry)
-            }
             wanted = min(batch, limit - len(dispatcher.in_flight))
             try:
                 if regroup:
                     await reader.ensure_group()
                     regroup = False
-                deliveries = await reader.read(wanted, in_flight)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as error:
+                deliveries = await reader.read(wanted)
+            except UnicodeDecodeError as error:
+                # redis-py decodes the whole answer: the entry cannot even be named, let alone
+                # dead-lettered, and every restart would meet it again.
+                raise ConfigurationError(
+                    f"stream {stream} holds an entry that is not UTF-8 text, which a client with "
+                    "decode_responses=True cannot read: give consume_redis a client without it",
+                    setting="consume_redis.client",
+                ) from error
+            except redis.exceptions.RedisError as error:
+                if _gone(error):
+                    log.warning("group %s of stream %s is gone: creating it again", group, stream)
+                    regroup = True
+                    continue
+                # A lost connection, a timeout, a failover's read-only replica, a master down.
+                if not is_outage(error):
+                    raise
                 log.warning("reading stream %s: %s; trying again", stream, describe(error))
                 await asyncio.sleep(_OUTAGE_PAUSE)
-                continue
-            except redis.exceptions.ResponseError as error:
-                if not str(error).startswith(_GONE):
-                    raise
-                log.warning("group %s of stream %s is gone: creating it again", group, stream)
-                regroup = True
                 continue
             for delivery in deliveries:
                 dispatcher.dispatch(delivery)
     finally:
-        await dispatcher.drain()
-        ticker.cancel()
+        try:
+            await dispatcher.drain(cancelled=being_cancelled())
+        finally:
+            # Even if the drain was cancelled: a keep-alive left running would hold its
+            # messages from every other consumer for as long as the process lives.
+            ticker.cancel()
 
 
-async def _keep_alive(entries: Entries, dispatcher: Dispatcher, every: float) -> None:
+def _gone(error: redis.exceptions.RedisError) -> bool:
+    return isinstance(error, redis.exceptions.ResponseError) and str(error).startswith(_GONE)
+
+
+async def _keep_alive(entries: Entries, every: float) -> None:
     while True:
         await asyncio.sleep(every)
-        ids = [d.entry_id for d in dispatcher.in_flight.values() if isinstance(d, PendingEntry)]
-        if not ids:
-            continue
         try:
-            # Delivered "now" again, to this consumer: not idle, so nobody reclaims them.
-            await entries.client.xclaim(
-                entries.stream, entries.group, entries.consumer, 0, ids, justid=True
-            )
+            await entries.keep_alive()
         except Exception as error:  # noqa: BLE001 - the next tick, or a reclaim
-            log.warning("keep-alive of %d entries failed: %s", len(ids), describe(error))
+            log.warning("keep-alive of held entries failed: %s", describe(error))

@@ -35,6 +35,12 @@ _OUT_OF_MEMORY = "OOM"  # maxmemory reached with the noeviction policy
 _WRONG_TYPE = "WRONGTYPE"  # the key holds something other than a stream
 
 
+def is_outage(error: BaseException) -> bool:
+    """Whether Redis is out of reach or cannot serve for now: retried, never the message's
+    fault (a failover's read-only replica, a master down, a server still loading)."""
+    return isinstance(error, _UNAVAILABLE) or str(error).startswith(_OUTAGE_PREFIXES)
+
+
 def classify(error: BaseException, event: Event, stream: str) -> PublishError | None:
     """What the relay makes of a Redis client's error: ``BrokerFullError`` when Redis is out of
     memory, ``BrokerUnavailableError`` for an outage (a failover too) or a key of another type
@@ -43,7 +49,7 @@ def classify(error: BaseException, event: Event, stream: str) -> PublishError | 
     text = str(error)
     if isinstance(error, redis.exceptions.OutOfMemoryError) or text.startswith(_OUT_OF_MEMORY):
         return full_error("Redis", error, event)
-    if isinstance(error, _UNAVAILABLE) or text.startswith(_OUTAGE_PREFIXES):
+    if is_outage(error):
         return unavailable_error("Redis", error, event)
     if text.startswith(_WRONG_TYPE):
         return unavailable_error("Redis", error, event, destination=stream)

@@ -9,6 +9,7 @@ encoded as the other publishers encode them (``ENTRY_FIELDS`` lists them).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event
 from mongo_outbox.publishers.base import (
     Naming,
+    NamingFailed,
+    check_naming,
     client_call,
     closed_error,
     message_headers,
@@ -76,6 +79,18 @@ def entry_of(event: Event) -> dict[str, str]:
     return fields
 
 
+def _checked_maxlen(maxlen: int | None) -> int | None:
+    if maxlen is None:
+        return None
+    count = check_count(maxlen, "RedisStreamsPublisher.maxlen")
+    if count >= 2**63:  # Redis's MAXLEN is a signed 64-bit integer: every XADD was refused
+        raise ConfigurationError(
+            f"RedisStreamsPublisher.maxlen {count} is beyond what Redis takes (2**63 - 1)",
+            setting="RedisStreamsPublisher.maxlen",
+        )
+    return count
+
+
 class RedisStreamsPublisher:
     """Appends each event to a Redis stream (XADD) and returns once Redis has it.
 
@@ -108,11 +123,17 @@ class RedisStreamsPublisher:
         timeout: Duration = 5.0,
     ) -> None:
         self.redis: Any = client  # redis-py types its commands as "awaitable or not": untyped here
-        self.stream = stream
-        self.maxlen = (
-            None if maxlen is None else check_count(maxlen, "RedisStreamsPublisher.maxlen")
-        )
+        self.stream = check_naming(stream, "RedisStreamsPublisher.stream")
+        self.maxlen = _checked_maxlen(maxlen)
         self.timeout = check_seconds(timeout, "RedisStreamsPublisher.timeout")
+        if not inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
+            # A synchronous client runs each XADD, then fails on awaiting its answer: every
+            # retry added the entry again, and the event was parked in the end.
+            raise ConfigurationError(
+                "RedisStreamsPublisher needs an asyncio client (redis.asyncio.Redis), not "
+                f"{type(client).__module__}.{type(client).__qualname__}",
+                setting="RedisStreamsPublisher.client",
+            )
         self.closed = False
         self.owned = False
         """Whether ``aclose`` closes the client (``connect`` opened it)."""
@@ -131,6 +152,8 @@ class RedisStreamsPublisher:
         Raises ``ConnectionError`` when Redis cannot be reached; it shows ``url`` without its
         password."""
         wait = check_seconds(timeout, "RedisStreamsPublisher.timeout")
+        check_naming(stream, "RedisStreamsPublisher.stream")  # before a client is opened
+        _checked_maxlen(maxlen)
         try:
             # A blocking pool: a publish waits for a free connection (up to the timeout) rather
             # than failing as an outage when many are in flight.
@@ -189,7 +212,7 @@ class RedisStreamsPublisher:
                 continue
             try:
                 stream = self.stream_for(event)
-            except InvalidEventError as error:
+            except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
             self._xadd(pipeline, event, stream)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -31,9 +32,11 @@ from mongo_outbox.cli.common import (
     run,
     say,
     target_options,
+    url_host,
 )
 from mongo_outbox.cli.console.auth import TOKEN, USER, Credentials, CredentialsError
 from mongo_outbox.cli.relay import _databases
+from mongo_outbox.errors import ConfigurationError
 from mongo_outbox.settings import check_count, check_seconds
 
 log = logging.getLogger("mongo_outbox.cli")
@@ -113,9 +116,12 @@ def console(
     try:
         credentials = Credentials.from_env(os.environ)
         every = check_seconds(sample_interval, "--sample-interval")
-        keep = check_count(
-            max(1, round(check_seconds(history, "--history") * 60 / every)), "--history"
-        )
+        # Minutes, not check_seconds's seconds: its message would say "s".
+        if not (math.isfinite(history) and history > 0):
+            raise ConfigurationError(
+                f"--history must be > 0 minutes, not {history!r}", setting="--history"
+            )
+        keep = check_count(max(1, round(history * 60 / every)), "--history")
     except (CredentialsError, ValueError) as error:
         raise Failure(str(error)) from None
     settings = Settings(
@@ -164,11 +170,10 @@ async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> N
                 ]
             app = create_app(conns, settings)
             server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
-            shown = f"[{settings.host}]" if ":" in settings.host else settings.host
             mode = f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)"
             if settings.credentials.configured:
                 mode = ""
-            say(f"console at http://{shown}:{bound}/{mode}")
+            say(f"console at http://{url_host(settings.host)}:{bound}/{mode}")
             if settings.host not in LOOPBACK:
                 log.warning(
                     "console: listening on %s, beyond this machine, in plain HTTP: put a proxy "

@@ -36,6 +36,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mongo_outbox._relay.store.base import ParkedChoice
 from mongo_outbox.cli.common import Connection, Target, age, hide, one_line, scrub
 from mongo_outbox.cli.console import data
 from mongo_outbox.cli.console.auth import COOKIE, SESSION_LIFETIME, Credentials, Session, Sessions
@@ -211,12 +212,12 @@ class Console:
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
                 outboxes = [await data.overview(c, target, places) for c in self.conns.values()]
             overview = await data.overview(conn, target, places)
-            entries = await data.parked(conn)
+            parked = await data.parked(conn, types, aggregates)
             failed = await data.inbox_failures(conn, places)
             error = None
         except (OutboxError, PyMongoError) as problem:
-            outboxes, overview, entries, failed, error = [], None, [], [], one_line(problem)
-        chosen = [e for e in entries if data.matches(e, types, aggregates)]
+            outboxes, overview, failed, error = [], None, [], one_line(problem)
+            parked = ParkedChoice([], [], [])
         notice, session.notice = session.notice, None
         html = self.templates.get_template("page.html").render(
             uri=self.shown_uri,
@@ -224,10 +225,10 @@ class Console:
             outboxes=outboxes,
             overview=overview,
             error=error,
-            parked=chosen[: data.SHOWN],
-            parked_total=len(entries),
-            parked_matching=len(chosen),
-            parked_types=sorted({str(e.get("type")) for e in entries}),
+            parked=parked.entries,
+            parked_total=len(parked.keys),
+            parked_matching=len(parked.chosen),
+            parked_types=sorted({str(key.type) for key in parked.keys}),
             types=types,
             aggregates=aggregates,
             failed=failed,
@@ -355,8 +356,7 @@ class Console:
                 # --aggregate (or --all, with no filter) does.
                 types = [t for t in fields.get("type", []) if t]
                 aggregates = [a for a in fields.get("aggregate", []) if a]
-                entries = await data.parked(conn)
-                ids = [e["_id"] for e in entries if data.matches(e, types, aggregates)]
+                ids = (await data.parked(conn, types, aggregates, read=0)).chosen
                 if not ids:
                     return "no parked event matches: nothing was requeued"
             else:

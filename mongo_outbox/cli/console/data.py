@@ -25,6 +25,7 @@ from pymongo.errors import PyMongoError
 from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.store import store_for
+from mongo_outbox._relay.store.base import ParkedChoice, choose_parked
 from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
@@ -86,15 +87,12 @@ async def _members(conn: Connection, places: Places, group: str) -> list[dict[st
     ]
 
 
-def matches(entry: dict[str, Any], types: list[str], aggregates: list[str]) -> bool:
-    """As ``parked list --type --aggregate``: any of the types, any of the aggregate ids."""
-    if types and entry.get("type") not in types:
-        return False
-    return not aggregates or str(entry.get("aggregate_id")) in aggregates
-
-
-async def parked(conn: Connection) -> list[dict[str, Any]]:
-    return await store_for(conn.outbox).parked()
+async def parked(
+    conn: Connection, types: list[str], aggregates: list[str], read: int | None = SHOWN
+) -> ParkedChoice:
+    """As ``parked list --type --aggregate``: any of the types, any of the aggregate ids; the
+    first ``read`` of them read whole."""
+    return await choose_parked(store_for(conn.outbox), types, aggregates, read)
 
 
 async def inbox_failures(conn: Connection, places: Places) -> list[dict[str, Any]]:

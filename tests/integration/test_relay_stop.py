@@ -1,0 +1,70 @@
+"""stop() with a slow but healthy broker: a relay ends its round before the next wave, not
+after all of them (a round of 20 waves of 1 s confirms held a stop 15 s, past the CLI's 10 s
+--stop-timeout). What the round did not publish is released, due at once, and published later
+in order, once. ``SlowBroker`` (tests/support/relay_fakes.py) is a FAKE: confirms on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from mongo_outbox import ChangeStreamRelay, PollingRelay, RelayGroup, RelaySettings
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.changestream_sources import ScriptedSource
+from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_one_by_one
+from tests.support.relay_fakes import SlowBroker
+
+CONFIRM = 0.3  # a round of ten waves takes 3 s
+
+
+async def stop_in_time(relay: Any, broker: SlowBroker) -> float:
+    """Run ``relay`` until its first wave is confirmed, stop it, and return how long the stop
+    took."""
+    task = asyncio.create_task(relay.run())
+    await broker.wait_for(1, timeout=10)
+    started = time.monotonic()
+    relay.stop()
+    await asyncio.wait_for(task, 10)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_polling_relay_stops_before_the_next_wave(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    broker = SlowBroker(CONFIRM)
+    took = await stop_in_time(PollingRelay(outbox, broker), broker)
+    assert took < 2 * CONFIRM, f"the stop took {took:.1f} s"  # 2.7 s: every wave
+    assert 0 < len(broker.events) < len(saved)
+    publisher = MemoryPublisher()
+    await PollingRelay(outbox, publisher).drain()  # the rest is due at once
+    assert_in_order(broker.events + publisher.events, saved, once=True)
+
+
+async def test_a_change_stream_relay_stops_before_the_next_wave(db: Any) -> None:
+    outbox = make_outbox(db, "collection")
+    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    broker = SlowBroker(CONFIRM)
+    relay = ChangeStreamRelay(
+        outbox, broker, name="r", source=ScriptedSource(), settings=RelaySettings(), max_wait=0.05
+    )
+    took = await stop_in_time(relay, broker)  # stopped during its first sweep
+    assert took < 2 * CONFIRM, f"the stop took {took:.1f} s"
+    publisher = MemoryPublisher()
+    await PollingRelay(outbox, publisher).drain()
+    assert_in_order(broker.events + publisher.events, saved, once=True)
+
+
+async def test_a_relay_group_member_stops_before_the_next_wave(db: Any) -> None:
+    outbox = make_outbox(db, "collection", partitions=2)
+    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    broker = SlowBroker(CONFIRM)
+    member = RelayGroup(outbox, broker, interval=0.05)
+    took = await stop_in_time(member, broker)
+    assert took < 2 * CONFIRM + 0.5, f"the stop took {took:.1f} s"  # and gives its leases back
+    publisher = MemoryPublisher()
+    await PollingRelay(outbox, publisher).drain()
+    assert_in_order(broker.events + publisher.events, saved, once=True)

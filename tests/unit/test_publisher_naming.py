@@ -1,0 +1,83 @@
+"""A publisher's naming (subject, routing key, stream, destination) is checked when the
+publisher is made: a template that names no field of an event, an empty or non-str name, or a
+synchronous Redis client would have refused (parked) every event it was given instead."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+from faststream.redis import RedisBroker
+
+from mongo_outbox import ConfigurationError, Event
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, RedisStreamsPublisher
+from mongo_outbox.publishers.base import check_naming, render
+from mongo_outbox.publishers.faststream import FastStreamPublisher
+
+# Never used to publish: the checks run before anything reaches a broker.
+MAKERS: dict[str, Any] = {
+    "NatsPublisher.subject": lambda name: NatsPublisher(None, subject=name),  # type: ignore[arg-type]
+    "RabbitMQPublisher.routing_key": lambda name: RabbitMQPublisher(None, routing_key=name),  # type: ignore[arg-type]
+    "RedisStreamsPublisher.stream": lambda name: RedisStreamsPublisher(
+        redis.asyncio.Redis(), stream=name
+    ),
+    "FastStreamPublisher.destination": lambda name: FastStreamPublisher(RedisBroker(), name),
+}
+
+
+@pytest.mark.parametrize("setting", list(MAKERS))
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("", "must be a non-empty str template or a function of the event"),
+        (None, "must be a non-empty str template or a function of the event"),
+        (7, "must be a non-empty str template or a function of the event"),
+        ("{orders}", "names {orders}, which is no field of an event"),
+        ("x.{0}", "names {0}, which is no field of an event"),
+        ("x.{}", "names {}, which is no field of an event"),
+        ("x.{type", "is no template"),
+        ("x.}", "is no template"),
+    ],
+)
+def test_a_name_no_event_can_have_is_refused_when_the_publisher_is_made(
+    setting: str, name: object, said: str
+) -> None:
+    if name == "" and setting == "RabbitMQPublisher.routing_key":
+        # A fanout or headers exchange routes on nothing: "" is its usual routing key.
+        assert MAKERS[setting](name).routing_key == ""
+        return
+    with pytest.raises(ConfigurationError, match=re.escape(said)) as refused:
+        MAKERS[setting](name)
+    assert refused.value.setting == setting
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["events", "{type}", "{{orders}}", "x.{headers[tenant]}.{payload[n]}", "{type.upper}"],
+)
+def test_templates_over_the_event_s_fields_and_literal_braces_are_taken(name: str) -> None:
+    assert check_naming(name, "x") == name
+
+
+def test_a_doubled_brace_names_the_literal_brace() -> None:
+    assert render("{{orders}}", Event(type="e")) == "{orders}"
+
+
+def test_a_function_is_taken_as_it_is() -> None:
+    def naming(event: Event) -> str:
+        return event.type
+
+    assert check_naming(naming, "x") is naming
+
+
+def test_redis_streams_publisher_refuses_a_synchronous_client_and_a_maxlen_redis_refuses() -> None:
+    # A synchronous client ran each XADD, then failed on awaiting its answer: every retry
+    # added the entry again.
+    with pytest.raises(ConfigurationError, match="needs an asyncio client"):
+        RedisStreamsPublisher(redis.Redis())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="beyond what Redis takes"):
+        RedisStreamsPublisher(redis.asyncio.Redis(), maxlen=2**63)
+    assert RedisStreamsPublisher(redis.asyncio.Redis(), maxlen=2**63 - 1).maxlen == 2**63 - 1
