@@ -11,6 +11,7 @@ import json
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,20 @@ from tests.support.outboxes import save_aborted
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+async def what_is_left(db: Any) -> str:
+    """What a failure needs to be traced: the entries not yet published, the documents that
+    still hold events, and every lease, member and checkpoint, at the deadline."""
+    lines = [f"at {time.time():.3f}:"]
+    async for entry in db.outbox.find({"status": {"$ne": "published"}}):
+        lines.append(f"entry {entry}")
+    async for order in db.orders.find({"_outbox.0": {"$exists": True}}):
+        lines.append(f"order {order}")
+    for name in sorted(await db.list_collection_names()):
+        if name.startswith("outbox_") and name != "outbox_event_ids":
+            lines += [f"{name} {doc}" async for doc in db[name].find()]
+    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
@@ -99,7 +114,7 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
             return (await status.status()).pending == 0
 
         # The dead members' claims and leases run out; the live ones publish the rest.
-        await until(all_published, timeout=30)
+        await until(all_published, timeout=30, explain=lambda: what_is_left(db))
         if source == "changestream":
             # A partition's stream checkpoints once it saw a change while watched; a member that
             # took a partition late may have swept all it had. More writes, kills over, until
@@ -118,7 +133,7 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
                 return False
 
             await until(checkpointed, timeout=60, every=2.0)
-            await until(all_published, timeout=30)
+            await until(all_published, timeout=30, explain=lambda: what_is_left(db))
     finally:
         for member in members:
             if member.returncode is None:

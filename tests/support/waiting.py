@@ -12,9 +12,13 @@ from mongo_outbox import BrokerUnavailableError
 
 
 async def until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10, every: float = 0.02
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10,
+    every: float = 0.02,
+    explain: Callable[[], Awaitable[str]] | None = None,
 ) -> None:
-    """Return once ``condition()`` holds; fail the test after ``timeout`` seconds."""
+    """Return once ``condition()`` holds; fail the test after ``timeout`` seconds, with what
+    ``explain()`` says of the state then, if given."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -24,7 +28,8 @@ async def until(
         if result:
             return
         if loop.time() > deadline:
-            raise AssertionError(f"{getattr(condition, '__name__', condition)} still false")
+            told = f":\n{await explain()}" if explain is not None else ""
+            raise AssertionError(f"{getattr(condition, '__name__', condition)} still false{told}")
         await asyncio.sleep(every)
 
 
