@@ -4,13 +4,16 @@ event id fails that insert, so no registry is needed; the aggregate document hol
 only.
 
 A reused sequence is refused too: the unique index ``aggregate_sequence`` holds one entry per
-``(aggregate_type, aggregate_id, sequence)``, and a write that numbers an aggregate's events from
-1 first looks for events of that aggregate already in the outbox. Either finds an aggregate whose
-document lost its counters (replaced without the outbox's fields, by an ODM's own ``replace`` or
-``save`` of a new object) or was deleted and created again under its ``_id``: its events would
-repeat sequences consumers have seen, so the write is refused (``DuplicateSequenceError``) and
-its transaction aborted. The index covers the entries the outbox keeps (pending, and published
-ones for ``retention``): an aggregate with none left cannot be told from a new one.
+``(aggregate_type, aggregate_id, sequence)``, and a write that numbers from 1 the events of a
+document that was there before it (the document write says so) first looks for events of that
+aggregate in the outbox: one indexed read, only then. Either finds an aggregate whose document
+lost its counters (replaced without the outbox's fields, by an ODM's own ``replace`` or ``save``
+of a new object) or was deleted and created again under its ``_id``: its events would repeat
+sequences consumers have seen, so the write is refused (``DuplicateSequenceError``) and its
+transaction aborted. Both see the entries the outbox keeps (pending, and published ones for
+``retention``): an aggregate with none left cannot be told from a new one. The look-up also
+catches a lost counter whose sequence 1 was pruned already; a document the write created (an
+aggregate deleted and created again) is refused by the index alone, for the sequences it holds.
 """
 
 from __future__ import annotations
@@ -158,11 +161,15 @@ class CollectionLayout:
     def record(self, plan: Plan, session: Any, write: DocumentWrite) -> Steps[Written]:
         return (yield from write(plan, session))
 
-    def insert_entries(self, plan: Plan, first: int, now: datetime, session: Any) -> Steps[None]:
+    def insert_entries(
+        self, plan: Plan, first: int, existed: bool, now: datetime, session: Any
+    ) -> Steps[None]:
         if not plan.events:
             return
-        if first == 1:
-            # The document's counters start here: a new aggregate, or one that lost them.
+        if first == 1 and existed:
+            # A document that was there numbers its first events: it never had any, or it lost
+            # its counters. (A document the write created is checked by the unique index alone:
+            # a create costs no read.)
             yield from self._check_unnumbered(plan, session)
         pending: dict[str, Any] = {"status": "pending", "available_at": now, "attempts": 0}
         if plan.partition is not None:

@@ -25,6 +25,19 @@ async def entries(db: Any) -> list[tuple[str, Any, int]]:
     return [(e["type"], e["aggregate_id"], e["sequence"]) for e in found]
 
 
+async def test_a_document_replaced_without_its_counters_is_refused_though_sequence_1_is_pruned(
+    writer: Writer, db: Any
+) -> None:
+    await writer.ensure_indexes()
+    await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a"), Event(type="b")])
+    await db.outbox.delete_one({"sequence": 1})  # published more than retention ago: pruned
+    await db.orders.replace_one({"_id": 1}, {"total": 5})
+    # Sequence 1 is free in the index; the look-up of the document that was there finds 2.
+    with pytest.raises(DuplicateSequenceError, match="up to sequence 2"):
+        await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="x")])
+    assert await entries(db) == [("b", 1, 2)]
+
+
 async def test_a_document_replaced_without_its_counters_is_refused_and_nothing_is_written(
     writer: Writer, db: Any
 ) -> None:
@@ -52,10 +65,12 @@ async def test_a_document_replaced_without_its_counters_is_refused_and_nothing_i
 async def test_an_aggregate_deleted_and_created_again_under_its_id_is_refused(
     writer: Writer, db: Any
 ) -> None:
+    await writer.ensure_indexes()
     await writer.save_with_events(None, db.orders, {"_id": 1}, [Event(type="placed")])
     await writer.delete_with_events(None, db.orders, {"_id": 1}, [Event(type="deleted")])
-    for expected in (0, None):  # a plain insert, and an upsert
-        with pytest.raises(DuplicateSequenceError, match="up to sequence 2"):
+    # Created by the write (an insert, an upsert): the unique index refuses its sequence 1.
+    for expected in (0, None):
+        with pytest.raises(DuplicateSequenceError, match="under sequence 1"):
             await writer.save_with_events(
                 None, db.orders, {"_id": 1}, [Event(type="placed")], expected_version=expected
             )

@@ -155,12 +155,12 @@ def test_collection_mode_inserts_one_entry_with_insert_one_and_several_with_inse
     one = saving(shop, where, Event(type="placed"))
     [entry] = pending(one, 5)
     play(
-        where.insert_entries(one, 5, NOW, None),
+        where.insert_entries(one, 5, True, NOW, None),
         Turn("insert_one", (entry,), {"session": None}, target="outbox"),
     )
     two = saving(shop, where, Event(type="placed"), Event(type="paid"))
     play(
-        where.insert_entries(two, 1, NOW, None),
+        where.insert_entries(two, 1, True, NOW, None),
         held(),
         Turn("insert_many", (pending(two, 1),), {"session": None}, target="outbox"),
     )
@@ -173,11 +173,11 @@ def test_collection_mode_stores_the_partition_with_each_entry_and_nothing_withou
     plan = replace(saving(shop, where, Event(type="placed")), partition=2)
     [entry] = pending(plan, 1, partition=2)
     play(
-        where.insert_entries(plan, 1, NOW, None),
+        where.insert_entries(plan, 1, True, NOW, None),
         held(),
         Turn("insert_one", (entry,), {"session": None}, target="outbox"),
     )
-    play(where.insert_entries(saving(shop, where), 1, NOW, None))  # no call at all
+    play(where.insert_entries(saving(shop, where), 1, True, NOW, None))  # no call at all
 
 
 def test_collection_mode_calls_an_event_id_already_in_the_outbox_a_duplicate_event(
@@ -188,15 +188,26 @@ def test_collection_mode_calls_an_event_id_already_in_the_outbox_a_duplicate_eve
     taken = BulkWriteError({"writeErrors": [{"index": 1, "code": 11000, "errmsg": "dup"}]})
     with pytest.raises(DuplicateEventError, match="already in outbox"):
         play(
-            where.insert_entries(plan, 3, NOW, None),
+            where.insert_entries(plan, 3, True, NOW, None),
             Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=taken),
         )
     other = BulkWriteError({"writeErrors": [{"index": 0, "code": 2, "errmsg": "bad"}]})
     with pytest.raises(BulkWriteError):
         play(
-            where.insert_entries(plan, 3, NOW, None),
+            where.insert_entries(plan, 3, True, NOW, None),
             Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=other),
         )
+
+
+def test_collection_mode_looks_an_aggregate_up_before_numbering_from_1_unless_it_created_it(
+    shop: Any,
+) -> None:
+    where = layout(shop)
+    plan = saving(shop, where, Event(type="placed"))
+    [entry] = pending(plan, 1)
+    insert = Turn("insert_one", (entry,), {"session": None}, target="outbox")
+    play(where.insert_entries(plan, 1, True, NOW, None), held(), insert)  # maybe replaced
+    play(where.insert_entries(plan, 1, False, NOW, None), insert)  # the write created it
 
 
 def test_collection_mode_refuses_a_sequence_the_outbox_holds_for_the_aggregate(
@@ -206,7 +217,7 @@ def test_collection_mode_refuses_a_sequence_the_outbox_holds_for_the_aggregate(
     plan = saving(shop, where, Event(type="placed"), Event(type="paid"))
     # Numbering from 1 while the outbox holds the aggregate's events up to 4: found first.
     with pytest.raises(DuplicateSequenceError, match="up to sequence 4") as found:
-        play(where.insert_entries(plan, 1, NOW, None), held({"sequence": 4}))
+        play(where.insert_entries(plan, 1, True, NOW, None), held({"sequence": 4}))
     assert (found.value.aggregate_type, found.value.aggregate_id) == ("orders", 7)
     # Numbering from 3 over a 4 the outbox holds: the unique index finds it, the server or the
     # emulator naming its key, or only the index in its message.
@@ -217,7 +228,7 @@ def test_collection_mode_refuses_a_sequence_the_outbox_holds_for_the_aggregate(
         taken = BulkWriteError({"writeErrors": [{"index": 1, **error}]})
         with pytest.raises(DuplicateSequenceError, match=f"under sequence {sequence}"):
             play(
-                where.insert_entries(plan, 3, NOW, None),
+                where.insert_entries(plan, 3, True, NOW, None),
                 Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=taken),
             )
 
@@ -227,7 +238,7 @@ def test_collection_mode_refuses_a_sequence_the_outbox_holds_for_the_aggregate(
 
 def test_embedded_mode_inserts_no_entries_of_its_own(shop: Any) -> None:
     where = embedded(shop)
-    play(where.insert_entries(saving(shop, where, Event(type="placed")), 1, NOW, None))
+    play(where.insert_entries(saving(shop, where, Event(type="placed")), 1, True, NOW, None))
 
 
 def written() -> Turn:
