@@ -13,6 +13,7 @@
     ├── ConcurrencyError         the stored aggregate moved on (``expected_version`` mismatch)
     ├── AggregateNotFoundError   no document matches an update's or delete's filter
     ├── DuplicateEventError      an event id is already in the outbox
+    ├── DuplicateSequenceError   an aggregate's sequence is already in the outbox (collection mode)
     ├── PublishError             the broker did not confirm a message
     │   └── BrokerUnavailableError  the broker could not be reached: not the message's fault
     │       └── BrokerFullError      the broker refused for want of room (queue or stream full)
@@ -135,6 +136,30 @@ class DuplicateEventError(OutboxError):
         super().__init__(message)
         self.collection = collection
         self.event_id = event_id
+
+
+class DuplicateSequenceError(OutboxError):
+    """The outbox collection already holds an event of ``(aggregate_type, aggregate_id)`` under
+    ``sequence`` (or a later one), so the events of this write would repeat sequences consumers
+    have seen: the aggregate document lost its counters (a replace that dropped the outbox's
+    fields), or it was deleted and created again under the same ``_id``. Nothing was written.
+    ``collection`` is the outbox collection. ``Outbox.ensure_indexes`` raises it too, for entries
+    stored before their unique index existed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        collection: str,
+        aggregate_type: str | None,
+        aggregate_id: Any,
+        sequence: Any,
+    ) -> None:
+        super().__init__(message)
+        self.collection = collection
+        self.aggregate_type = aggregate_type
+        self.aggregate_id = aggregate_id
+        self.sequence = sequence
 
 
 class PublishError(OutboxError):

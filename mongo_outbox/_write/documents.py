@@ -1,12 +1,16 @@
 """How an aggregate document is written, and what a refused write means.
 
 Each write also moves the document's counters: ``_version`` one step, ``_sequence`` one step per
-event. It returns both as they are after the write, and the events are numbered from them.
+event. It returns both as they are after the write, and the events are numbered from them; and
+whether the document was there before it (a write that numbers from 1 a document that was there
+lost its counters, or never had events: the layout checks which).
 
 - save, ``expected_version=0``: a plain insert. An existing document, with or without a
   ``_version``, fails it on its ``_id``, and an insert is the cheapest create.
 - save otherwise: one ``findAndModify`` whose update pipeline replaces the document's fields and
   keeps its counters (and in embedded mode appends the entries and sets the due time).
+- Both ``findAndModify`` writes return the document as it was before them (none: the upsert
+  created it), and the counters after are those plus the write's steps.
 - update: one ``findAndModify`` with the caller's update and the outbox's part merged in: ``$inc``
   of the counters for operators, a last ``$set`` stage for a pipeline. In embedded mode an
   operator update also ``$push``es the entries, unnumbered (it cannot read the ``_sequence`` it
@@ -78,6 +82,9 @@ _REFUSED_UPDATE = frozenset(
     }
 )
 _ATTEMPTS = 3  # a write that a concurrent one keeps overtaking ends in ConcurrencyError
+
+Counted = tuple[int, int, bool]
+"""A write's ``_version`` and ``_sequence`` after it, and whether the document was there before."""
 _COUNTERS = {"_version": 1, "_sequence": 1}
 
 
@@ -87,8 +94,9 @@ class DocumentWriter:
     def __init__(self, layout: Layout):
         self.layout = layout
 
-    def write(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
-        """Write the document; return its new ``_version`` and ``_sequence``."""
+    def write(self, plan: Plan, session: Any, now: datetime) -> Steps[Counted]:
+        """Write the document; return its new ``_version`` and ``_sequence``, and whether it
+        was there before."""
         try:
             if plan.kind == "save" and plan.expected_version == 0:
                 return (yield from self._insert(plan, session, now))
@@ -111,7 +119,7 @@ class DocumentWriter:
                 ) from error
             raise
 
-    def _insert(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
+    def _insert(self, plan: Plan, session: Any, now: datetime) -> Steps[Counted]:
         n = len(plan.events)
         document = plan.body | {"_version": 1, "_sequence": n} | self.layout.inserted(plan, now)
         try:
@@ -120,9 +128,9 @@ class DocumentWriter:
             if not on_id(error):
                 raise
             raise conflict(plan) from error
-        return 1, n
+        return 1, n, False
 
-    def _update(self, plan: Plan, session: Any, now: datetime) -> Steps[tuple[int, int]]:
+    def _update(self, plan: Plan, session: Any, now: datetime) -> Steps[Counted]:
         for _ in range(_ATTEMPTS):
             written = yield from self._write_blind(plan, session, now)
             if written is not None:
@@ -130,9 +138,7 @@ class DocumentWriter:
             yield from explain(plan, session, self.layout.entries_field, self.layout.due_field)
         raise conflict(plan)
 
-    def _write_blind(
-        self, plan: Plan, session: Any, now: datetime
-    ) -> Steps[tuple[int, int] | None]:
+    def _write_blind(self, plan: Plan, session: Any, now: datetime) -> Steps[Counted | None]:
         """One write that moves the counters where they are: no need to read them first."""
         conditions = _version_guard(plan.expected_version) | self.layout.guard(plan)
         if plan.kind == "save":
@@ -168,10 +174,12 @@ class DocumentWriter:
 
     def _find_and_modify(
         self, plan: Plan, query: dict[str, Any], update: Any, upsert: bool, session: Any
-    ) -> Steps[tuple[int, int] | None]:
+    ) -> Steps[Counted | None]:
         # Only an update of operators has array filters (the caller's $[identifier]s).
         extra = {"array_filters": plan.array_filters} if plan.array_filters is not None else {}
         try:
+            # The document before the write: none when the upsert created it, which the
+            # document after it would not tell from one that was there without counters.
             stored = yield call(
                 plan.collection,
                 "find_one_and_update",
@@ -179,7 +187,7 @@ class DocumentWriter:
                 update,
                 upsert=upsert,
                 projection=_COUNTERS,
-                return_document=ReturnDocument.AFTER,
+                return_document=ReturnDocument.BEFORE,
                 session=session,
                 **extra,
             )
@@ -189,22 +197,23 @@ class DocumentWriter:
             # The upsert matched nothing and its insert hit the document that is there.
             return None
         if stored is None:
-            return None
-        return _counters(plan, stored, session, in_document=self.layout.entries_field is not None)
+            return (1, len(plan.events), False) if upsert else None
+        in_document = self.layout.entries_field is not None
+        return (*_counters(plan, stored, session, moved=True, in_document=in_document), True)
 
-    def _delete(self, plan: Plan, session: Any) -> Steps[tuple[int, int]]:
+    def _delete(self, plan: Plan, session: Any) -> Steps[Counted]:
         query = guarded(plan.query, _version_guard(plan.expected_version))
         for _ in range(_ATTEMPTS):
             removed = yield call(
                 plan.collection, "find_one_and_delete", query, projection=_COUNTERS, session=session
             )
             if removed is not None:
-                return _counters(plan, removed, session, moved=True)
+                return (*_counters(plan, removed, session, moved=True), True)
             yield from explain(plan, session, self.layout.entries_field, self.layout.due_field)
         raise conflict(plan)
 
 
-def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
+def bump(plan: Plan, session: Any) -> Steps[Counted]:
     """add_events: move the counters of a document the caller wrote in its own transaction."""
     stored = yield call(
         plan.collection,
@@ -217,7 +226,7 @@ def bump(plan: Plan, session: Any) -> Steps[tuple[int, int]]:
     )
     if stored is None:
         raise not_found(plan, exists=False)
-    return _counters(plan, stored, session)
+    return (*_counters(plan, stored, session), True)
 
 
 def _counters(

@@ -194,7 +194,9 @@ class EmbeddedLayout:
                 collection=name,
             ) from error
 
-    def insert_entries(self, plan: Plan, first: int, now: datetime, session: Any) -> Steps[None]:
+    def insert_entries(
+        self, plan: Plan, first: int, existed: bool, now: datetime, session: Any
+    ) -> Steps[None]:
         yield from ()  # the document write carried them
 
     def inserted(self, plan: Plan, now: datetime) -> dict[str, Any]:

@@ -191,13 +191,13 @@ class WriteEngine:
         n = len(plan.events)
         now = utc_now()
         if plan.kind == "add":
-            version, last = yield from bump(plan, session)
+            version, last, existed = yield from bump(plan, session)
         else:
-            version, last = yield from self._documents.write(plan, session, now)
+            version, last, existed = yield from self._documents.write(plan, session, now)
         first = last - n + 1
         events = [
             e.model_copy(update=plan.stamp | {"sequence": first + i})
             for i, e in enumerate(plan.events)
         ]
-        yield from self.layout.insert_entries(plan, first, now, session)
+        yield from self.layout.insert_entries(plan, first, existed, now, session)
         return plan.doc_id, version, events

@@ -80,9 +80,11 @@ class Layout(Protocol):
     def record(self, plan: Plan, session: Any, write: DocumentWrite) -> Steps[Written]:
         """Run ``write`` for ``plan`` with what the layout needs around it."""
 
-    def insert_entries(self, plan: Plan, first: int, now: datetime, session: Any) -> Steps[None]:
+    def insert_entries(
+        self, plan: Plan, first: int, existed: bool, now: datetime, session: Any
+    ) -> Steps[None]:
         """After the document write: store the entries it did not carry, numbered from
-        ``first``."""
+        ``first``; ``existed``: the document was there before the write."""
 
     def inserted(self, plan: Plan, now: datetime) -> dict[str, Any]:
         """The fields a new document gains beside its counters."""

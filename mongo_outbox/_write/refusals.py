@@ -9,12 +9,13 @@ a concurrent write got in first, so the write may be tried again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
+from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._write.plan import Plan
 from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
@@ -124,6 +125,24 @@ def on_id(error: DuplicateKeyError) -> bool:
 def write_errors(error: BulkWriteError) -> list[dict[str, Any]]:
     errors: list[dict[str, Any]] = error.details.get("writeErrors", [])
     return errors
+
+
+def duplicate_key(
+    error: BulkWriteError | DuplicateKeyError, index: str, keys: Iterable[str]
+) -> dict[str, Any] | None:
+    """The key a duplicate-key error found in ``index`` (whose fields are ``keys``): the
+    server's ``keyValue``, ``{}`` when it named the index alone; None for another index."""
+    details = [error.details or {}] if isinstance(error, DuplicateKeyError) else write_errors(error)
+    for detail in details:
+        if detail.get("code", DUPLICATE_KEY) != DUPLICATE_KEY:
+            continue
+        pattern = detail.get("keyPattern")
+        if pattern is not None:
+            if set(pattern) == set(keys):
+                return dict(detail.get("keyValue") or {})
+        elif f" index: {index} " in str(detail.get("errmsg", "")):
+            return {}
+    return None
 
 
 def duplicate_id(error: BulkWriteError | DuplicateKeyError) -> str | None:

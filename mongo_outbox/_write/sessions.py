@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mongo_outbox.errors import AggregateNotFoundError, UsageError
+from mongo_outbox.errors import AggregateNotFoundError, DuplicateSequenceError, UsageError
 
 # By id: a Motor session cannot be hashed. Weak values: a session gone is no longer busy, so its
 # id, reused by another object, is not taken for it.
@@ -46,9 +46,12 @@ def lent(session: Any) -> Iterator[None]:
 
 def abandons(kind: str, error: BaseException) -> bool:
     """Whether a write that joined the caller's transaction and failed with ``error`` must
-    abort it: interrupted mid-write (which of its writes happened is unknown), or events that
-    ``add_events`` could not add to the caller's own writes (committed, they would be a change
-    without its events)."""
+    abort it: interrupted mid-write (which of its writes happened is unknown), events that
+    ``add_events`` could not add to the caller's own writes, or events refused for their
+    sequences after the document was written (committed, either would be a change without its
+    events)."""
     if not isinstance(error, Exception):
         return not isinstance(error, GeneratorExit)
+    if isinstance(error, DuplicateSequenceError):
+        return True
     return kind == "add" and isinstance(error, AggregateNotFoundError)

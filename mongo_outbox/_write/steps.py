@@ -56,7 +56,9 @@ async def run_async(steps: Steps[T]) -> T:
         try:
             made = getattr(step.target, step.method)(*step.args, **step.kwargs)
             if step.listed:
-                reply = await made.to_list(None)
+                # PyMongo's async aggregate() is a coroutine that gives the cursor; find() is not.
+                cursor = await made if inspect.isawaitable(made) else made
+                reply = await cursor.to_list(None)
             elif inspect.isawaitable(made):
                 reply = await made
             else:

@@ -12,22 +12,30 @@ Beanie method of the same name does around its own write:
   upserted by ``_id``, guarded by the ``revision_id`` the document holds (``use_revision``,
   unless ``ignore_revision``). Fields the model does not declare, the outbox's among them, stay.
 - ``update``, ``set``, ``inc`` as ``Document.update``: ``Update`` actions (changes they make are
-  merged into the update, as Beanie does), the same guard, the document read back afterwards.
+  merged into the update, as Beanie does), the same guard, the document read back and validated
+  by its model before the commit, so a result it refuses stores nothing (embedded mode outside a
+  transaction has no commit to wait for: its write stands, and a refused read-back is logged,
+  not raised).
 - ``delete`` as ``Document.delete``: ``Delete`` actions (collection mode only, as for
   ``delete_with_events``).
 
 Each takes ``events``, ``session`` and ``expected_version`` as the ``Outbox`` does, and returns its
 ``Saved``. The fields the outbox owns are never sent from the model; a model field aliased
 ``_version`` (``version: int = Field(0, alias="_version", exclude=True)``) is loaded by Beanie and
-kept up to date here, for ``expected_version``. A guard the stored ``revision_id`` fails raises
+kept up to date here, for ``expected_version``. A model whose own Beanie writes would send the
+outbox's fields back (``extra="allow"``, or one of them declared without ``exclude=True``) is
+refused with ``ConfigurationError``. A guard the stored ``revision_id`` fails raises
 ``RevisionConflictError``, which is Beanie's ``RevisionIdWasChanged`` and an ``OutboxError``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import copy
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 from beanie import Document, PydanticObjectId
 from beanie.exceptions import RevisionIdWasChanged
@@ -37,17 +45,23 @@ from beanie.odm.utils.dump import get_dict, get_top_level_nones
 from beanie.odm.utils.encoder import Encoder
 from beanie.odm.utils.parsing import merge_models
 from beanie.odm.utils.update_merge import merge_update_expressions
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
 
 from mongo_outbox.errors import (
     AggregateNotFoundError,
+    ConfigurationError,
     InvalidAggregateError,
     InvalidCountersError,
     OutboxError,
+    describe,
 )
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox, Saved
 
 __all__ = ["BeanieOutbox", "RevisionConflictError"]
+
+log = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=Document)
 Skip = Sequence[ActionDirections | str] | None
@@ -73,6 +87,42 @@ class BeanieOutbox:
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
+        self._checked: set[type[Document]] = set()
+
+    def _check(self, document: Document) -> None:
+        """ConfigurationError for a model whose own Beanie writes would send the outbox's
+        fields back: one that declares such a field without ``exclude=True``, or one with
+        ``extra="allow"`` that loads the undeclared ones as extras. Beanie's ``save()`` of a
+        stale copy of it would roll the counters back (its sequences then repeat) and, in
+        embedded mode, its pending events. Once per model."""
+        model = type(document)
+        if model in self._checked:
+            return
+        owned = self.outbox.owned_fields
+        declared = {}
+        for name, field in model.model_fields.items():
+            key = field.alias or name
+            if key in owned:
+                if field.exclude is not True:
+                    raise ConfigurationError(
+                        f"{model.__name__}.{name} is stored as {key}, which the outbox writes "
+                        "itself, and Beanie's own writes (save(), replace()) would send it back "
+                        f"from a stale copy: declare it Field(..., alias={key!r}, exclude=True)",
+                        setting=f"{model.__name__}.{name}",
+                    )
+                declared[key] = name
+        undeclared = sorted(owned - declared.keys())
+        if model.model_config.get("extra") == "allow" and undeclared:
+            raise ConfigurationError(
+                f"{model.__name__} has extra='allow': it loads the outbox's fields "
+                f"{', '.join(undeclared)} as extras, and Beanie's own save() of a stale copy "
+                "would write them back, rolling the counters back (sequences then repeat) and, "
+                "in embedded mode, the pending events. Use extra='ignore' (pydantic's default), "
+                "or declare each of them excluded, e.g. "
+                f"Field(None, alias={undeclared[0]!r}, exclude=True)",
+                setting=f"{model.__name__}.model_config['extra']",
+            )
+        self._checked.add(model)
 
     async def insert(
         self,
@@ -83,6 +133,7 @@ class BeanieOutbox:
         skip_actions: Skip = None,
     ) -> Saved:
         """Insert ``document`` (which must not exist yet: ``ConcurrencyError``) with ``events``."""
+        self._check(document)
         await _validate(document)
         await _actions(document, EventTypes.INSERT, ActionDirections.BEFORE, skip_actions)
         settings = document.get_settings()
@@ -119,6 +170,7 @@ class BeanieOutbox:
         """Insert or update ``document`` with ``events``, as ``Document.save`` writes it. A
         document stored before (it holds a ``revision_id`` or a version) and deleted meanwhile
         is not re-created: ``AggregateNotFoundError``."""
+        self._check(document)
         await _validate(document)
         await _actions(document, EventTypes.SAVE, ActionDirections.BEFORE, skip_actions)
         await _actions(document, EventTypes.UPDATE, ActionDirections.BEFORE, skip_actions)
@@ -130,7 +182,7 @@ class BeanieOutbox:
             nones = {key: "" for key in get_top_level_nones(document) if key not in owned}
             if nones:
                 update["$unset"] = nones
-        saved = await self._update(
+        saved, revision = await self._update(
             document,
             doc_id,
             update,
@@ -140,6 +192,8 @@ class BeanieOutbox:
             ignore_revision=ignore_revision,
             upsert=not _stored_before(document),
         )
+        if revision is not None:
+            document.revision_id = revision
         _after_write(document, doc_id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         await _actions(document, EventTypes.SAVE, ActionDirections.AFTER, skip_actions)
@@ -157,6 +211,7 @@ class BeanieOutbox:
     ) -> Saved:
         """Apply Beanie update operators (``Set``, ``Inc``, ``Push``, ... or dicts) to the stored
         ``document`` with ``events``, then read the document back into ``document``."""
+        self._check(document)
         if document.id is None:
             raise InvalidAggregateError(
                 f"{type(document).__name__} has no id: insert or save it first",
@@ -177,30 +232,72 @@ class BeanieOutbox:
                 arguments = merge_update_expressions(
                     arguments, changes, strategy=document.get_settings().action_conflict_resolution
                 )
-        previous = document.revision_id
-        saved = await self._update(
-            document,
-            document.id,
-            _update_query(document, arguments),
-            events,
-            session=session,
-            expected_version=expected_version,
-            ignore_revision=ignore_revision,
-            upsert=False,
-        )
-        try:
-            stored = await _collection(document).find_one({"_id": document.id}, session=session)
-            if stored is not None:
-                merge_models(document, type(document).model_validate(stored))
-        except BaseException:
-            # The update and its events stand, but the document does not hold them: with the
-            # new revision its next save would pass the guard and overwrite them. With the old
-            # one, that save is a conflict.
-            document.revision_id = previous
-            raise
+        query = _update_query(document, arguments)
+        held = document.revision_id  # the guard of every try, whatever the document holds then
+
+        async def write(session: Any) -> tuple[Saved, UUID | None]:
+            return await self._update(
+                document,
+                document.id,
+                copy.deepcopy(query),  # each try adds a revision_id of its own
+                events,
+                session=session,
+                expected_version=expected_version,
+                ignore_revision=ignore_revision,
+                upsert=False,
+                held=held,
+            )
+
+        if self.outbox.mode == "collection" or getattr(session, "in_transaction", False):
+            (saved, revision), fresh = await self._validated(document, write, session)
+        else:
+            # Embedded mode outside a transaction: one single-document write, which stands
+            # once made. The result is read back after it, and a failure there is not raised:
+            # a caller who took it for a refusal would write the events again.
+            saved, revision = await write(session)
+            read, fresh = await _read_back(document, saved, session)
+            if not read:
+                return saved
+        if fresh is not None:
+            merge_models(document, fresh)
+        if revision is not None:
+            document.revision_id = revision
         _after_write(document, document.id, saved)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         return saved
+
+    async def _validated(
+        self,
+        document: Document,
+        write: Callable[[Any], Awaitable[tuple[Saved, UUID | None]]],
+        session: Any,
+    ) -> tuple[tuple[Saved, UUID | None], Document | None]:
+        """``write`` and the document read back and validated by its model, in one
+        transaction: yours, or one of its own (on ``session`` if given). A result the model
+        refuses raises pydantic's ``ValidationError`` before the commit, and nothing stands."""
+        model = type(document)
+
+        async def attempt(session: Any) -> tuple[tuple[Saved, UUID | None], Document | None]:
+            written = await write(session)
+            stored = await _collection(document).find_one({"_id": document.id}, session=session)
+            return written, None if stored is None else model.model_validate(stored)
+
+        if getattr(session, "in_transaction", False):
+            try:
+                return await attempt(session)
+            except ValidationError:
+                # The update and its events are in your transaction: committed, they would
+                # store what the model cannot load.
+                with contextlib.suppress(PyMongoError):
+                    await session.abort_transaction()
+                raise
+        if session is not None:
+            result: tuple[tuple[Saved, UUID | None], Document | None]
+            result = await session.with_transaction(attempt)
+            return result
+        async with self.outbox.db.client.start_session() as own:
+            result = await own.with_transaction(attempt)
+            return result
 
     async def set(
         self, document: D, expression: Mapping[Any, Any], events: Sequence[Event], **kwargs: Any
@@ -226,6 +323,7 @@ class BeanieOutbox:
         skip_actions: Skip = None,
     ) -> Saved:
         """Delete ``document`` with ``events`` (collection mode), as ``Document.delete``."""
+        self._check(document)
         await _actions(document, EventTypes.DELETE, ActionDirections.BEFORE, skip_actions)
         saved = await self.outbox.delete_with_events(
             session,
@@ -259,16 +357,21 @@ class BeanieOutbox:
         expected_version: int | None,
         ignore_revision: bool,
         upsert: bool,
-    ) -> Saved:
+        held: UUID | None = None,
+    ) -> tuple[Saved, UUID | None]:
+        """The write, guarded by the ``revision_id`` the document ``held`` (by default the one
+        it holds); returns its ``Saved`` and the new ``revision_id`` (None without
+        ``use_revision``), which the caller gives the document once the write stands."""
+        if held is None:
+            held = document.revision_id
         query: dict[str, Any] = {"_id": doc_id}
         guarded = document.get_settings().use_revision and not ignore_revision
-        if guarded:
-            query["revision_id"] = document.revision_id
+        revision = None
         if document.get_settings().use_revision:
             revision = uuid4()
             update.setdefault("$set", {})["revision_id"] = _encode(document, revision)
         if guarded:  # a UUID as Beanie stores it
-            query["revision_id"] = _encode(document, document.revision_id)
+            query["revision_id"] = _encode(document, held)
         collection = _collection(document)
         try:
             saved = await self.outbox.update_with_events(
@@ -285,14 +388,35 @@ class BeanieOutbox:
             if guarded and error.exists:
                 raise RevisionConflictError(
                     f"{collection.name} {doc_id!r}: its revision_id is no longer "
-                    f"{document.revision_id}: it was saved meanwhile",
+                    f"{held}: it was saved meanwhile",
                     collection=collection.name,
                     aggregate_id=doc_id,
                 ) from error
             raise
-        if document.get_settings().use_revision:
-            document.revision_id = revision
-        return saved
+        return saved, revision
+
+
+async def _read_back(
+    document: Document, saved: Saved, session: Any
+) -> tuple[bool, Document | None]:
+    """Whether the stored document could be read after an update that stands (embedded mode,
+    outside a transaction), and it, validated by its model (None: deleted meanwhile). When it
+    cannot be read or the model refuses it, a warning says so, and the document keeps what it
+    held, its ``revision_id`` and its version too: a save guarded by either is a conflict, never
+    an overwrite of what was stored."""
+    try:
+        stored = await _collection(document).find_one({"_id": document.id}, session=session)
+        return True, None if stored is None else type(document).model_validate(stored)
+    except (PyMongoError, ValidationError) as error:
+        log.warning(
+            "%s %r: the update and its events are stored (version %s), but the document could "
+            "not be read back (%s); it keeps its values, revision_id and version from before",
+            type(document).__name__,
+            document.id,
+            saved.version,
+            describe(error),
+        )
+        return False, None
 
 
 def _collection(document: Document) -> Any:

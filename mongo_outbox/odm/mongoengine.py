@@ -10,7 +10,8 @@ it what MongoEngine's method of the same name does around its own:
   or replaced by ``_id`` (``save_with_events``); a loaded one gets the ``$set``/``$unset`` of its
   changed fields, guarded by ``save_condition`` as MongoEngine guards it. Unlike MongoEngine, a
   loaded document deleted meanwhile is not re-created from its changed fields alone: the save
-  raises ``AggregateNotFoundError``.
+  raises ``AggregateNotFoundError``. In the caller's transaction the document stays new, or keeps
+  its changed fields, until a save outside one: the transaction may be aborted.
 - ``modify`` as ``Document.modify``: Django-style update keywords (``set__status="paid"``,
   ``inc__total=5``, ``push__lines="pen"``) and a ``query`` that must hold too, then the document
   reloaded from what was stored. MongoEngine sends no signal for it, nor does this.
@@ -115,13 +116,20 @@ class MongoEngineOutbox:
                 # own save writes nothing), so what another writer stored meanwhile stays.
                 update = {"$set": {}}
             saved = self._update(document, query, update, events, session, expected_version)
+        new = document._created
         document[document._meta["id_field"]] = document._fields[
             document._meta["id_field"]
         ].to_python(saved.id)
         _set_version(document, saved)
         signals.post_save.send(cls, document=document, created=created, **kwargs)
-        document._clear_changed_fields()
-        document._created = False
+        if getattr(session, "in_transaction", False):
+            # In the caller's transaction the write may yet be aborted: until it commits, the
+            # document keeps what it would send (setting its id took it for stored), so a save
+            # after an abort creates a new one again, and sends a loaded one's changes again.
+            document._created = new
+        else:
+            document._clear_changed_fields()
+            document._created = False
         return saved
 
     def modify(

@@ -12,8 +12,10 @@ Only a new instance is created: one loaded, then deleted meanwhile, raises
 ODMantic has no event hooks and no revision field; its validation is pydantic's, at construction
 and assignment, so an invalid instance never reaches a save. It ignores fields a model does not
 declare, so it loads documents holding the outbox's fields, and its own ``save`` (a ``$set``)
-leaves them where they are. Referenced instances are not saved here: save them first, with the
-engine, in the same session if they must commit together.
+leaves them where they are. A field stored as ``_version`` (``version: int =
+Field(0, key_name="_version")``) is loaded by ODMantic and kept up to date here, for
+``expected_version``, without being marked modified. Referenced instances are not saved here:
+save them first, with the engine, in the same session if they must commit together.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class ODManticOutbox:
             upsert=primary in instance.__fields_modified__,
             expected_version=expected_version,
         )
+        _set_version(instance, saved)
         if not getattr(driver, "in_transaction", False):
             # In the caller's transaction the write may yet be aborted: until it commits, the
             # instance keeps what it would send, and a save after an abort creates it again.
@@ -93,6 +96,17 @@ class ODManticOutbox:
             events,
             expected_version=expected_version,
         )
+
+
+def _set_version(instance: Model, saved: Saved) -> None:
+    """The outbox's version in the field stored as ``_version``, if the model has one, left
+    unmodified: a modified field is one ODMantic's own save would send back."""
+    for name, field in type(instance).__odm_fields__.items():
+        if field.key_name == "_version":
+            modified = name in instance.__fields_modified__
+            setattr(instance, name, saved.version)
+            if not modified:
+                instance.__fields_modified__.discard(name)
 
 
 def _driver_session(session: Any) -> Any:

@@ -24,7 +24,7 @@ from bson import Timestamp
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
-from mongo_outbox.testing import _numeric_ids
+from mongo_outbox.testing import _numeric_ids, _unique_keys
 from mongo_outbox.testing._server_codes import CURSOR_NOT_FOUND, server_error_code
 from mongo_outbox.testing._transactions import TransactionsOverWire
 
@@ -104,6 +104,7 @@ class ChangeStreamsOverWire:
         self.mongoeco.intercept(self.build, self.execute)
         self.transactions = TransactionsOverWire(self.mongoeco.engine, self.mongoeco.sessions)
         _numeric_ids.install(self.mongoeco.engine)
+        _unique_keys.install(self.mongoeco.engine)
         self.cursors: dict[int, tuple[Any, str]] = {}
         self.ids = itertools.count(FIRST_ID)
         # mongoeco keeps history only while someone watches; a replica set keeps its oplog.

@@ -4,6 +4,7 @@ kept, the outbox's fields invisible to the model, typed payloads read back."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,12 +22,14 @@ from beanie import (
 from beanie.exceptions import RevisionIdWasChanged
 from beanie.odm.operators.update.array import Push
 from bson import ObjectId
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pymongo import AsyncMongoClient
 
 from mongo_outbox import (
     AggregateNotFoundError,
     ConcurrencyError,
+    ConfigurationError,
+    DuplicateSequenceError,
     Event,
     InvalidEventError,
     Outbox,
@@ -287,18 +290,57 @@ async def test_validation_on_save_keeps_the_version_and_the_revision(stock: Bean
     assert (await stock.save(loaded, [Event(type="renamed")])).version == 3
 
 
-async def test_an_update_whose_read_back_fails_leaves_the_document_a_conflict(
-    stock: BeanieOutbox, models: Any
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_update_the_model_refuses_raises_before_the_commit_and_writes_nothing(
+    models: Any, mode: str
 ) -> None:
+    await init_beanie(database=models, document_models=[Stock])
+    stock = BeanieOutbox(Outbox(models, mode=mode, collections=["stock"]))  # type: ignore[arg-type]
     item = Stock(sku="pen", qty=3)
     await stock.insert(item, [Event(type="stocked")])
-    with pytest.raises(ValidationError):  # committed: qty -2 is stored, then refused on load
-        await stock.inc(item, {Stock.qty: -5}, [Event(type="taken")])
-    assert (await models.stock.find_one({"_id": item.id}))["qty"] == -2
+    revision = item.revision_id
+    async with models.client.start_session() as session:
+        await session.start_transaction()
+        await models.shelf.insert_one({"_id": "pen"}, session=session)
+        with pytest.raises(ValidationError):  # qty 3 - 5 is below 0, read back before commit
+            await stock.inc(item, {Stock.qty: -5}, [Event(type="taken")], session=session)
+        # Aborted: a commit would have stored what the model cannot load, with its event.
+        assert not session.in_transaction
+    assert await models.shelf.count_documents({}) == 0
+    if mode == "collection":  # a transaction of its own, without a session
+        with pytest.raises(ValidationError):
+            await stock.inc(item, {Stock.qty: -5}, [Event(type="taken")])
+        # It used to be committed with its event, then refused on load: a caller who retried
+        # sent the event twice.
+        assert [e["type"] async for e in models.outbox.find()] == ["stocked"]
+    stored = await models.stock.find_one({"_id": item.id})
+    assert (stored["qty"], stored["_version"]) == (3, 1)
+    assert (item.qty, item.version, item.revision_id) == (3, 1, revision)
+    await stock.inc(item, {Stock.qty: -2}, [Event(type="taken")])
+    assert (item.qty, item.version) == (1, 2)
+
+
+async def test_an_embedded_update_the_model_refuses_stands_and_is_not_raised(
+    models: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    await init_beanie(database=models, document_models=[Stock])
+    stock = BeanieOutbox(Outbox(models, mode="embedded", collections=["stock"]))
+    item = Stock(sku="pen", qty=3)
+    await stock.insert(item, [Event(type="stocked")])
+    # One single-document write, stored before it can be read back: raising now would tell
+    # the caller that nothing happened.
+    saved = await stock.inc(item, {Stock.qty: -5}, [Event(type="taken")])
+    stored = await models.stock.find_one({"_id": item.id})
+    assert (saved.version, stored["qty"], len(stored["_outbox"])) == (2, -2, 2)
+    assert "could not be read back" in caplog.text
+    # The document keeps what it held, its revision and version too: its save is a conflict,
+    # never an overwrite of the stored quantity behind the event that took it.
+    assert (item.qty, item.version) == (3, 1)
     item.sku = "blue pen"
-    # It still shows qty 3: with the update's new revision its save would overwrite it.
     with pytest.raises(RevisionConflictError):
         await stock.save(item, [Event(type="renamed")])
+    with pytest.raises(ConcurrencyError):
+        await stock.save(item, [Event(type="renamed")], ignore_revision=True, expected_version=1)
     assert (await models.stock.find_one({"_id": item.id}))["qty"] == -2
 
 
@@ -335,3 +377,123 @@ async def test_a_stale_save_in_the_callers_transaction_is_a_revision_conflict(
             async with await session.start_transaction():
                 await stock.save(stale, [Event(type="taken")], session=session)
     assert (await models.stock.find_one({"_id": item.id}))["qty"] == 2
+
+
+class Loose(Document):
+    """Keeps the fields it does not declare: the outbox's among them, as extras."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    class Settings:
+        name = "loose"
+
+
+class Exposed(Document):
+    name: str
+    version: int = Field(default=0, alias="_version")  # not excluded: Beanie sends it back
+
+    class Settings:
+        name = "exposed"
+
+
+class Declared(Document):
+    """extra="allow", with the outbox's fields (of collection mode) declared and excluded."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    version: int = Field(default=0, alias="_version", exclude=True)
+    sequence: int = Field(default=0, alias="_sequence", exclude=True)
+
+    class Settings:
+        name = "declared"
+
+
+@pytest.fixture
+async def loose(models: Any) -> Any:
+    await init_beanie(database=models, document_models=[Loose, Exposed, Declared])
+    return models
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_model_whose_own_saves_would_send_the_outbox_fields_back_is_refused(
+    loose: Any, mode: str
+) -> None:
+    outbox = Outbox(loose, mode=mode, collections=["loose", "exposed"])  # type: ignore[arg-type]
+    writer = BeanieOutbox(outbox)
+    document = Loose(name="a")
+    # Beanie's own save() of a stale copy wrote back the _version and _sequence it loaded as
+    # extras (in embedded mode _outbox too): counters rolled back, a pending event erased.
+    with pytest.raises(ConfigurationError, match=r"Loose has extra='allow'") as refused:
+        await writer.save(document, [Event(type="created")])
+    assert refused.value.setting == "Loose.model_config['extra']"
+    with pytest.raises(ConfigurationError):
+        await writer.insert(document, [Event(type="created")])
+    with pytest.raises(ConfigurationError):  # checked first: its missing id is not the news
+        await writer.set(document, {"name": "b"}, [Event(type="renamed")])
+    with pytest.raises(ConfigurationError, match=r"Exposed.version is stored as _version"):
+        await writer.save(Exposed(name="a"), [Event(type="created")])
+    assert await loose.loose.count_documents({}) == 0
+    assert await loose.exposed.count_documents({}) == 0
+    assert await loose.outbox.count_documents({}) == 0
+
+
+async def test_extra_allow_with_the_outbox_fields_declared_excluded_keeps_them(
+    loose: Any,
+) -> None:
+    writer = BeanieOutbox(Outbox(loose))
+    document = Declared(name="a")
+    await writer.save(document, [Event(type="created")])
+    stale = await Declared.get(document.id)
+    assert stale is not None and stale.model_extra == {}
+    document.name = "b"
+    await writer.save(document, [Event(type="renamed")])
+    stale.name = "c"
+    await stale.save()  # Beanie's own save: not the counters
+    stored = await loose.declared.find_one({"_id": document.id})
+    assert (stored["name"], stored["_version"], stored["_sequence"]) == ("c", 2, 2)
+    saved = await writer.save(document, [Event(type="renamed")])
+    assert (saved.version, saved.events[0].sequence) == (3, 3)
+
+
+async def test_a_save_after_beanies_own_replace_is_refused_in_collection_mode(
+    models: Any,
+) -> None:
+    orders = outbox_of(models, "collection")
+    order = Order(customer="ada", total=1)
+    await orders.save(order, [Event(type="order.placed")])
+    order.total = 2
+    await order.replace()  # the model's fields alone: the outbox's counters are gone
+    with pytest.raises(DuplicateSequenceError, match="up to sequence 1"):
+        await orders.save(order, [Event(type="order.repriced")])
+    # Its events used to start again at sequence 1, beside the first one's.
+    assert [e["sequence"] async for e in models.outbox.find()] == [1]
+    assert (await models.orders.find_one({"_id": order.id}))["total"] == 2
+
+
+class Shelf(Document):
+    """No revision: concurrent updates of copies meet at the write, not at a guard."""
+
+    qty: int = Field(ge=0)
+
+    class Settings:
+        name = "shelves"
+
+
+async def test_two_copies_taking_more_than_is_left_at_once_store_one_take(models: Any) -> None:
+    await init_beanie(database=models, document_models=[Shelf])
+    shelves = BeanieOutbox(Outbox(models))
+    shelf = Shelf(qty=3)
+    await shelves.insert(shelf, [Event(type="stocked")])
+    copies = [await Shelf.get(shelf.id) for _ in range(2)]
+    results = await asyncio.gather(
+        *(
+            shelves.inc(copy, {Shelf.qty: -2}, [Event(type="taken")])  # type: ignore[arg-type]
+            for copy in copies
+        ),
+        return_exceptions=True,
+    )
+    # Whichever wrote second read 1 - 2 back in its transaction, and stored nothing.
+    assert sorted(type(r).__name__ for r in results) == ["Saved", "ValidationError"]
+    assert (await models.shelves.find_one({"_id": shelf.id}))["qty"] == 1
+    assert [e["type"] async for e in models.outbox.find()] == ["stocked", "taken"]

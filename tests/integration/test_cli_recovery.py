@@ -182,7 +182,9 @@ async def test_ensure_indexes_creates_the_outbox_and_inbox_indexes(
     assert ran.code == 0, ran.output
     lines = dict(line.split(": ", 1) for line in ran.out.splitlines())
     if mode == "collection":
-        assert lines[f"{db.name}.outbox"] == "aggregate, relay_due, ttl, waiting"
+        assert (
+            lines[f"{db.name}.outbox"] == "aggregate, aggregate_sequence, relay_due, ttl, waiting"
+        )
     else:
         assert lines[f"{db.name}.orders"] == "_outbox_parked, _outbox_relay_due, _outbox_wait"
         assert lines[f"{db.name}.outbox_event_ids"] == "ttl"

@@ -15,7 +15,7 @@ from mongoengine import signals
 from mongoengine.errors import InvalidDocumentError
 from pydantic import BaseModel
 
-from mongo_outbox import ConcurrencyError, Event, Outbox, PollingRelay
+from mongo_outbox import ConcurrencyError, DuplicateSequenceError, Event, Outbox, PollingRelay
 from mongo_outbox.odm.mongoengine import MongoEngineOutbox, SaveConditionConflictError
 from mongo_outbox.publishers import MemoryPublisher
 from mongo_outbox.sync import Outbox as SyncOutbox
@@ -225,3 +225,44 @@ def test_deleting_a_document_never_saved_is_refused_before_its_signals(engine: A
     with pytest.raises(InvalidDocumentError, match="primary key"):
         orders.delete(Order(customer="ada", total=1), [Event(type="order.deleted")])
     assert SIGNALS == [] and engine.outbox.count_documents({}) == 0
+
+
+def test_a_save_in_an_aborted_transaction_is_made_again_by_the_next_save(engine: Any) -> None:
+    orders = outbox_of(engine, "collection")
+    order = Order(customer="ada", total=1)
+    loaded = Order(customer="bob", total=1)
+    orders.save(loaded, [Event(type="order.placed")])
+    loaded = Order.objects.get(id=loaded.id)
+    loaded.total = 5
+    with me.get_connection().start_session() as session:
+        with session.start_transaction():
+            orders.save(order, [Event(type="order.placed")], session=session)
+            orders.save(loaded, [Event(type="order.repriced")], session=session)
+            session.abort_transaction()
+    # The retry: the new document is created (it was taken for a stored one, and not found),
+    # and the loaded one's change is sent again (it was taken for sent, and its event went out
+    # alone, the price unchanged).
+    assert orders.save(order, [Event(type="order.placed")]).version == 1
+    assert orders.save(loaded, [Event(type="order.repriced")]).version == 2
+    assert Order.objects.get(id=order.id).total == 1
+    assert Order.objects.get(id=loaded.id).total == 5
+    assert [e["type"] for e in engine.outbox.find({"aggregate_id": str(loaded.id)})] == [
+        "order.placed",
+        "order.repriced",
+    ]
+
+
+def test_mongoengines_own_save_of_a_new_object_with_a_stored_id_is_refused_at_the_next_save(
+    engine: Any,
+) -> None:
+    orders = outbox_of(engine, "collection")
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    # MongoEngine replaces the stored document, the outbox's counters with it.
+    Order(id=order.id, customer="ada", total=2).save()
+    again = Order.objects.get(id=order.id)
+    again.total = 3
+    with pytest.raises(DuplicateSequenceError, match="up to sequence 1"):
+        orders.save(again, [Event(type="order.repriced")])
+    assert Order.objects.get(id=order.id).total == 2
+    assert engine.outbox.count_documents({}) == 1

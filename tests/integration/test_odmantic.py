@@ -39,6 +39,14 @@ class Sku(Model):
     model_config = {"collection": "skus"}  # noqa: RUF012
 
 
+class Account(Model):
+    """The outbox's version as a field."""
+
+    balance: int
+    version: int = Field(default=0, key_name="_version")
+    model_config = {"collection": "accounts"}  # noqa: RUF012
+
+
 @pytest.fixture
 async def engine(mongo: MongoServer) -> AsyncIterator[AIOEngine]:
     from motor.motor_asyncio import AsyncIOMotorClient
@@ -51,7 +59,7 @@ async def engine(mongo: MongoServer) -> AsyncIterator[AIOEngine]:
 
 
 def outbox_of(engine: AIOEngine, mode: str) -> ODManticOutbox:
-    outbox = Outbox(engine.database, mode=mode, collections=["orders", "skus"])  # type: ignore[arg-type]
+    outbox = Outbox(engine.database, mode=mode, collections=["orders", "skus", "accounts"])  # type: ignore[arg-type]
     return ODManticOutbox(engine, outbox)
 
 
@@ -143,3 +151,27 @@ async def test_a_loaded_instance_deleted_meanwhile_is_not_created_again(
     with pytest.raises(AggregateNotFoundError):
         await orders.save(stale, [Event(type="repriced")])
     assert await engine.database.orders.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_version_field_follows_the_saves_and_odmantics_own_save_never_sends_it(
+    engine: AIOEngine, mode: str
+) -> None:
+    accounts = outbox_of(engine, mode)
+    account = Account(balance=10)
+    assert (await accounts.save(account, [Event(type="opened")])).version == 1
+    assert account.version == 1  # it stayed 0: a save guarded by it was refused
+    account.balance = 5
+    await accounts.save(account, [Event(type="withdrawn")], expected_version=account.version)
+    assert account.version == 2
+    stale = await engine.find_one(Account, Account.id == account.id)
+    assert stale is not None and stale.version == 2
+    account.balance = 4
+    await accounts.save(account, [Event(type="withdrawn")], expected_version=2)
+    with pytest.raises(ConcurrencyError):
+        await accounts.save(stale, [Event(type="withdrawn")], expected_version=stale.version)
+    # Set by the save, not modified: ODMantic's own save of it sends no _version back.
+    account.balance = 3
+    await engine.save(account)
+    stored = await engine.database.accounts.find_one({"_id": account.id})
+    assert (stored["_version"], stored["balance"]) == (3, 3)

@@ -16,6 +16,7 @@ import random
 from typing import Any
 
 import pytest
+from bson import Int64
 from pymongo import AsyncMongoClient
 from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
@@ -180,6 +181,34 @@ async def test_a_unique_key_held_by_an_open_transaction_conflicts_then_is_a_dupl
     for session in (first, second):
         await session.end_session()
     assert await db.inbox.find().to_list() == [{"_id": 1, "key": "m-1"}]
+
+
+async def test_a_compound_unique_key_is_one_per_bson_value_in_and_out_of_transactions(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    # The outbox's aggregate_sequence index; the emulator checks it by key (_unique_keys.py).
+    keys = [("aggregate_id", 1), ("aggregate_type", 1), ("sequence", 1)]
+    numbered = {"sequence": {"$type": "number"}}
+    await db.entries.create_index(keys, unique=True, partialFilterExpression=numbered)
+    entry = {"aggregate_type": "orders", "aggregate_id": 7}
+    await db.entries.insert_many([{"_id": 1, **entry, "sequence": 1}, {"_id": 2, **entry}])
+    await db.entries.insert_one({"_id": 3, **entry})  # left out of the index: no sequence
+    for sequence in (1, 1.0, Int64(1)):  # equal numbers are one key
+        with pytest.raises(DuplicateKeyError):
+            await db.entries.insert_one({"_id": 4, **entry, "sequence": sequence})
+    async with client.start_session() as session:
+        await session.start_transaction()
+        with pytest.raises(DuplicateKeyError):
+            await db.entries.insert_one({"_id": 4, **entry, "sequence": 1}, session=session)
+    await db.entries.insert_one({"_id": 4, **entry, "sequence": 2})
+    with pytest.raises(DuplicateKeyError):  # an update onto a stored key
+        await db.entries.update_one({"_id": 4}, {"$set": {"sequence": 1}})
+    await db.entries.update_one({"_id": 4}, {"$set": {"sequence": 3}})  # onto its own: fine
+    # An array makes the index multikey: each element is a key of its own.
+    await db.entries.insert_one({"_id": 5, **entry, "aggregate_id": [8, 9], "sequence": 1})
+    with pytest.raises(DuplicateKeyError):
+        await db.entries.insert_one({"_id": 6, **entry, "aggregate_id": 9, "sequence": 1})
+    assert await db.entries.count_documents({}) == 5
 
 
 async def test_with_transaction_retries_conflicts_so_no_increment_is_lost(

@@ -17,6 +17,7 @@ EXTRA = {
     "ChangeStreamError",
     "ChangeStreamRelay",
     "DeadLettered",
+    "DuplicateSequenceError",
     "GroupStatus",
     "Guarded",
     "IncompatibleEventError",

@@ -22,6 +22,7 @@ from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     ConcurrencyError,
     DuplicateEventError,
+    DuplicateSequenceError,
     InvalidAggregateError,
     UsageError,
 )
@@ -120,6 +121,7 @@ def test_a_relay_group_gets_a_partition_index_first_in_either_mode(shop: Any) ->
         ("outbox", "aggregate"),
         ("outbox", "ttl"),
         ("outbox", "waiting"),
+        ("outbox", "aggregate_sequence"),
     ]
     assert index_names(layout(shop).indexes(3))[0] == ("outbox", "relay_partition_due")
     per_collection = ["_outbox_relay_due", "_outbox_parked", "_outbox_wait"]
@@ -139,6 +141,13 @@ def pending(plan: Plan, first: int, **extra: Any) -> list[dict[str, Any]]:
     return [entry | {"sequence": first + i} | state for i, entry in enumerate(plan.entries)]
 
 
+def held(reply: Any = None) -> Turn:
+    """The look-up of a write that numbers from 1: the aggregate's highest numbered entry."""
+    query = {"aggregate_type": "orders", "aggregate_id": 7, "sequence": {"$type": "number"}}
+    options = {"sort": [("sequence", -1)], "session": None}
+    return Turn("find_one", (query, {"sequence": 1, "_id": 0}), options, reply, target="outbox")
+
+
 def test_collection_mode_inserts_one_entry_with_insert_one_and_several_with_insert_many(
     shop: Any,
 ) -> None:
@@ -146,12 +155,13 @@ def test_collection_mode_inserts_one_entry_with_insert_one_and_several_with_inse
     one = saving(shop, where, Event(type="placed"))
     [entry] = pending(one, 5)
     play(
-        where.insert_entries(one, 5, NOW, None),
+        where.insert_entries(one, 5, True, NOW, None),
         Turn("insert_one", (entry,), {"session": None}, target="outbox"),
     )
     two = saving(shop, where, Event(type="placed"), Event(type="paid"))
     play(
-        where.insert_entries(two, 1, NOW, None),
+        where.insert_entries(two, 1, True, NOW, None),
+        held(),
         Turn("insert_many", (pending(two, 1),), {"session": None}, target="outbox"),
     )
 
@@ -163,10 +173,11 @@ def test_collection_mode_stores_the_partition_with_each_entry_and_nothing_withou
     plan = replace(saving(shop, where, Event(type="placed")), partition=2)
     [entry] = pending(plan, 1, partition=2)
     play(
-        where.insert_entries(plan, 1, NOW, None),
+        where.insert_entries(plan, 1, True, NOW, None),
+        held(),
         Turn("insert_one", (entry,), {"session": None}, target="outbox"),
     )
-    play(where.insert_entries(saving(shop, where), 1, NOW, None))  # no call at all
+    play(where.insert_entries(saving(shop, where), 1, True, NOW, None))  # no call at all
 
 
 def test_collection_mode_calls_an_event_id_already_in_the_outbox_a_duplicate_event(
@@ -177,15 +188,49 @@ def test_collection_mode_calls_an_event_id_already_in_the_outbox_a_duplicate_eve
     taken = BulkWriteError({"writeErrors": [{"index": 1, "code": 11000, "errmsg": "dup"}]})
     with pytest.raises(DuplicateEventError, match="already in outbox"):
         play(
-            where.insert_entries(plan, 1, NOW, None),
-            Turn("insert_many", (pending(plan, 1),), {"session": None}, raises=taken),
+            where.insert_entries(plan, 3, True, NOW, None),
+            Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=taken),
         )
     other = BulkWriteError({"writeErrors": [{"index": 0, "code": 2, "errmsg": "bad"}]})
     with pytest.raises(BulkWriteError):
         play(
-            where.insert_entries(plan, 1, NOW, None),
-            Turn("insert_many", (pending(plan, 1),), {"session": None}, raises=other),
+            where.insert_entries(plan, 3, True, NOW, None),
+            Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=other),
         )
+
+
+def test_collection_mode_looks_an_aggregate_up_before_numbering_from_1_unless_it_created_it(
+    shop: Any,
+) -> None:
+    where = layout(shop)
+    plan = saving(shop, where, Event(type="placed"))
+    [entry] = pending(plan, 1)
+    insert = Turn("insert_one", (entry,), {"session": None}, target="outbox")
+    play(where.insert_entries(plan, 1, True, NOW, None), held(), insert)  # maybe replaced
+    play(where.insert_entries(plan, 1, False, NOW, None), insert)  # the write created it
+
+
+def test_collection_mode_refuses_a_sequence_the_outbox_holds_for_the_aggregate(
+    shop: Any,
+) -> None:
+    where = layout(shop)
+    plan = saving(shop, where, Event(type="placed"), Event(type="paid"))
+    # Numbering from 1 while the outbox holds the aggregate's events up to 4: found first.
+    with pytest.raises(DuplicateSequenceError, match="up to sequence 4") as found:
+        play(where.insert_entries(plan, 1, True, NOW, None), held({"sequence": 4}))
+    assert (found.value.aggregate_type, found.value.aggregate_id) == ("orders", 7)
+    # Numbering from 3 over a 4 the outbox holds: the unique index finds it, the server or the
+    # emulator naming its key, or only the index in its message.
+    key = {"aggregate_id": 7, "aggregate_type": "orders", "sequence": 1}
+    on_sequence = {"code": 11000, "keyPattern": key, "keyValue": key | {"sequence": 4}}
+    named = {"code": 11000, "errmsg": "E11000 index: aggregate_sequence dup key: { }"}
+    for error, sequence in ((on_sequence, 4), (named, None)):
+        taken = BulkWriteError({"writeErrors": [{"index": 1, **error}]})
+        with pytest.raises(DuplicateSequenceError, match=f"under sequence {sequence}"):
+            play(
+                where.insert_entries(plan, 3, True, NOW, None),
+                Turn("insert_many", (pending(plan, 3),), {"session": None}, raises=taken),
+            )
 
 
 # Embedded mode: the document carries the entries; ids that can collide are reserved first.
@@ -193,7 +238,7 @@ def test_collection_mode_calls_an_event_id_already_in_the_outbox_a_duplicate_eve
 
 def test_embedded_mode_inserts_no_entries_of_its_own(shop: Any) -> None:
     where = embedded(shop)
-    play(where.insert_entries(saving(shop, where, Event(type="placed")), 1, NOW, None))
+    play(where.insert_entries(saving(shop, where, Event(type="placed")), 1, True, NOW, None))
 
 
 def written() -> Turn:

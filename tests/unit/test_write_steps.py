@@ -147,7 +147,7 @@ def test_add_events_moves_both_counters_in_one_call_and_numbers_from_the_stored_
     shop: Any,
 ) -> None:
     plan = adding(shop, 2)
-    assert play(bump(plan, None), bumped(plan, {"_version": 3, "_sequence": 9})) == (3, 9)
+    assert play(bump(plan, None), bumped(plan, {"_version": 3, "_sequence": 9})) == (3, 9, True)
 
 
 def test_add_events_to_a_document_that_is_not_there_is_not_found(shop: Any) -> None:
@@ -272,7 +272,7 @@ def test_creating_an_aggregate_is_one_plain_insert_with_its_counters(shop: Any) 
     plan = rules(shop).save(None, shop.orders, {"_id": 7, "total": 3}, events, 0)
     inserted = {"_id": 7, "total": 3, "_version": 1, "_sequence": 2}
     turn = Turn("insert_one", (inserted,), {"session": None}, target="orders")
-    assert play(writer(shop).write(plan, None, NOW), turn) == (1, 2)
+    assert play(writer(shop).write(plan, None, NOW), turn) == (1, 2, False)
 
 
 def test_creating_an_aggregate_that_exists_is_a_conflict_but_another_unique_key_is_not(
@@ -309,7 +309,7 @@ def deleting(shop: Any, expected_version: int | None) -> tuple[Plan, Turn]:
 def test_a_delete_returns_the_counters_moved_past_the_document_it_removed(shop: Any) -> None:
     plan, delete = deleting(shop, 4)
     removed = dataclasses.replace(delete, reply={"_version": 4, "_sequence": 6})
-    assert play(writer(shop).write(plan, None, NOW), removed) == (5, 7)
+    assert play(writer(shop).write(plan, None, NOW), removed) == (5, 7, True)
 
 
 def test_a_delete_overtaken_by_concurrent_writes_gives_up_after_three_attempts(shop: Any) -> None:
