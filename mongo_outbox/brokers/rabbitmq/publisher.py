@@ -39,7 +39,12 @@ try:
     from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
     from aio_pika.connection import make_url
 
-    from mongo_outbox.brokers.rabbitmq._confirms import PENDING, ConfirmWindow, Encoder
+    from mongo_outbox.brokers.rabbitmq._confirms import (
+        PENDING,
+        ConfirmWindow,
+        Encoder,
+        ReturnKey,
+    )
     from mongo_outbox.brokers.rabbitmq.errors import REFUSED, answer_error, classify
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -215,26 +220,24 @@ class RabbitMQPublisher:
             return [self._failed_to_open(event, error) for event in events]
         results: list[BaseException | None] = [None] * len(events)
         frames: list[bytes] = []
-        ids: list[str] = []
         sent: list[int] = []  # the position in ``events`` of each message sent
-        keys: list[str] = []
+        keys: list[ReturnKey] = []  # each one's routing key and body
         for index, event in enumerate(events):
             try:
-                key, frame = self._frames(window, event)
+                key, body, frame = self._frames(window, event)
             except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
             frames.append(frame)
-            ids.append(event.id)
             sent.append(index)
-            keys.append(key)
+            keys.append((key, body))
         if not frames:
             return results
         failure: BaseException | None = None
         left = max(0.0, deadline - loop.time())
         try:
             wave = await client_call(
-                window.send(frames, ids, left), left, lambda reason: _Unsent(reason)
+                window.send(frames, keys, left), left, lambda reason: _Unsent(reason)
             )
         except (
             asyncio.TimeoutError,
@@ -244,12 +247,11 @@ class RabbitMQPublisher:
         ) as error:
             failure = None if isinstance(error, (asyncio.TimeoutError, _Unsent)) else error
             for position, index in enumerate(sent):
-                results[index] = self._result(events[index], PENDING, failure, keys[position])
+                results[index] = self._result(events[index], PENDING, failure, keys[position][0])
             return results
-        try:
-            await asyncio.wait((wave.done,), timeout=max(0.0, deadline - loop.time()))
-        finally:
-            window.forget(wave)  # settled, failed, timed out or cancelled: no longer tracked
+        # Settled, failed with the channel, or not in time: a wave left unsettled stays the
+        # window's until the broker confirms it (its tags and bytes are still the broker's).
+        await asyncio.wait((wave.done,), timeout=max(0.0, deadline - loop.time()))
         if wave.done.done():
             failure = (
                 aiormq.exceptions.ChannelInvalidStateError("the channel closed")
@@ -258,13 +260,13 @@ class RabbitMQPublisher:
             )
         for position, index in enumerate(sent):
             results[index] = self._result(
-                events[index], wave.outcome(position), failure, keys[position]
+                events[index], wave.outcome(position), failure, keys[position][0]
             )
         return results
 
-    def _frames(self, window: ConfirmWindow, event: Event) -> tuple[str, bytes]:
-        """The routing key and the frames of ``event``'s message; ``InvalidEventError`` if
-        AMQP cannot carry it on this connection."""
+    def _frames(self, window: ConfirmWindow, event: Event) -> tuple[str, bytes, bytes]:
+        """The routing key, the body and the frames of ``event``'s message;
+        ``InvalidEventError`` if AMQP cannot carry it on this connection."""
         key = self.routing_key_for(event)
         # The type is an AMQP short string (the id and correlation_id are limited when the
         # event is built); a header name is at most 128 bytes, and pamqp would cut a longer
@@ -310,7 +312,7 @@ class RabbitMQPublisher:
                 event_id=event.id,
             )
         method = self._encoder.method(number, key)
-        return key, method + header + self._encoder.body(number, body, frame_max)
+        return key, body, method + header + self._encoder.body(number, body, frame_max)
 
     def _result(
         self, event: Event, outcome: Any, failure: BaseException | None, key: str
