@@ -115,8 +115,11 @@ class Encoder:
         timestamp: datetime,
         correlation_id: str | None,
     ) -> bytes:
-        """The content header frame: the properties the publisher sets, in AMQP's order."""
-        flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID | _TIMESTAMP
+        """The content header frame: the properties the publisher sets, in AMQP's order. The
+        timestamp is left out for a time before 1970: AMQP's is an unsigned count of seconds
+        (pamqp fails on it), and the body carries ``occurred_at`` whole anyway."""
+        seconds = timestamp.timestamp()
+        flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID
         parts = [b"", _JSON]
         if headers:
             flags |= _HEADERS
@@ -125,7 +128,10 @@ class Encoder:
         if correlation_id:
             flags |= _CORRELATION_ID
             parts.append(_short(correlation_id))
-        parts += (_short(message_id), _long_long(int(timestamp.timestamp())))
+        parts.append(_short(message_id))
+        if seconds >= 0:
+            flags |= _TIMESTAMP
+            parts.append(_long_long(int(seconds)))
         if message_type:
             flags |= _TYPE
             parts.append(_short(message_type))

@@ -17,6 +17,7 @@ from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     InvalidEventError,
+    PublishError,
     describe,
 )
 from mongo_outbox.events import SHORT_STRING_BYTES, Event
@@ -228,6 +229,9 @@ class RabbitMQPublisher:
             except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
+            except Exception as error:  # noqa: BLE001 - this event's alone, not its wave's
+                results[index] = _unencoded(event, error)
+                continue
             frames.append(frame)
             sent.append(index)
             keys.append((key, body))
@@ -424,6 +428,18 @@ class RabbitMQPublisher:
                 await self.connection.close()
             except Exception as error:  # noqa: BLE001 - closing must not fail the caller
                 log.debug("closing the RabbitMQ connection: %s", describe(error))
+
+
+def _unencoded(event: Event, error: Exception) -> PublishError:
+    """An event whose message could not be built, for a reason no check foresaw (a routing key
+    whose encoding fails, say): a failed attempt of this event alone, retried and parked after
+    ``max_attempts`` like any, while the rest of its wave goes out."""
+    failure = PublishError(
+        f"RabbitMQ: event {event.id} cannot be encoded as an AMQP message: {describe(error)}",
+        event_id=event.id,
+    )
+    failure.__cause__ = error
+    return failure
 
 
 class _Unsent(Exception):
