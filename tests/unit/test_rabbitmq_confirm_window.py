@@ -28,6 +28,7 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+import aiormq
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -40,7 +41,13 @@ from hypothesis.stateful import (
 )
 from pamqp import commands as spec
 
-from mongo_outbox.brokers.rabbitmq._confirms import PENDING, ConfirmWindow, Wave
+from mongo_outbox.brokers.rabbitmq._confirms import (
+    PENDING,
+    UNCONFIRMED_BYTES,
+    ConfirmWindow,
+    Wave,
+    unblocked,
+)
 
 KEYS = ("kept", "lost")
 BODIES = (b'{"id":"a"}', b'{"id":"b"}', b'{"id":"c"}')
@@ -222,3 +229,17 @@ def test_random_schedules_of_acks_nacks_and_returns_settle_each_tag_as_the_broke
         suppress_health_check=[HealthCheck.too_slow],
     )
     run_state_machine_as_test(WindowModel, settings=tuning)
+
+
+async def test_the_window_reads_connection_blocked_where_aiormq_keeps_it() -> None:
+    # aiormq keeps it private: a rename would leave the window writing into a blocked broker.
+    event = unblocked(aiormq.Connection("amqp://guest:guest@127.0.0.1:9/"))
+    assert isinstance(event, asyncio.Event)
+    connection = FakeConnection()
+    connection._Connection__connection_unblocked = event  # type: ignore[attr-defined]
+    window = ConfirmWindow(FakeChannel(asyncio.get_running_loop()), connection)  # type: ignore[arg-type]
+    event.clear()
+    assert window.blocked
+    assert window.stalled(0) == "blocked by the broker (connection.blocked: a memory or disk alarm)"
+    event.set()
+    assert not window.blocked and window.stalled(UNCONFIRMED_BYTES) is None

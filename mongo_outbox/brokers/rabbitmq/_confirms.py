@@ -9,7 +9,8 @@ as one entry; the window counts each message's delivery tag, so the broker's ack
 (single ones in any order, ``multiple`` ones covering many, across waves) settle positions in a
 list, and one future per wave (created on the channel, so aiormq fails it when the channel or
 connection closes) wakes the caller. A returned message (``mandatory``, unroutable) is matched
-to the next confirm of a message like it (``ConfirmWindow`` says why that is sound).
+to the next confirm of a message like it (``ConfirmWindow`` says why that is sound). Nothing is
+written while the broker blocks the connection, nor beyond ``UNCONFIRMED_BYTES`` unconfirmed.
 
 The channel is the publisher's own, opened on the connection of the exchange's channel, and
 used for nothing else: the tags it counts are all ours. It is an aiormq channel of a class of
@@ -22,7 +23,7 @@ import asyncio
 import struct
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -160,14 +161,15 @@ class Wave:
     """The messages of one ``send``: their outcomes by position, settled by the broker's
     confirms; ``done`` once none is pending (or failed with the channel's error)."""
 
-    __slots__ = ("done", "first", "keys", "low", "pending", "results")
+    __slots__ = ("done", "first", "keys", "low", "pending", "results", "size")
 
-    def __init__(self, keys: list[ReturnKey], done: asyncio.Future[None]) -> None:
+    def __init__(self, keys: list[ReturnKey], size: int, done: asyncio.Future[None]) -> None:
         self.first = 0  # the delivery tag of position 0, taken when the wave is written
         self.keys = keys  # each position's routing key and body, to match a return to it
         self.results: list[Any] = [PENDING] * len(keys)
         self.pending = len(keys)
         self.low = 0  # every position below is settled
+        self.size = size  # the bytes written
         self.done = done
 
     def outcome(self, position: int) -> Any:
@@ -208,6 +210,21 @@ MESSAGE_MAX_3 = 128 * 1024 * 1024
 MESSAGE_MAX_4 = 16 * 1024 * 1024
 
 
+UNCONFIRMED_BYTES = 8 * 1024 * 1024
+"""At most this many bytes written and not yet confirmed, unless a single wave is larger: a
+broker that stops reading (``connection.blocked``, or a slow disk) makes a backlog of waves in
+the socket's buffer, which it would take, and confirm, long after their publishes gave up."""
+
+
+def unblocked(connection: aiormq.abc.AbstractConnection) -> asyncio.Event | None:
+    """aiormq's record of ``connection.blocked``: an event set unless the broker blocks the
+    connection (a memory or disk alarm), None if this aiormq keeps none. aiormq (6 and 7) reads
+    the frames and keeps it private; ``Connection.ready()`` waits for it, but nothing tells
+    without waiting whether the broker blocks, which a failure must say."""
+    event = getattr(connection, "_Connection__connection_unblocked", None)
+    return event if isinstance(event, asyncio.Event) else None
+
+
 class ConfirmWindow:
     """Publishes waves on one channel in confirm mode and settles them from its confirms.
 
@@ -243,10 +260,12 @@ class ConfirmWindow:
         # The unsettled waves in tag order (each takes the tags after the one before), and
         # their first tags, to find a tag's wave by bisection. A wave stays until the broker
         # confirmed all of it, even after its caller stopped waiting: its tags are still the
-        # broker's, and a return may yet come for one of its messages.
+        # broker's, a return may yet come for one of its messages, and its bytes are written.
         self._waves: list[Wave] = []
         self._firsts: list[int] = []
         self._held: dict[ReturnKey, deque[aiormq.abc.DeliveredMessage]] = {}
+        self.unconfirmed = 0  # bytes of the unsettled waves
+        self._freed: asyncio.Future[None] | None = None  # set when a wave settles
         self._writing = asyncio.Lock()
         self._broken = False
         channel.window = self
@@ -269,24 +288,46 @@ class ConfirmWindow:
     def is_closed(self) -> bool:
         return bool(self._broken or self.channel.is_closed or self.connection.is_closed)
 
+    @property
+    def blocked(self) -> bool:
+        """Whether the broker blocks the connection (``connection.blocked``): it reads nothing
+        from it, so nothing written is confirmed until it unblocks it."""
+        event = unblocked(self.connection)
+        return event is not None and not event.is_set()
+
+    def stalled(self, size: int) -> str | None:
+        """Why a wave of ``size`` bytes would wait to be written, or None."""
+        if self.blocked:
+            # A memory or disk alarm: the broker reads nothing from publishing connections.
+            return "blocked by the broker (connection.blocked: a memory or disk alarm)"
+        if self.unconfirmed and self.unconfirmed + size > UNCONFIRMED_BYTES:
+            return (
+                f"{self.unconfirmed} bytes written are not confirmed yet (the broker reads "
+                f"slowly), and no more are written beyond {UNCONFIRMED_BYTES}"
+            )
+        return None
+
     async def send(self, frames: Sequence[bytes], keys: list[ReturnKey], timeout: float) -> Wave:
         """Write one message per item of ``frames`` (``keys``: each one's routing key and body)
-        in one write; their confirms settle the returned wave.
+        in one write, once the broker does not block the connection and the bytes unconfirmed
+        leave room (the caller bounds that wait); their confirms settle the returned wave.
         Raises ``ChannelInvalidStateError`` on a closed channel, and ``TimeoutError`` if the
         connection's write queue stays full for ``timeout``."""
         if self.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
         payload = b"".join(frames)
-        wave = Wave(keys, self.channel.create_future())
+        wave = Wave(keys, len(payload), self.channel.create_future())
         entry = ChannelFrame(payload=payload, should_close=False)
         queue = self.connection.write_queue
         # Tags are counted in the order the broker sees the messages: no other wave may take
         # tags between this one's and its entry in the write queue.
         async with self._writing:
+            await self._room(wave.size)
             wave.first = self._tag + 1
             self._tag += len(keys)
             self._waves.append(wave)
             self._firsts.append(wave.first)
+            self.unconfirmed += wave.size
             try:
                 try:
                     queue.put_nowait(entry)
@@ -299,6 +340,34 @@ class ConfirmWindow:
                 self._broken = True
                 raise
         return wave
+
+    async def _room(self, size: int) -> None:
+        """Wait until a wave of ``size`` bytes may be written: the broker does not block the
+        connection (written, it would stay in the socket's buffer, and be taken long after its
+        publish gave up and was retried), and what is unconfirmed leaves room for it (or
+        nothing is)."""
+        while self.stalled(size):
+            event = unblocked(self.connection)
+            unblocking = event.wait() if event is not None and not event.is_set() else None
+            await self._settled_or(unblocking)
+            if self.is_closed:
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
+
+    async def _settled_or(self, other: Coroutine[Any, Any, Any] | None) -> None:
+        """Wait until a wave settles, the channel closes (aiormq fails the futures it made),
+        or ``other`` returns."""
+        freed = self._freed
+        if freed is None or freed.done():
+            freed = self._freed = self.channel.create_future()
+            freed.add_done_callback(_retrieve)
+        waiting: set[asyncio.Future[Any]] = {freed}
+        if other is not None:
+            waiting.add(asyncio.ensure_future(other))
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in waiting - {freed}:
+                future.cancel()
 
     def confirmed(self, frame: Any) -> None:
         """Settle the tags an ack or nack covers."""
@@ -347,9 +416,12 @@ class ConfirmWindow:
     def _finish(self, wave: Wave) -> None:
         index = bisect_left(self._firsts, wave.first)
         del self._waves[index], self._firsts[index]
+        self.unconfirmed -= wave.size
         if not self._waves:
             # Every message sent was confirmed: a return still held is no message's.
             self._held.clear()
+        if self._freed is not None and not self._freed.done():
+            self._freed.set_result(None)
         if not wave.done.done():
             wave.done.set_result(None)
 
@@ -359,3 +431,9 @@ class ConfirmWindow:
         if isinstance(delivery, spec.Basic.Return):  # always, from ``_ConfirmChannel``
             key = (delivery.routing_key or "", message.body)
             self._held.setdefault(key, deque()).append(message)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # Failed when the channel closed, perhaps with no waiter left to read it.
+    if not future.cancelled():
+        future.exception()

@@ -250,8 +250,11 @@ class RabbitMQPublisher:
             _Unsent,
         ) as error:
             failure = None if isinstance(error, (asyncio.TimeoutError, _Unsent)) else error
+            late = self._late(window, "nothing written", sum(map(len, frames)))
             for position, index in enumerate(sent):
-                results[index] = self._result(events[index], PENDING, failure, keys[position][0])
+                results[index] = self._result(
+                    events[index], PENDING, failure, keys[position][0], late
+                )
             return results
         # Settled, failed with the channel, or not in time: a wave left unsettled stays the
         # window's until the broker confirms it (its tags and bytes are still the broker's).
@@ -262,9 +265,10 @@ class RabbitMQPublisher:
                 if wave.done.cancelled()
                 else wave.done.exception()
             )
+        late = self._late(window, "no confirm", 0)
         for position, index in enumerate(sent):
             results[index] = self._result(
-                events[index], wave.outcome(position), failure, keys[position][0]
+                events[index], wave.outcome(position), failure, keys[position][0], late
             )
         return results
 
@@ -318,11 +322,24 @@ class RabbitMQPublisher:
         method = self._encoder.method(number, key)
         return key, body, method + header + self._encoder.body(number, body, frame_max)
 
+    def _late(self, window: ConfirmWindow, what: str, size: int) -> str:
+        """``what`` happened within the timeout (nothing written of a wave of ``size`` bytes,
+        no confirm), and why, as far as the client can tell."""
+        reason = f"{what} within {self.timeout:g}s"
+        stalled = window.stalled(size)
+        return f"{reason}: {stalled}" if stalled else reason
+
     def _result(
-        self, event: Event, outcome: Any, failure: BaseException | None, key: str
+        self,
+        event: Event,
+        outcome: Any,
+        failure: BaseException | None,
+        key: str,
+        late: str | None = None,
     ) -> BaseException | None:
         """The event's confirm (``outcome``) as the relay acts on it (``errors.classify``);
-        ``failure``: why the wave stopped waiting, for an event still without its confirm."""
+        ``failure``: why the wave stopped waiting, for an event still without its confirm, or
+        none, and then ``late`` says why."""
         if outcome is None:
             return None  # acked
         # Returned unroutable (NO_ROUTE: the broker is up, no queue is bound for the key), or a
@@ -331,7 +348,7 @@ class RabbitMQPublisher:
         # aggregate's order.
         cause = answer_error(outcome) or failure
         if cause is None:
-            return self._failed(event, f"no confirm within {self.timeout:g}s")
+            return self._failed(event, late or f"no confirm within {self.timeout:g}s")
         error = classify(cause, event, key)
         if error is None:
             if isinstance(cause, REFUSED) and not self.closed:
