@@ -243,3 +243,16 @@ async def test_the_window_reads_connection_blocked_where_aiormq_keeps_it() -> No
     assert window.stalled(0) == "blocked by the broker (connection.blocked: a memory or disk alarm)"
     event.set()
     assert not window.blocked and window.stalled(UNCONFIRMED_BYTES) is None
+
+
+async def test_a_return_that_matches_no_message_sent_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # RabbitMQ returns a message before its confirm, as published: one left over once every
+    # message is confirmed means that rule broke, and its message may be reported published.
+    window = ConfirmWindow(FakeChannel(asyncio.get_running_loop()), FakeConnection())  # type: ignore[arg-type]
+    wave = await window.send([b"frame"], [("kept", b"a")], timeout=1)
+    window.returned(returned_message("kept", b"not what was sent"))
+    window.confirmed(spec.Basic.Ack(delivery_tag=wave.first, multiple=False))
+    assert wave.outcome(0) is None
+    assert "RabbitMQ returned 1 messages this publisher cannot match" in caplog.text

@@ -20,6 +20,7 @@ its own, whose confirm and return handlers report to the window instead of to a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -31,6 +32,8 @@ import aiormq
 from aiormq.abc import ChannelFrame
 from pamqp import commands as spec
 from pamqp.header import ContentHeader
+
+log = logging.getLogger(__name__)
 
 _FRAME_METHOD = 1
 _FRAME_HEADER = 2
@@ -417,8 +420,14 @@ class ConfirmWindow:
         index = bisect_left(self._firsts, wave.first)
         del self._waves[index], self._firsts[index]
         self.unconfirmed -= wave.size
-        if not self._waves:
-            # Every message sent was confirmed: a return still held is no message's.
+        if not self._waves and self._held:
+            # Every message sent was confirmed, and RabbitMQ returns a message before its
+            # confirm: a return still held matched none (its routing key or body changed on
+            # the way?), and the message it was may have been reported published.
+            log.warning(
+                "RabbitMQ returned %d messages this publisher cannot match to what it sent",
+                sum(map(len, self._held.values())),
+            )
             self._held.clear()
         if self._freed is not None and not self._freed.done():
             self._freed.set_result(None)
