@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,13 @@ import pamqp.header
 import pytest
 from nats.js.api import DiscardPolicy
 
-from mongo_outbox import BrokerFullError, BrokerUnavailableError, Event, InvalidEventError
+from mongo_outbox import (
+    BrokerFullError,
+    BrokerUnavailableError,
+    Event,
+    InvalidEventError,
+    PublishError,
+)
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
@@ -237,6 +244,43 @@ async def test_rabbitmq_refuses_a_type_or_header_name_amqp_would_cut(
         await publisher.aclose()
     [message] = await drain_queue(queue, 1)
     assert message.type == "é" * 127 and message.headers["h" * 128] == "v"
+
+
+class Shouting(str):
+    """A routing key whose encoding fails: what a user's naming function may return."""
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        raise UnicodeError("cannot encode this key")
+
+
+async def test_rabbitmq_an_event_it_cannot_encode_fails_alone_and_its_wave_goes_out(
+    channel: Any, unique: str
+) -> None:
+    def naming(sent: Event) -> str:
+        routes = {"a": "k.a", "odd": Shouting("k.odd")}
+        return routes[sent.type]  # a KeyError for any other type
+
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique, routing_key=naming)
+    queue = await bind_queue(channel, unique)
+    landing = datetime(1969, 7, 20, 20, 17, 40, tzinfo=timezone.utc)
+    innocent = [event(type="a", aggregate_id=n) for n in range(4)]
+    old, unknown, odd = event(type="a", occurred_at=landing), event(type="b"), event(type="odd")
+    try:
+        results = await publisher.publish_many([*innocent[:2], old, unknown, odd, *innocent[2:]])
+    finally:
+        await publisher.aclose()
+    assert results[:3] == [None] * 3 and results[5:] == [None] * 2
+    assert isinstance(results[3], PublishError) and "KeyError" in str(results[3])
+    assert isinstance(results[4], PublishError) and not isinstance(results[4], InvalidEventError)
+    assert "cannot be encoded" in str(results[4]) and "UnicodeError" in str(results[4])
+    assert (results[3].event_id, results[4].event_id) == (unknown.id, odd.id)
+    messages = await drain_queue(queue, 5)
+    assert {m.message_id for m in messages} == {e.id for e in [*innocent, old]}
+    [before_1970] = [m for m in messages if m.message_id == old.id]
+    # AMQP's timestamp is unsigned: left out; the body still says when it occurred.
+    assert before_1970.timestamp is None
+    assert Event.from_json(before_1970.body).occurred_at == landing
+    assert all(m.timestamp is not None for m in messages if m.message_id != old.id)
 
 
 async def test_rabbitmq_connect_error_hides_the_password(caplog: pytest.LogCaptureFixture) -> None:

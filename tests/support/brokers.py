@@ -9,8 +9,11 @@ import contextlib
 import shutil
 import socket
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
+
+import pamqp.frame
+from pamqp import commands as spec
 
 from mongo_outbox import Event
 from mongo_outbox.publishers import Publisher
@@ -102,6 +105,76 @@ class Gate:
 
         await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
         self.writers -= {writer, upstream}
+
+
+class BlockingGate(Gate):
+    """A ``Gate`` that blocks its connections as RabbitMQ does under a memory or disk alarm:
+    ``stop_reading`` leaves what the client writes in its socket (the broker reads nothing
+    from a blocked publisher), ``tell_blocked`` sends it ``connection.blocked`` between two of
+    the broker's frames, and ``unblock`` sends ``connection.unblocked`` and passes on what the
+    client wrote meanwhile. The shared RabbitMQ's own alarm would block every other test's
+    publishers too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = asyncio.Event()
+        self.reading.set()
+        self.clients: set[asyncio.StreamWriter] = set()
+
+    def stop_reading(self) -> None:
+        self.reading.clear()
+
+    def tell_blocked(self) -> None:
+        self._tell(spec.Connection.Blocked(reason="low on memory"))
+
+    def unblock(self) -> None:
+        self._tell(spec.Connection.Unblocked())
+        self.reading.set()
+
+    def _tell(self, method: Any) -> None:
+        # Written at once, between two whole frames of the broker's: _pipe writes only those.
+        for client in self.clients:
+            client.write(pamqp.frame.marshal(method, 0))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream}
+        self.clients.add(writer)
+
+        async def from_client() -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    await self.reading.wait()  # held, as by a broker that reads nothing more
+                    upstream.write(data)
+                    await upstream.drain()
+            upstream.transport.abort()
+
+        async def from_broker() -> None:
+            pending = b""
+            with contextlib.suppress(OSError):
+                while data := await upstream_reader.read(65536):
+                    pending += data
+                    whole = _whole_frames(pending)
+                    writer.write(pending[:whole])
+                    pending = pending[whole:]
+                    await writer.drain()
+            writer.transport.abort()
+
+        await asyncio.gather(from_client(), from_broker())
+        self.clients.discard(writer)
+        self.writers -= {writer, upstream}
+
+
+def _whole_frames(data: bytes) -> int:
+    """The length of the whole AMQP frames at the start of ``data``: type (1), channel (2),
+    size (4), the payload, and the end octet."""
+    end = 0
+    while len(data) - end >= 7:
+        size = 8 + int.from_bytes(data[end + 3 : end + 7], "big")
+        if len(data) - end < size:
+            break
+        end += size
+    return end
 
 
 class Outage(Protocol):

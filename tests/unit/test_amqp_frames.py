@@ -4,7 +4,7 @@ by the lean path, and its sizes (checked against ``frame_max``) are the real one
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,10 +18,14 @@ from mongo_outbox import Event
 from mongo_outbox.brokers.rabbitmq._confirms import ConfirmWindow, Encoder
 from mongo_outbox.publishers.base import message_headers
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
 
 def pamqp_frames(channel: int, exchange: str, key: str, event: Event, frame_max: int) -> bytes:
     """The frames aiormq's ``basic_publish`` writes for the publisher's message."""
     body = event.model_dump_json().encode()
+    # AMQP's timestamp is unsigned (pamqp cannot encode one before 1970): such a message has none.
+    timestamp = event.occurred_at if event.occurred_at >= EPOCH else None
     properties = spec.Basic.Properties(
         content_type="application/json",
         correlation_id=event.correlation_id,
@@ -30,7 +34,7 @@ def pamqp_frames(channel: int, exchange: str, key: str, event: Event, frame_max:
         message_id=event.id,
         message_type=event.type,
         priority=0,
-        timestamp=event.occurred_at,
+        timestamp=timestamp,
     )
     frames: list[Any] = [
         spec.Basic.Publish(exchange=exchange, routing_key=key, mandatory=True),
@@ -64,6 +68,9 @@ def ours(channel: int, exchange: str, key: str, event: Event, frame_max: int) ->
         {"aggregate_type": "orders", "aggregate_id": 7, "sequence": 3},
         {"type": "é" * 127, "payload": {"text": "ü" * 50_000}},  # body over several frames
         {"occurred_at": datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=timezone.utc)},
+        {"occurred_at": EPOCH},
+        {"occurred_at": EPOCH - timedelta(microseconds=1)},  # no timestamp: before 1970
+        {"occurred_at": datetime(1, 1, 1, tzinfo=timezone.utc)},
     ],
 )
 def test_encoded_frames_are_the_bytes_pamqp_writes(fields: dict[str, Any]) -> None:

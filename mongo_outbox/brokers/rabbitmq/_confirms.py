@@ -5,10 +5,12 @@ aio-pika's ``exchange.publish`` (and aiormq's ``basic_publish`` below it) costs 
 queue entry, a drain future and a confirmation future per message, and pamqp marshals every
 property through its generic encoder: most of the time a publish spends in this process. Here
 a wave of messages is encoded by hand into one buffer and put on the connection's write queue
-as one entry; each message's delivery tag is its position in the wave, so the broker's acks and
-nacks (``multiple=True`` covering many) settle positions in a list, and one future per wave
-(created on the channel, so aiormq fails it when the channel or connection closes) wakes the
-caller. A returned message (``mandatory``, unroutable) is found by its ``message_id``.
+as one entry; the window counts each message's delivery tag, so the broker's acks and nacks
+(single ones in any order, ``multiple`` ones covering many, across waves) settle positions in a
+list, and one future per wave (created on the channel, so aiormq fails it when the channel or
+connection closes) wakes the caller. A returned message (``mandatory``, unroutable) is matched
+to the next confirm of a message like it (``ConfirmWindow`` says why that is sound). Nothing is
+written while the broker blocks the connection, nor beyond ``UNCONFIRMED_BYTES`` unconfirmed.
 
 The channel is the publisher's own, opened on the connection of the exchange's channel, and
 used for nothing else: the tags it counts are all ours. It is an aiormq channel of a class of
@@ -18,10 +20,11 @@ its own, whose confirm and return handlers report to the window instead of to a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import struct
+from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +32,8 @@ import aiormq
 from aiormq.abc import ChannelFrame
 from pamqp import commands as spec
 from pamqp.header import ContentHeader
+
+log = logging.getLogger(__name__)
 
 _FRAME_METHOD = 1
 _FRAME_HEADER = 2
@@ -114,8 +119,11 @@ class Encoder:
         timestamp: datetime,
         correlation_id: str | None,
     ) -> bytes:
-        """The content header frame: the properties the publisher sets, in AMQP's order."""
-        flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID | _TIMESTAMP
+        """The content header frame: the properties the publisher sets, in AMQP's order. The
+        timestamp is left out for a time before 1970: AMQP's is an unsigned count of seconds
+        (pamqp fails on it), and the body carries ``occurred_at`` whole anyway."""
+        seconds = timestamp.timestamp()
+        flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID
         parts = [b"", _JSON]
         if headers:
             flags |= _HEADERS
@@ -124,7 +132,10 @@ class Encoder:
         if correlation_id:
             flags |= _CORRELATION_ID
             parts.append(_short(correlation_id))
-        parts += (_short(message_id), _long_long(int(timestamp.timestamp())))
+        parts.append(_short(message_id))
+        if seconds >= 0:
+            flags |= _TIMESTAMP
+            parts.append(_long_long(int(seconds)))
         if message_type:
             flags |= _TYPE
             parts.append(_short(message_type))
@@ -144,25 +155,29 @@ class Encoder:
         )
 
 
+ReturnKey = tuple[str, bytes]
+"""What a returned message is matched by: its routing key and its body (the event whole, its id
+included). A ``basic.return`` carries no delivery tag."""
+
+
 class Wave:
     """The messages of one ``send``: their outcomes by position, settled by the broker's
     confirms; ``done`` once none is pending (or failed with the channel's error)."""
 
-    __slots__ = ("done", "first", "ids", "low", "pending", "results", "returned")
+    __slots__ = ("done", "first", "keys", "low", "pending", "results", "size")
 
-    def __init__(self, first: int, ids: list[str], done: asyncio.Future[None]) -> None:
-        self.first = first  # the delivery tag of position 0
-        self.ids = ids  # each position's message_id, to find a returned message
-        self.results: list[Any] = [PENDING] * len(ids)
-        self.pending = len(ids)
+    def __init__(self, keys: list[ReturnKey], size: int, done: asyncio.Future[None]) -> None:
+        self.first = 0  # the delivery tag of position 0, taken when the wave is written
+        self.keys = keys  # each position's routing key and body, to match a return to it
+        self.results: list[Any] = [PENDING] * len(keys)
+        self.pending = len(keys)
         self.low = 0  # every position below is settled
-        self.returned: dict[int, aiormq.abc.DeliveredMessage] = {}
+        self.size = size  # the bytes written
         self.done = done
 
     def outcome(self, position: int) -> Any:
-        """``None`` (acked), a ``Basic.Nack`` frame, a returned message, or pending."""
-        returned = self.returned.get(position) if self.returned else None
-        return returned if returned is not None else self.results[position]
+        """``None`` (acked), a ``Basic.Nack`` frame, a returned message, or ``PENDING``."""
+        return self.results[position]
 
 
 class _ConfirmChannel(aiormq.Channel):
@@ -198,8 +213,44 @@ MESSAGE_MAX_3 = 128 * 1024 * 1024
 MESSAGE_MAX_4 = 16 * 1024 * 1024
 
 
+UNCONFIRMED_BYTES = 8 * 1024 * 1024
+"""At most this many bytes written and not yet confirmed, unless a single wave is larger: a
+broker that stops reading (``connection.blocked``, or a slow disk) makes a backlog of waves in
+the socket's buffer, which it would take, and confirm, long after their publishes gave up."""
+
+
+def unblocked(connection: aiormq.abc.AbstractConnection) -> asyncio.Event | None:
+    """aiormq's record of ``connection.blocked``: an event set unless the broker blocks the
+    connection (a memory or disk alarm), None if this aiormq keeps none. aiormq (6 and 7) reads
+    the frames and keeps it private; ``Connection.ready()`` waits for it, but nothing tells
+    without waiting whether the broker blocks, which a failure must say."""
+    event = getattr(connection, "_Connection__connection_unblocked", None)
+    return event if isinstance(event, asyncio.Event) else None
+
+
 class ConfirmWindow:
-    """Publishes waves on one channel in confirm mode and settles them from its confirms."""
+    """Publishes waves on one channel in confirm mode and settles them from its confirms.
+
+    Each message's delivery tag is counted here (tags are given in the order the broker reads
+    the messages, from 1 on the channel), and each confirm settles exactly the tags it covers: a
+    single ack or nack its own tag, in whichever wave holds it, a ``multiple`` one every tag up
+    to its own that is not settled yet, across waves. RabbitMQ sends single confirms in any
+    order (acks before nacks in one flush), and any number of waves are in flight: a relay's two
+    chunks, relay groups and tenants sharing one publisher.
+
+    A returned message (``mandatory``, routed to no queue) comes with no tag: its
+    ``basic.return`` is held until a confirm settles a message with its routing key and body,
+    which is then reported returned. RabbitMQ sends the return of a message before its confirm
+    (other frames may come between), so a returned message always finds its return held, or
+    taken by an identical copy confirmed before it. Two identical copies in flight (an event
+    published again while its first copy awaits its confirm), one routed and one returned, may
+    swap reports: the returned one is reported acked only when an identical message was routed,
+    so the event is in a queue either way, and the routed one, reported returned, is retried (a
+    duplicate, never a loss). When no copy was routed, every copy is reported returned: by the
+    time the k-th of them is confirmed, the returns of those k have come and at most k - 1 were
+    taken. So among the confirmed copies of a message, no more are reported acked than were
+    routed (``tests/unit/test_rabbitmq_confirm_window.py`` checks it by model).
+    """
 
     def __init__(self, channel: _ConfirmChannel, connection: aiormq.abc.AbstractConnection) -> None:
         self.channel = channel
@@ -209,7 +260,15 @@ class ConfirmWindow:
         # The server's default limit: RabbitMQ does not say the one it was configured with.
         self.message_max = MESSAGE_MAX_4 if major is None or major >= 4 else MESSAGE_MAX_3
         self._tag = 0  # the last delivery tag used
-        self._waves: deque[Wave] = deque()
+        # The unsettled waves in tag order (each takes the tags after the one before), and
+        # their first tags, to find a tag's wave by bisection. A wave stays until the broker
+        # confirmed all of it, even after its caller stopped waiting: its tags are still the
+        # broker's, a return may yet come for one of its messages, and its bytes are written.
+        self._waves: list[Wave] = []
+        self._firsts: list[int] = []
+        self._held: dict[ReturnKey, deque[aiormq.abc.DeliveredMessage]] = {}
+        self.unconfirmed = 0  # bytes of the unsettled waves
+        self._freed: asyncio.Future[None] | None = None  # set when a wave settles
         self._writing = asyncio.Lock()
         self._broken = False
         channel.window = self
@@ -232,74 +291,158 @@ class ConfirmWindow:
     def is_closed(self) -> bool:
         return bool(self._broken or self.channel.is_closed or self.connection.is_closed)
 
-    async def send(self, frames: Sequence[bytes], ids: list[str], timeout: float) -> Wave:
-        """Write one message per item of ``frames`` in one write; their confirms settle the
-        returned wave. Raises ``ChannelInvalidStateError`` on a closed channel, and
-        ``TimeoutError`` if the connection's write queue stays full for ``timeout``."""
+    @property
+    def blocked(self) -> bool:
+        """Whether the broker blocks the connection (``connection.blocked``): it reads nothing
+        from it, so nothing written is confirmed until it unblocks it."""
+        event = unblocked(self.connection)
+        return event is not None and not event.is_set()
+
+    def stalled(self, size: int) -> str | None:
+        """Why a wave of ``size`` bytes would wait to be written, or None."""
+        if self.blocked:
+            # A memory or disk alarm: the broker reads nothing from publishing connections.
+            return "blocked by the broker (connection.blocked: a memory or disk alarm)"
+        if self.unconfirmed and self.unconfirmed + size > UNCONFIRMED_BYTES:
+            return (
+                f"{self.unconfirmed} bytes written are not confirmed yet (the broker reads "
+                f"slowly), and no more are written beyond {UNCONFIRMED_BYTES}"
+            )
+        return None
+
+    async def send(self, frames: Sequence[bytes], keys: list[ReturnKey], timeout: float) -> Wave:
+        """Write one message per item of ``frames`` (``keys``: each one's routing key and body)
+        in one write, once the broker does not block the connection and the bytes unconfirmed
+        leave room (the caller bounds that wait); their confirms settle the returned wave.
+        Raises ``ChannelInvalidStateError`` on a closed channel, and ``TimeoutError`` if the
+        connection's write queue stays full for ``timeout``."""
         if self.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
-        wave = Wave(0, ids, self.channel.create_future())
-        payload = ChannelFrame(payload=b"".join(frames), should_close=False)
+        payload = b"".join(frames)
+        wave = Wave(keys, len(payload), self.channel.create_future())
+        entry = ChannelFrame(payload=payload, should_close=False)
         queue = self.connection.write_queue
         # Tags are counted in the order the broker sees the messages: no other wave may take
         # tags between this one's and its entry in the write queue.
         async with self._writing:
+            await self._room(wave.size)
             wave.first = self._tag + 1
-            self._tag += len(ids)
+            self._tag += len(keys)
             self._waves.append(wave)
+            self._firsts.append(wave.first)
+            self.unconfirmed += wave.size
             try:
                 try:
-                    queue.put_nowait(payload)
+                    queue.put_nowait(entry)
                 except asyncio.QueueFull:
                     # The writer is behind (or gone, with a dropped connection): bounded.
-                    await asyncio.wait_for(queue.put(payload), timeout)
+                    await asyncio.wait_for(queue.put(entry), timeout)
             except BaseException:
                 # Perhaps not queued: the broker may never see these tags, so this channel's
                 # count may be off for good. The next wave takes a new channel.
-                self.forget(wave)
                 self._broken = True
                 raise
         return wave
 
-    def forget(self, wave: Wave) -> None:
-        """Stop tracking ``wave`` (settled, or its caller gave up): late confirms are ignored."""
-        with contextlib.suppress(ValueError):  # settled: already gone
-            self._waves.remove(wave)
+    async def _room(self, size: int) -> None:
+        """Wait until a wave of ``size`` bytes may be written: the broker does not block the
+        connection (written, it would stay in the socket's buffer, and be taken long after its
+        publish gave up and was retried), and what is unconfirmed leaves room for it (or
+        nothing is)."""
+        while self.stalled(size):
+            event = unblocked(self.connection)
+            unblocking = event.wait() if event is not None and not event.is_set() else None
+            await self._settled_or(unblocking)
+            if self.is_closed:
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
+
+    async def _settled_or(self, other: Coroutine[Any, Any, Any] | None) -> None:
+        """Wait until a wave settles, the channel closes (aiormq fails the futures it made),
+        or ``other`` returns."""
+        freed = self._freed
+        if freed is None or freed.done():
+            freed = self._freed = self.channel.create_future()
+            freed.add_done_callback(_retrieve)
+        waiting: set[asyncio.Future[Any]] = {freed}
+        if other is not None:
+            waiting.add(asyncio.ensure_future(other))
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in waiting - {freed}:
+                future.cancel()
 
     def confirmed(self, frame: Any) -> None:
-        """Settle what an ack or nack covers."""
+        """Settle the tags an ack or nack covers."""
         tag = frame.delivery_tag
         outcome = frame if isinstance(frame, spec.Basic.Nack) else None
-        multiple = frame.multiple
-        finished = []
-        for wave in self._waves:
-            if wave.first > tag:
-                break
-            end = min(tag - wave.first + 1, len(wave.results))
-            if end <= wave.low:
-                continue
-            start = wave.low if multiple else end - 1
-            results = wave.results
-            for position in range(start, end):
-                if results[position] is PENDING:
-                    results[position] = outcome
-                    wave.pending -= 1
-            low = wave.low
-            while low < len(results) and results[low] is not PENDING:
-                low += 1
-            wave.low = low
-            if not wave.pending:
-                finished.append(wave)
-        for wave in finished:
-            self.forget(wave)
-            if not wave.done.done():
-                wave.done.set_result(None)
+        if frame.multiple:
+            # Every unsettled tag up to ``tag``, in every wave that starts at or below it.
+            for wave in self._waves[: bisect_right(self._firsts, tag)]:
+                self._settle(wave, wave.low, min(tag - wave.first + 1, len(wave.results)), outcome)
+            return
+        index = bisect_right(self._firsts, tag) - 1
+        if index >= 0:
+            wave = self._waves[index]
+            position = tag - wave.first
+            if position < len(wave.results):  # else a tag of a wave settled already
+                self._settle(wave, position, position + 1, outcome)
+
+    def _settle(self, wave: Wave, start: int, end: int, outcome: Any) -> None:
+        results = wave.results
+        held = self._held if outcome is None else None  # a nacked message was not returned
+        settled = 0
+        for position in range(start, end):
+            if results[position] is PENDING:
+                results[position] = self._return_of(wave.keys[position]) if held else outcome
+                settled += 1
+        if not settled:
+            return
+        wave.pending -= settled
+        low = wave.low
+        while low < len(results) and results[low] is not PENDING:
+            low += 1
+        wave.low = low
+        if not wave.pending:
+            self._finish(wave)
+
+    def _return_of(self, key: ReturnKey) -> aiormq.abc.DeliveredMessage | None:
+        """A held return of a message with ``key``, taken; None (acked) if none is held."""
+        returns = self._held.get(key)
+        if not returns:
+            return None
+        message = returns.popleft()
+        if not returns:
+            del self._held[key]
+        return message
+
+    def _finish(self, wave: Wave) -> None:
+        index = bisect_left(self._firsts, wave.first)
+        del self._waves[index], self._firsts[index]
+        self.unconfirmed -= wave.size
+        if not self._waves and self._held:
+            # Every message sent was confirmed, and RabbitMQ returns a message before its
+            # confirm: a return still held matched none (its routing key or body changed on
+            # the way?), and the message it was may have been reported published.
+            log.warning(
+                "RabbitMQ returned %d messages this publisher cannot match to what it sent",
+                sum(map(len, self._held.values())),
+            )
+            self._held.clear()
+        if self._freed is not None and not self._freed.done():
+            self._freed.set_result(None)
+        if not wave.done.done():
+            wave.done.set_result(None)
 
     def returned(self, message: aiormq.abc.DeliveredMessage) -> None:
-        """Mark the message returned, by its ``message_id``: its confirm comes next."""
-        message_id = message.header.properties.message_id
-        for wave in self._waves:
-            for position in range(wave.low, len(wave.ids)):
-                if wave.ids[position] == message_id and wave.results[position] is PENDING:
-                    wave.returned[position] = message
-                    return
+        """Hold a returned message until the confirm of a message it matches."""
+        delivery = message.delivery
+        if isinstance(delivery, spec.Basic.Return):  # always, from ``_ConfirmChannel``
+            key = (delivery.routing_key or "", message.body)
+            self._held.setdefault(key, deque()).append(message)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # Failed when the channel closed, perhaps with no waiter left to read it.
+    if not future.cancelled():
+        future.exception()

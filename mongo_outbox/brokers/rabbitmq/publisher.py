@@ -17,6 +17,7 @@ from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     InvalidEventError,
+    PublishError,
     describe,
 )
 from mongo_outbox.events import SHORT_STRING_BYTES, Event
@@ -39,7 +40,12 @@ try:
     from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
     from aio_pika.connection import make_url
 
-    from mongo_outbox.brokers.rabbitmq._confirms import PENDING, ConfirmWindow, Encoder
+    from mongo_outbox.brokers.rabbitmq._confirms import (
+        PENDING,
+        ConfirmWindow,
+        Encoder,
+        ReturnKey,
+    )
     from mongo_outbox.brokers.rabbitmq.errors import REFUSED, answer_error, classify
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -215,26 +221,27 @@ class RabbitMQPublisher:
             return [self._failed_to_open(event, error) for event in events]
         results: list[BaseException | None] = [None] * len(events)
         frames: list[bytes] = []
-        ids: list[str] = []
         sent: list[int] = []  # the position in ``events`` of each message sent
-        keys: list[str] = []
+        keys: list[ReturnKey] = []  # each one's routing key and body
         for index, event in enumerate(events):
             try:
-                key, frame = self._frames(window, event)
+                key, body, frame = self._frames(window, event)
             except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
+            except Exception as error:  # noqa: BLE001 - this event's alone, not its wave's
+                results[index] = _unencoded(event, error)
+                continue
             frames.append(frame)
-            ids.append(event.id)
             sent.append(index)
-            keys.append(key)
+            keys.append((key, body))
         if not frames:
             return results
         failure: BaseException | None = None
         left = max(0.0, deadline - loop.time())
         try:
             wave = await client_call(
-                window.send(frames, ids, left), left, lambda reason: _Unsent(reason)
+                window.send(frames, keys, left), left, lambda reason: _Unsent(reason)
             )
         except (
             asyncio.TimeoutError,
@@ -243,28 +250,31 @@ class RabbitMQPublisher:
             _Unsent,
         ) as error:
             failure = None if isinstance(error, (asyncio.TimeoutError, _Unsent)) else error
+            late = self._late(window, "nothing written", sum(map(len, frames)))
             for position, index in enumerate(sent):
-                results[index] = self._result(events[index], PENDING, failure, keys[position])
+                results[index] = self._result(
+                    events[index], PENDING, failure, keys[position][0], late
+                )
             return results
-        try:
-            await asyncio.wait((wave.done,), timeout=max(0.0, deadline - loop.time()))
-        finally:
-            window.forget(wave)  # settled, failed, timed out or cancelled: no longer tracked
+        # Settled, failed with the channel, or not in time: a wave left unsettled stays the
+        # window's until the broker confirms it (its tags and bytes are still the broker's).
+        await asyncio.wait((wave.done,), timeout=max(0.0, deadline - loop.time()))
         if wave.done.done():
             failure = (
                 aiormq.exceptions.ChannelInvalidStateError("the channel closed")
                 if wave.done.cancelled()
                 else wave.done.exception()
             )
+        late = self._late(window, "no confirm", 0)
         for position, index in enumerate(sent):
             results[index] = self._result(
-                events[index], wave.outcome(position), failure, keys[position]
+                events[index], wave.outcome(position), failure, keys[position][0], late
             )
         return results
 
-    def _frames(self, window: ConfirmWindow, event: Event) -> tuple[str, bytes]:
-        """The routing key and the frames of ``event``'s message; ``InvalidEventError`` if
-        AMQP cannot carry it on this connection."""
+    def _frames(self, window: ConfirmWindow, event: Event) -> tuple[str, bytes, bytes]:
+        """The routing key, the body and the frames of ``event``'s message;
+        ``InvalidEventError`` if AMQP cannot carry it on this connection."""
         key = self.routing_key_for(event)
         # The type is an AMQP short string (the id and correlation_id are limited when the
         # event is built); a header name is at most 128 bytes, and pamqp would cut a longer
@@ -310,13 +320,26 @@ class RabbitMQPublisher:
                 event_id=event.id,
             )
         method = self._encoder.method(number, key)
-        return key, method + header + self._encoder.body(number, body, frame_max)
+        return key, body, method + header + self._encoder.body(number, body, frame_max)
+
+    def _late(self, window: ConfirmWindow, what: str, size: int) -> str:
+        """``what`` happened within the timeout (nothing written of a wave of ``size`` bytes,
+        no confirm), and why, as far as the client can tell."""
+        reason = f"{what} within {self.timeout:g}s"
+        stalled = window.stalled(size)
+        return f"{reason}: {stalled}" if stalled else reason
 
     def _result(
-        self, event: Event, outcome: Any, failure: BaseException | None, key: str
+        self,
+        event: Event,
+        outcome: Any,
+        failure: BaseException | None,
+        key: str,
+        late: str | None = None,
     ) -> BaseException | None:
         """The event's confirm (``outcome``) as the relay acts on it (``errors.classify``);
-        ``failure``: why the wave stopped waiting, for an event still without its confirm."""
+        ``failure``: why the wave stopped waiting, for an event still without its confirm, or
+        none, and then ``late`` says why."""
         if outcome is None:
             return None  # acked
         # Returned unroutable (NO_ROUTE: the broker is up, no queue is bound for the key), or a
@@ -325,7 +348,7 @@ class RabbitMQPublisher:
         # aggregate's order.
         cause = answer_error(outcome) or failure
         if cause is None:
-            return self._failed(event, f"no confirm within {self.timeout:g}s")
+            return self._failed(event, late or f"no confirm within {self.timeout:g}s")
         error = classify(cause, event, key)
         if error is None:
             if isinstance(cause, REFUSED) and not self.closed:
@@ -422,6 +445,18 @@ class RabbitMQPublisher:
                 await self.connection.close()
             except Exception as error:  # noqa: BLE001 - closing must not fail the caller
                 log.debug("closing the RabbitMQ connection: %s", describe(error))
+
+
+def _unencoded(event: Event, error: Exception) -> PublishError:
+    """An event whose message could not be built, for a reason no check foresaw (a routing key
+    whose encoding fails, say): a failed attempt of this event alone, retried and parked after
+    ``max_attempts`` like any, while the rest of its wave goes out."""
+    failure = PublishError(
+        f"RabbitMQ: event {event.id} cannot be encoded as an AMQP message: {describe(error)}",
+        event_id=event.id,
+    )
+    failure.__cause__ = error
+    return failure
 
 
 class _Unsent(Exception):
