@@ -12,6 +12,7 @@ import click
 
 from mongo_outbox.cli.common import Target, connected, option, run, say, target_options
 from mongo_outbox.cli.progress import progress
+from mongo_outbox.errors import DuplicateSequenceError
 from mongo_outbox.inbox import Inbox
 
 
@@ -36,12 +37,19 @@ async def _ensure(target: Target, with_inbox: bool, inbox_collection: str) -> li
         box = Inbox(conn.db, consumer="mongo-outbox", collection=inbox_collection)
         inbox = [box.collection] if with_inbox else []
         sizes = {c.name: await c.estimated_document_count() for c in collections + inbox}
+        refused: DuplicateSequenceError | None = None
         async with progress("ensure-indexes", "documents", total=sum(sizes.values())) as shown:
-            await outbox.ensure_indexes()
+            try:
+                await outbox.ensure_indexes()
+            except DuplicateSequenceError as error:
+                # The outbox's others are built: the inbox's too, then the duplicates are named.
+                refused = error
             shown.add(sum(sizes[c.name] for c in collections))
             if with_inbox:
                 await box.ensure_indexes()
                 shown.add(sizes[box.collection.name])
+        if refused is not None:
+            raise refused
         collections += inbox
         lines = []
         for coll in collections:

@@ -25,7 +25,10 @@ Each takes ``events``, ``session`` and ``expected_version`` as the ``Outbox`` do
 kept up to date here, for ``expected_version``. A model whose own Beanie writes would send the
 outbox's fields back (``extra="allow"``, or one of them declared without ``exclude=True``) is
 refused with ``ConfigurationError``. A guard the stored ``revision_id`` fails raises
-``RevisionConflictError``, which is Beanie's ``RevisionIdWasChanged`` and an ``OutboxError``.
+``RevisionConflictError``, which is Beanie's ``RevisionIdWasChanged`` and an ``OutboxError``. In
+the caller's transaction, which may yet be aborted, a write leaves the document's
+``revision_id``, version and saved state as they were, so that its retry is guarded as the first
+try was.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConfigurationError,
     InvalidAggregateError,
-    InvalidCountersError,
     OutboxError,
     describe,
 )
@@ -136,24 +138,17 @@ class BeanieOutbox:
         self._check(document)
         await _validate(document)
         await _actions(document, EventTypes.INSERT, ActionDirections.BEFORE, skip_actions)
-        settings = document.get_settings()
-        previous = document.revision_id
-        if settings.use_revision:
-            document.revision_id = uuid4()
+        revision = uuid4() if document.get_settings().use_revision else None
         doc_id = _new_id(document)
         body = {"_id": doc_id, **self._body(document)}
-        try:
-            saved = await self.outbox.save_with_events(
-                session, _collection(document), body, events, expected_version=0
-            )
-        except OutboxError as error:
-            # Refused, nothing was written: the document keeps the revision the stored one has,
-            # so a save of it after a refused insert is not taken for a conflict. (Bad counters
-            # are found in what the write returned: it may stand.)
-            if not isinstance(error, InvalidCountersError):
-                document.revision_id = previous
-            raise
-        _after_write(document, doc_id, saved)
+        if revision is not None:
+            body["revision_id"] = _encode(document, revision)
+        saved = await self.outbox.save_with_events(
+            session, _collection(document), body, events, expected_version=0
+        )
+        # Refused, it leaves the document as it was: nothing was written (an insert reads no
+        # counters).
+        _after_write(document, doc_id, saved, _joined(session), revision)
         await _actions(document, EventTypes.INSERT, ActionDirections.AFTER, skip_actions)
         return saved
 
@@ -174,6 +169,7 @@ class BeanieOutbox:
         await _validate(document)
         await _actions(document, EventTypes.SAVE, ActionDirections.BEFORE, skip_actions)
         await _actions(document, EventTypes.UPDATE, ActionDirections.BEFORE, skip_actions)
+        joined = _joined(session)
         doc_id = _new_id(document)
         settings = document.get_settings()
         update: dict[str, Any] = {"$set": self._body(document)}
@@ -192,9 +188,7 @@ class BeanieOutbox:
             ignore_revision=ignore_revision,
             upsert=not _stored_before(document),
         )
-        if revision is not None:
-            document.revision_id = revision
-        _after_write(document, doc_id, saved)
+        _after_write(document, doc_id, saved, joined, revision)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         await _actions(document, EventTypes.SAVE, ActionDirections.AFTER, skip_actions)
         return saved
@@ -248,7 +242,8 @@ class BeanieOutbox:
                 held=held,
             )
 
-        if self.outbox.mode == "collection" or getattr(session, "in_transaction", False):
+        joined = _joined(session)
+        if self.outbox.mode == "collection" or joined:
             (saved, revision), fresh = await self._validated(document, write, session)
         else:
             # Embedded mode outside a transaction: one single-document write, which stands
@@ -258,11 +253,7 @@ class BeanieOutbox:
             read, fresh = await _read_back(document, saved, session)
             if not read:
                 return saved
-        if fresh is not None:
-            merge_models(document, fresh)
-        if revision is not None:
-            document.revision_id = revision
-        _after_write(document, document.id, saved)
+        _after_write(document, document.id, saved, joined, revision, fresh)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         return saved
 
@@ -463,11 +454,36 @@ def _stored_before(document: Document) -> bool:
     return any(getattr(document, name, 0) for name in _version_fields(document))
 
 
-def _after_write(document: Document, doc_id: Any, saved: Saved) -> None:
+def _joined(session: Any) -> bool:
+    """Whether a write on ``session`` joins the caller's transaction."""
+    return bool(getattr(session, "in_transaction", False))
+
+
+def _after_write(
+    document: Document,
+    doc_id: Any,
+    saved: Saved,
+    joined: bool,
+    revision: UUID | None,
+    fresh: Document | None = None,
+) -> None:
     """What Beanie does after its own write: the id (a new one is the document's only once it
-    is stored), the saved state (state management), and here the outbox's version in a field
-    aliased ``_version``."""
+    is stored), the values read back (``fresh``), the new ``revision_id`` and the saved state
+    (state management); and here the outbox's version in a field aliased ``_version``.
+
+    A write that ``joined`` the caller's transaction may yet be aborted: the document keeps its
+    ``revision_id``, version and saved state, so that a retry after an abort is guarded as the
+    first try was (and a new document is created again)."""
     document.id = doc_id
+    kept = {name: getattr(document, name) for name in ["revision_id", *_version_fields(document)]}
+    if fresh is not None:
+        merge_models(document, fresh)
+    if joined:
+        for name, value in kept.items():
+            setattr(document, name, value)
+        return
+    if revision is not None:
+        document.revision_id = revision
     for name in _version_fields(document):
         setattr(document, name, saved.version)
     document._save_state()

@@ -11,10 +11,12 @@ it what MongoEngine's method of the same name does around its own:
   changed fields, guarded by ``save_condition`` as MongoEngine guards it. Unlike MongoEngine, a
   loaded document deleted meanwhile is not re-created from its changed fields alone: the save
   raises ``AggregateNotFoundError``. In the caller's transaction the document stays new, or keeps
-  its changed fields, until a save outside one: the transaction may be aborted.
+  its changed fields, and keeps its version, until a save outside one: the transaction may be
+  aborted.
 - ``modify`` as ``Document.modify``: Django-style update keywords (``set__status="paid"``,
   ``inc__total=5``, ``push__lines="pen"``) and a ``query`` that must hold too, then the document
-  reloaded from what was stored. MongoEngine sends no signal for it, nor does this.
+  reloaded from what was stored (but its version, in the caller's transaction). MongoEngine
+  sends no signal for it, nor does this.
 - ``delete`` as ``Document.delete``: ``pre_delete`` and ``post_delete`` (collection mode only, as
   for ``delete_with_events``).
 
@@ -120,12 +122,15 @@ class MongoEngineOutbox:
         document[document._meta["id_field"]] = document._fields[
             document._meta["id_field"]
         ].to_python(saved.id)
-        _set_version(document, saved)
+        joined = getattr(session, "in_transaction", False)
+        if not joined:
+            _set_version(document, saved)
         signals.post_save.send(cls, document=document, created=created, **kwargs)
-        if getattr(session, "in_transaction", False):
+        if joined:
             # In the caller's transaction the write may yet be aborted: until it commits, the
-            # document keeps what it would send (setting its id took it for stored), so a save
-            # after an abort creates a new one again, and sends a loaded one's changes again.
+            # document keeps what it would send (setting its id took it for stored) and its
+            # version, so a save after an abort creates a new one again, sends a loaded one's
+            # changes again, and is guarded as the first try was.
             document._created = new
         else:
             document._clear_changed_fields()
@@ -152,11 +157,16 @@ class MongoEngineOutbox:
         raw = transform.update(cls, **update)
         saved = self._update(document, condition, raw, events, session, expected_version)
         stored = cls._get_collection().find_one({"_id": condition["_id"]}, session=session)
+        # In the caller's transaction, which may yet be aborted, the version stays: a modify
+        # after an abort is guarded as the first try was.
+        kept = _version_fields(document) if getattr(session, "in_transaction", False) else []
         if stored is not None:
             fresh = cls._from_son(stored)
             for field in document._fields_ordered:
-                setattr(document, field, document._reload(field, fresh[field]))
-        _set_version(document, saved)
+                if field not in kept:
+                    setattr(document, field, document._reload(field, fresh[field]))
+        if not kept:
+            _set_version(document, saved)
         document._clear_changed_fields()
         document._created = False
         return saved
@@ -227,8 +237,12 @@ def _new_id(document: Document, collection: Any) -> Any:
     )
 
 
+def _version_fields(document: Document) -> list[str]:
+    """The fields stored as ``_version``."""
+    return [name for name, field in document._fields.items() if field.db_field == "_version"]
+
+
 def _set_version(document: Document, saved: Saved) -> None:
     """The outbox's version in the field stored as ``_version``, if the model has one."""
-    for name, field in document._fields.items():
-        if field.db_field == "_version":
-            document._data[name] = saved.version
+    for name in _version_fields(document):
+        document._data[name] = saved.version

@@ -14,8 +14,10 @@ and assignment, so an invalid instance never reaches a save. It ignores fields a
 declare, so it loads documents holding the outbox's fields, and its own ``save`` (a ``$set``)
 leaves them where they are. A field stored as ``_version`` (``version: int =
 Field(0, key_name="_version")``) is loaded by ODMantic and kept up to date here, for
-``expected_version``, without being marked modified. Referenced instances are not saved here:
-save them first, with the engine, in the same session if they must commit together.
+``expected_version``, without being marked modified (after a save outside the caller's
+transaction: in it, the instance keeps its modified fields and version for a retry). Referenced
+instances are not saved here: save them first, with the engine, in the same session if they must
+commit together.
 """
 
 from __future__ import annotations
@@ -73,10 +75,11 @@ class ODManticOutbox:
             upsert=primary in instance.__fields_modified__,
             expected_version=expected_version,
         )
-        _set_version(instance, saved)
         if not getattr(driver, "in_transaction", False):
             # In the caller's transaction the write may yet be aborted: until it commits, the
-            # instance keeps what it would send, and a save after an abort creates it again.
+            # instance keeps what it would send and its version, so a save after an abort
+            # creates it again, and is guarded as the first try was.
+            _set_version(instance, saved)
             object.__setattr__(instance, "__fields_modified__", set())
         return saved
 

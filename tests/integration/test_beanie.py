@@ -24,6 +24,7 @@ from beanie.odm.operators.update.array import Push
 from bson import ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pymongo import AsyncMongoClient
+from pymongo.errors import OperationFailure
 
 from mongo_outbox import (
     AggregateNotFoundError,
@@ -497,3 +498,74 @@ async def test_two_copies_taking_more_than_is_left_at_once_store_one_take(models
     assert sorted(type(r).__name__ for r in results) == ["Saved", "ValidationError"]
     assert (await models.shelves.find_one({"_id": shelf.id}))["qty"] == 1
     assert [e["type"] async for e in models.outbox.find()] == ["stocked", "taken"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_writes_in_an_aborted_transaction_are_made_again_by_their_retry(
+    stock: BeanieOutbox, models: Any, mode: str
+) -> None:
+    stock = BeanieOutbox(Outbox(models, mode=mode, collections=["stock"]))  # type: ignore[arg-type]
+    item, other = Stock(sku="pen", qty=3), Stock(sku="ink", qty=1)
+    await stock.insert(item, [Event(type="stocked")])
+    await stock.insert(other, [Event(type="stocked")])
+    loaded, fresh = await Stock.get(item.id), Stock(sku="cap", qty=1)
+    assert loaded is not None
+    loaded.qty = 2
+    taken, stocked, more = Event(type="taken"), Event(type="stocked"), Event(type="more")
+    for attempt in ("aborted", "retried"):
+        async with models.client.start_session() as session:
+            await session.start_transaction()
+            await stock.save(loaded, [taken], session=session, expected_version=loaded.version)
+            await stock.insert(fresh, [stocked], session=session)
+            await stock.inc(other, {Stock.qty: 5}, [more], session=session)
+            if attempt == "aborted":
+                await session.abort_transaction()
+            else:
+                await session.commit_transaction()
+    # The retries used to be refused: the aborted writes had given the documents the
+    # revision_id and version they wrote, which the stored ones never got (RevisionConflictError,
+    # ConcurrencyError), and taken the new one for a stored one (AggregateNotFoundError).
+    stored = {d["_id"]: (d["qty"], d["_version"]) async for d in models.stock.find()}
+    assert stored == {item.id: (2, 2), fresh.id: (1, 1), other.id: (6, 2)}
+    publisher = MemoryPublisher()
+    assert await PollingRelay(stock.outbox, publisher).drain() == 5
+    sent = {e.id: (e.aggregate_id, e.sequence) for e in publisher.events}
+    assert len(sent) == 5  # each once
+    assert sent[taken.id] == (str(item.id), 2) and sent[more.id] == (str(other.id), 2)
+    assert sent[stocked.id] == (str(fresh.id), 1)
+    # Until the commit is known, the documents keep their guards: after it, load them again.
+    assert (loaded.version, other.version, other.qty) == (1, 1, 6)
+    with pytest.raises(RevisionConflictError):
+        await stock.save(loaded, [Event(type="checked")])
+    again = await Stock.get(item.id)
+    assert again is not None
+    assert (await stock.save(again, [Event(type="checked")], expected_version=2)).version == 3
+
+
+async def test_with_transaction_retries_a_save_whose_transaction_failed(
+    stock: BeanieOutbox, models: Any
+) -> None:
+    item = Stock(sku="pen", qty=3)
+    await stock.insert(item, [Event(type="stocked")])
+    item.qty = 2
+    taken = Event(type="taken")
+    tries = 0
+
+    async def take(session: Any) -> None:
+        nonlocal tries
+        tries += 1
+        await stock.save(item, [taken], session=session, expected_version=item.version)
+        if tries == 1:  # as a write conflict on a later write of the callback would
+            conflict = OperationFailure("write conflict", code=112)
+            conflict._add_error_label("TransientTransactionError")
+            raise conflict
+
+    async with models.client.start_session() as session:
+        await session.with_transaction(take)
+    assert tries == 2
+    stored = await models.stock.find_one({"_id": item.id})
+    assert (stored["qty"], stored["_version"]) == (2, 2)
+    assert [e["type"] async for e in models.outbox.find().sort("sequence", 1)] == [
+        "stocked",
+        "taken",
+    ]

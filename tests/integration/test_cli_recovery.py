@@ -194,6 +194,20 @@ async def test_ensure_indexes_creates_the_outbox_and_inbox_indexes(
     assert again.out == ran.out  # idempotent
 
 
+async def test_ensure_indexes_over_duplicate_sequences_builds_the_others_and_names_them(
+    mongo: MongoServer, db: Any
+) -> None:
+    entry = {"aggregate_type": "orders", "aggregate_id": "o1", "sequence": 1}
+    await db.outbox.insert_many([{"_id": "e1", **entry}, {"_id": "e2", **entry}])
+    ran = await cli("ensure-indexes", *target(mongo, db), "--inbox")
+    assert ran.code == 1
+    assert "orders 'o1' sequence 1 (entries e1, e2)" in ran.output
+    outbox = await db.outbox.index_information()
+    assert "aggregate_sequence" not in outbox and "relay_due" in outbox
+    # The inbox's are built too: the outbox's refusal used to end the command first.
+    assert {"failures", "identity", "ttl"} <= set(await db.inbox.index_information())
+
+
 async def test_an_inbox_requeue_that_requeues_nothing_fails_and_changes_nothing(
     mongo: MongoServer, db: Any
 ) -> None:

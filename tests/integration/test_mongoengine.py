@@ -266,3 +266,32 @@ def test_mongoengines_own_save_of_a_new_object_with_a_stored_id_is_refused_at_th
         orders.save(again, [Event(type="order.repriced")])
     assert Order.objects.get(id=order.id).total == 2
     assert engine.outbox.count_documents({}) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_guarded_writes_in_an_aborted_transaction_are_made_again_by_their_retry(
+    engine: Any, mode: str
+) -> None:
+    orders = outbox_of(engine, mode)
+    order, other = Order(customer="ada", total=1), Order(customer="bob", total=1)
+    orders.save(order, [Event(type="order.placed")])
+    orders.save(other, [Event(type="order.placed")])
+    order = Order.objects.get(id=order.id)
+    order.total = 5
+    repriced, raised = Event(type="order.repriced"), Event(type="order.repriced")
+    for attempt in ("aborted", "retried"):
+        with me.get_connection().start_session() as session:
+            with session.start_transaction():
+                guards = order.version, other.version
+                orders.save(order, [repriced], session=session, expected_version=guards[0])
+                orders.modify(
+                    other, [raised], session=session, expected_version=guards[1], inc__total=2
+                )
+                if attempt == "aborted":
+                    session.abort_transaction()
+    # The retry used to be refused (ConcurrencyError): the aborted writes had given the
+    # documents the version they wrote, which the stored ones never got.
+    assert [(o.total, o.version) for o in Order.objects.order_by("customer")] == [(5, 2), (3, 2)]
+    assert engine.outbox.count_documents({}) == (4 if mode == "collection" else 0)
+    # Until the commit is known, the documents keep their versions: load them again after it.
+    assert (order.version, other.version) == (1, 1)

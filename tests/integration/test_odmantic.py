@@ -175,3 +175,29 @@ async def test_a_version_field_follows_the_saves_and_odmantics_own_save_never_se
     await engine.save(account)
     stored = await engine.database.accounts.find_one({"_id": account.id})
     assert (stored["_version"], stored["balance"]) == (3, 3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_guarded_save_in_an_aborted_transaction_is_made_again_by_its_retry(
+    engine: AIOEngine, mode: str
+) -> None:
+    accounts = outbox_of(engine, mode)
+    account = Account(balance=10)
+    await accounts.save(account, [Event(type="opened")])
+    account.balance = 5
+    withdrawn = Event(type="withdrawn")
+    for attempt in ("aborted", "retried"):
+        async with engine.transaction() as transaction:
+            guard = account.version
+            await accounts.save(account, [withdrawn], session=transaction, expected_version=guard)
+            if attempt == "aborted":
+                await transaction.abort()
+    # The retry used to be refused (ConcurrencyError): the aborted save had given the instance
+    # the version it wrote, which the stored one never got.
+    stored = await engine.database.accounts.find_one({"_id": account.id})
+    assert (stored["_version"], stored["balance"]) == (2, 5)
+    publisher = MemoryPublisher()
+    assert await PollingRelay(accounts.outbox, publisher).drain() == 2
+    assert [e.id for e in publisher.events][1:] == [withdrawn.id]
+    # Until the commit is known, the instance keeps its version: load it again after it.
+    assert account.version == 1
