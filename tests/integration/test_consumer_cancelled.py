@@ -45,14 +45,18 @@ GRACE = 1.0
 
 
 class Handlers:
-    """The first consumer's handler hangs; the second's records the message."""
+    """The first consumer's handler hangs on each of ``messages``; the second's records them."""
 
-    def __init__(self, db: Any, transactional: bool) -> None:
+    def __init__(self, db: Any, transactional: bool, messages: int) -> None:
         self.db = db
         self.transactional = transactional
+        self.messages = messages
+        self.hanging = 0
         self.started = asyncio.Event()
-        self.ended = asyncio.Event()
+        """Set once the first consumer's handler hangs on every message."""
+        self.ended = 0
         self.handled = asyncio.Event()
+        """Set once the second consumer handled every message."""
         self.started_at = self.handled_at = 0.0
         self.attempts: list[int] = []
 
@@ -61,18 +65,22 @@ class Handlers:
         return Inbox(self.db, consumer="billing", transactional=self.transactional)
 
     async def hang(self, event: Event, session: Any) -> None:
-        self.started_at = asyncio.get_running_loop().time()
-        self.started.set()
+        if not self.hanging:
+            self.started_at = asyncio.get_running_loop().time()
+        self.hanging += 1
+        if self.hanging == self.messages:
+            self.started.set()
         try:
             await asyncio.Event().wait()
         finally:
-            self.ended.set()
+            self.ended += 1
 
     async def handle(self, event: Event, session: Any, *, attempt: int) -> None:
         await self.db.invoices.insert_one({"event": event.id}, session=session)
         self.attempts.append(attempt)
-        self.handled_at = asyncio.get_running_loop().time()
-        self.handled.set()
+        if len(self.attempts) == self.messages:
+            self.handled_at = asyncio.get_running_loop().time()
+            self.handled.set()
 
 
 Start = Callable[[Any], Awaitable[Callable[[str], Awaitable[None]]]]
@@ -108,10 +116,12 @@ def running(consumer: Callable[[asyncio.Event], Awaitable[None]]) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def nats_consumers(nats_client: Any, stream: str, event: Event) -> AsyncIterator[Start]:
+async def nats_consumers(
+    nats_client: Any, stream: str, events: list[Event]
+) -> AsyncIterator[Start]:
     js = nats_client.jetstream()
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
-    await publisher.publish(event)
+    await publisher.publish_many(events)
     await publisher.aclose()
     # The durable, with the ack wait the consumers find when they bind to it.
     config = ConsumerConfig(ack_wait=ACK_WAIT)
@@ -131,14 +141,14 @@ async def nats_consumers(nats_client: Any, stream: str, event: Event) -> AsyncIt
 
 @contextlib.asynccontextmanager
 async def rabbitmq_consumers(
-    amqp_connection: Any, unique: str, event: Event
+    amqp_connection: Any, unique: str, events: list[Event]
 ) -> AsyncIterator[Start]:
     channel = await amqp_connection.channel()
     exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
     queue = await channel.declare_queue(unique)
     await queue.bind(exchange, "#")
     publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
-    await publisher.publish(event)
+    await publisher.publish_many(events)
     await publisher.aclose()
 
     async def start(guarded: Any) -> Any:
@@ -164,9 +174,9 @@ async def delete_retry_queues(amqp_connection: Any, unique: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def redis_consumers(unique: str, event: Event) -> AsyncIterator[Start]:
+async def redis_consumers(unique: str, events: list[Event]) -> AsyncIterator[Start]:
     client = Redis.from_url(REDIS_URL)
-    await RedisStreamsPublisher(client, stream=unique).publish(event)
+    await RedisStreamsPublisher(client, stream=unique).publish_many(events)
 
     async def start(guarded: Any) -> Any:
         return running(
@@ -203,10 +213,10 @@ def faststream_app(broker: Any, subscribe: Callable[[Any], Any]) -> Start:
 
 @contextlib.asynccontextmanager
 async def faststream_nats_consumers(
-    nats_client: Any, stream: str, event: Event
+    nats_client: Any, stream: str, events: list[Event]
 ) -> AsyncIterator[Start]:
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{stream}.{{type}}")
-    await publisher.publish(event)
+    await publisher.publish_many(events)
     await publisher.aclose()
 
     def subscribe(app: Any) -> Any:
@@ -214,7 +224,7 @@ async def faststream_nats_consumers(
             f"{stream}.>",
             stream=JStream(stream, declare=False),
             durable="billing",
-            pull_sub=PullSub(batch_size=1, timeout=0.5),
+            pull_sub=PullSub(batch_size=len(events), timeout=0.5),
             config=FastStreamConsumerConfig(ack_wait=ACK_WAIT),
         )
 
@@ -223,12 +233,13 @@ async def faststream_nats_consumers(
 
 @contextlib.asynccontextmanager
 async def faststream_rabbitmq_consumers(
-    amqp_connection: Any, unique: str, event: Event
+    amqp_connection: Any, unique: str, events: list[Event]
 ) -> AsyncIterator[Start]:
     channel = await amqp_connection.channel()
     queue = await channel.declare_queue(unique)
-    message = aio_pika.Message(event.model_dump_json().encode(), message_id=event.id)
-    await channel.default_exchange.publish(message, routing_key=unique)
+    for event in events:
+        message = aio_pika.Message(event.model_dump_json().encode(), message_id=event.id)
+        await channel.default_exchange.publish(message, routing_key=unique)
 
     def subscribe(app: Any) -> Any:
         return app.subscriber(RabbitQueue(unique, declare=False))
@@ -261,33 +272,35 @@ async def test_a_consumer_stopped_while_its_handler_hangs_gives_its_message_to_t
     how: str,
     transactional: bool,
 ) -> None:
-    event = Event(type="order.placed", aggregate_type="orders", aggregate_id=1)
-    handlers = Handlers(db, transactional)
+    # Two messages, of two aggregates: both in the first consumer's hands when it ends.
+    events = [Event(type="order.placed", aggregate_type="orders", aggregate_id=n) for n in (1, 2)]
+    handlers = Handlers(db, transactional, len(events))
     if kind == "nats":
-        consumers = nats_consumers(nats_client, nats_stream, event)
+        consumers = nats_consumers(nats_client, nats_stream, events)
     elif kind == "faststream-nats":
-        consumers = faststream_nats_consumers(nats_client, nats_stream, event)
+        consumers = faststream_nats_consumers(nats_client, nats_stream, events)
     elif kind == "rabbitmq":
-        consumers = rabbitmq_consumers(amqp_connection, unique, event)
+        consumers = rabbitmq_consumers(amqp_connection, unique, events)
     elif kind == "faststream-rabbitmq":
-        consumers = faststream_rabbitmq_consumers(amqp_connection, unique, event)
+        consumers = faststream_rabbitmq_consumers(amqp_connection, unique, events)
     else:
-        consumers = redis_consumers(unique, event)
+        consumers = redis_consumers(unique, events)
     guard = inbox_handler if kind.startswith("faststream") else inbox_guard
     async with consumers as start:
         end_first = await start(guard(handlers.inbox())(handlers.hang))
         await asyncio.wait_for(handlers.started.wait(), 15)
         await end_first(how)
-        assert handlers.ended.is_set(), "the hanging handler was left running"
+        assert handlers.ended == len(events), "a hanging handler was left running"
         end_second = await start(guard(handlers.inbox())(handlers.handle))
         try:
             await asyncio.wait_for(handlers.handled.wait(), PROMPTLY)
         finally:
             await end_second("stop")
     # Given back, by the consumer and by the inbox: handled before the broker would have taken
-    # it back from the quiet first consumer (its ack wait since that delivery), and not held by
-    # the inbox for the rest of its processing lease (60 s).
+    # them back from the quiet first consumer (its ack wait since those deliveries), and not
+    # held by the inbox for the rest of its processing lease (60 s).
     assert handlers.handled_at - handlers.started_at < ACK_WAIT
-    # Once, and as its first attempt: a stop spends none.
-    assert handlers.attempts == [1]
-    assert await db.invoices.count_documents({"event": event.id}) == 1
+    # Once each, and as their first attempt: a stop spends none.
+    assert handlers.attempts == [1, 1]
+    invoices = await db.invoices.find().to_list(None)
+    assert sorted(i["event"] for i in invoices) == sorted(e.id for e in events)
