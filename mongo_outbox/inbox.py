@@ -176,15 +176,32 @@ class Inbox:
                 # A server that names no code (the mongoeco emulator) refused the definition.
                 if error.code is not None and error.code not in _INDEX_CONFLICTS:
                     raise
+                why = await self._in_the_way(_key_pattern(keys), options["name"])
                 raise ConfigurationError(
                     f"inbox {self.collection.full_name}: its index {options['name']!r} cannot be "
-                    f"created: {error.details.get('errmsg') if error.details else error} (an "
-                    "index of the same keys or name with another definition, or records of one "
-                    "message identity twice: drop or rename that index, or use another "
-                    "Inbox.collection)",
+                    f"created: {why} ({error.details.get('errmsg') if error.details else error})",
                     setting="Inbox.collection",
                 ) from error
         self._indexed = True
+
+    async def _in_the_way(self, keys: list[tuple[str, Any]], name: str) -> str:
+        """What keeps index ``name`` on ``keys`` from being created: the index of those keys or
+        that name with another definition, by its name, or records that break uniqueness."""
+        try:
+            standing = await self.collection.index_information()
+        except PyMongoError:  # only the message suffers: say what it could be
+            standing = {}
+        for other, spec in standing.items():
+            if other == name or _key_pattern(spec.get("key", [])) == keys:
+                return (
+                    f"the index {other!r} ({_shown(spec)}) stands in its way: drop it, or use "
+                    "another Inbox.collection"
+                )
+        return (
+            "records of one message identity twice, or an index of the same keys or name with "
+            "another definition: remove the duplicates or that index, or use another "
+            "Inbox.collection"
+        )
 
     async def uses_transactions(self) -> bool:
         """Whether guarded handlers run in transactions (asks the server once if not told)."""
@@ -247,6 +264,29 @@ class Inbox:
 
     def _store(self) -> InboxStore:
         return InboxStore(self)
+
+
+def _key_pattern(keys: Any) -> list[tuple[str, Any]]:
+    """An index's keys as ``[(field, direction)]``, as create_index and index_information give
+    them (a field name alone, a float direction from some servers)."""
+    if isinstance(keys, str):
+        return [(keys, 1)]
+    return [
+        (field, int(direction) if isinstance(direction, float) else direction)
+        for field, direction in keys
+    ]
+
+
+def _shown(spec: dict[str, Any]) -> str:
+    """An index's definition, as an operator would recognize it."""
+    shown = ", ".join(
+        field if direction == 1 else f"{field} {direction}"
+        for field, direction in _key_pattern(spec.get("key", []))
+    )
+    for option in ("unique", "expireAfterSeconds", "partialFilterExpression", "sparse"):
+        if spec.get(option) not in (None, False):
+            shown += f", {option} {spec[option]}"
+    return f"on {shown}"
 
 
 def _aware(at: datetime | None) -> datetime | None:

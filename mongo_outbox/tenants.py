@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -53,6 +54,17 @@ def for_database(database: str) -> Iterator[None]:
 async def _run_for(database: str, relay: Relay) -> None:
     with for_database(database):
         await relay.run()
+
+
+_owners: dict[int, weakref.ref[TenantRelays]] = {}
+"""The ``TenantRelays`` each relay belongs to, by the relay's ``id``: an owner holds its relays,
+so no other object takes that ``id`` while the owner lives, and its entries go with it."""
+
+
+def _release(relays: list[int], owner: weakref.ref[TenantRelays]) -> None:
+    for key in relays:
+        if _owners.get(key) is owner:
+            del _owners[key]
 
 
 @runtime_checkable
@@ -96,17 +108,24 @@ class TenantRelays:
             self.relays[database] = relay
         if not self.relays:
             raise UsageError("TenantRelays needs at least one relay")
+        # Every relay checked before any is taken: a refused TenantRelays leaves its relays free.
+        for relay in self.relays.values():
+            owner = _owners.get(id(relay))
+            if owner is not None and owner() is not None:
+                # Running here too would stop it there (or be refused) and leave its database
+                # unrelayed under a healthy state. The library's relays and your own alike.
+                raise UsageError(
+                    f"the relay {relay.name!r} of database {relay.outbox.db.name!r} belongs "
+                    "to another TenantRelays: give each TenantRelays relays of its own"
+                )
+        mine = weakref.ref(self)
+        for relay in self.relays.values():
+            _owners[id(relay)] = mine
+        weakref.finalize(self, _release, [id(relay) for relay in self.relays.values()], mine)
         self.turns = Turns()
         """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
         for relay in self.relays.values():
             if isinstance(relay, _TakesTurns):
-                if relay.turns is not None:
-                    # Another TenantRelays has it: running here too would stop it there (or
-                    # be refused) and leave its database unrelayed under a healthy state.
-                    raise UsageError(
-                        f"the relay {relay.name!r} of database {relay.outbox.db.name!r} belongs "
-                        "to another TenantRelays: give each TenantRelays relays of its own"
-                    )
                 relay.turns = self.turns
         self._stopping = False
         self._running = False
@@ -144,7 +163,8 @@ class TenantRelays:
                     self._stopping = True
                     for task in pending:
                         self.relays[tasks[task]].stop()
-                    await asyncio.wait(pending)
+                    if pending:  # none when the last one running failed
+                        await asyncio.wait(pending)
                     raise failed[0].exception()  # type: ignore[misc]
                 if not self._stopping:
                     # A relay returns only when stopped: someone stopped it directly.

@@ -7,6 +7,7 @@ records are written through ``InboxStore``; this module decides what becomes of 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -104,6 +105,33 @@ class Attempts:
                 return Result(Outcome.RETRY, 0, self.backoff.delay(1), "record vanished")
             # Another delivery holds it: come back when its lease ends.
             return Result(Outcome.RETRY, claim.attempts, claim.wait, "in progress")
+        try:
+            return await self._claimed(event, identity, claim, last)
+        except asyncio.CancelledError:
+            # A stop (the guard lets no other cancellation through): the consumer gives the
+            # message back to the broker, and the claim goes with it, its attempt unspent. Kept,
+            # it made the next delivery wait out the rest of the processing lease.
+            await self._let_go(claim)
+            raise
+
+    async def _let_go(self, claim: MessageClaim) -> None:
+        # Shielded: a second cancellation stops the wait, not the write. Bounded: a stop does
+        # not wait on an unreachable MongoDB (the claim then runs out, as after a crash).
+        write = asyncio.ensure_future(self.store.let_go(claim))
+        write.add_done_callback(_retrieved)
+        try:
+            await asyncio.wait_for(asyncio.shield(write), _LET_GO_WAIT)
+        except (asyncio.TimeoutError, asyncio.CancelledError, PyMongoError) as error:
+            log.warning(
+                "stopped while handling %s, its claim could not be let go (%s): the next "
+                "delivery waits until it runs out (Inbox.processing_lease)",
+                claim.identity["message_id"],
+                describe(error),
+            )
+
+    async def _claimed(
+        self, event: Event, identity: Identity, claim: MessageClaim, last: bool
+    ) -> Result:
         if claim.verdict is not None or claim.attempt > self.max_attempts:
             # The handler is done with this message (its dead letter failed, or a crash
             # followed its last attempt): do not run it again.
@@ -210,6 +238,16 @@ class Attempts:
             status,
             self.store.inbox.processing_lease,
         )
+
+
+_LET_GO_WAIT = 2.0
+"""Seconds a stopped leased attempt waits for its claim to be let go."""
+
+
+def _retrieved(write: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a write no one may await any more (``_let_go``)."""
+    if not write.cancelled():
+        write.exception()
 
 
 class _Duplicate(Exception):

@@ -178,6 +178,20 @@ class InboxStore:
         )
         return bool(result.matched_count)
 
+    async def let_go(self, claim: MessageClaim) -> bool:
+        """Give the claim up without spending its attempt: its handler was stopped (cancelled),
+        not failed, so the next delivery claims the message at once, as the attempt it was.
+        ``False`` if the claim was taken over or settled meanwhile."""
+        result = await self.coll.update_one(
+            {**claim.identity, "token": claim.token},
+            {
+                "$set": {"status": "retrying"},
+                "$inc": {"attempts": -1},
+                "$unset": {"token": "", "lease_until": ""},
+            },
+        )
+        return bool(result.matched_count)
+
     # Dead letters.
 
     def _failed(self, message_ids: Sequence[str] | None, event_type: str | None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -12,11 +13,12 @@ import aio_pika
 import nats.js.errors
 import pytest
 from nats.js.api import ConsumerConfig
+from redis.asyncio import Redis
 
 from mongo_outbox import Backoff, Event, Inbox, inbox_guard
 from mongo_outbox.brokers.nats.consumer import _Delivery
-from mongo_outbox.consumers import consume_nats, consume_rabbitmq
-from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
+from mongo_outbox.consumers import consume_nats, consume_rabbitmq, consume_redis
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, RedisStreamsPublisher
 from tests.support.billing import (
     concurrency,
     guarded_billing,
@@ -25,7 +27,7 @@ from tests.support.billing import (
     wait_for_invoices,
 )
 from tests.support.brokers import FaultyGate
-from tests.support.servers import NATS_URL, RABBITMQ_URL
+from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from tests.support.waiting import until
 
 
@@ -334,34 +336,61 @@ async def test_a_nats_keep_alive_after_a_retry_s_nak_does_not_put_the_redelivery
         await subscription.unsubscribe()
 
 
+@pytest.mark.parametrize("broker", ["nats", "rabbitmq", "redis"])
 async def test_a_consumer_whose_inbox_cannot_be_indexed_stops_and_says_why(
-    db: Any, nats_client: Any, nats_stream: str
+    db: Any, nats_client: Any, nats_stream: str, amqp_connection: Any, unique: str, broker: str
 ) -> None:
     # A configuration error no retry fixes: the consumer does not start, and no message is
     # delivered meanwhile (a supervisor restarting it would use up their deliveries), instead
-    # of every delivery failing as "inbox unavailable" for ever.
+    # of every delivery failing as "inbox unavailable" for ever. The error names the index in
+    # the way, which the emulator's own message does not.
     from mongo_outbox import ConfigurationError
 
     await db.inbox.create_index("expire_at", expireAfterSeconds=3600, name="my_ttl")
     event = Event(type="order.placed")
-    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
-    await publisher.publish(event)
-    await publisher.aclose()
     runs: list[str] = []
 
     @inbox_guard(Inbox(db, consumer="c", transactional=False))
     async def handler(event: Event, session: Any) -> None:
         runs.append(event.id)
 
-    js = nats_client.jetstream()
-    consumer = consume_nats(js, f"{nats_stream}.>", "c", handler, stream=nats_stream)
-    with pytest.raises(ConfigurationError, match="its index 'ttl' cannot be created"):
-        await asyncio.wait_for(consumer, 10)
+    said = "its index 'ttl' cannot be created: the index 'my_ttl' (on expire_at, expireAfterSeconds"
+    if broker == "nats":
+        publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+        await publisher.publish(event)
+        await publisher.aclose()
+        js = nats_client.jetstream()
+        consumer = consume_nats(js, f"{nats_stream}.>", "c", handler, stream=nats_stream)
+        with pytest.raises(ConfigurationError, match=re.escape(said)):
+            await asyncio.wait_for(consumer, 10)
+        # It never subscribed: the message waits in the stream, delivered to no one.
+        assert (await js.stream_info(nats_stream)).state.messages == 1
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await js.consumer_info(nats_stream, "c")
+    elif broker == "rabbitmq":
+        channel = await amqp_connection.channel()
+        queue = await channel.declare_queue(unique, auto_delete=False)
+        try:
+            message = aio_pika.Message(event.model_dump_json().encode(), message_id=event.id)
+            await channel.default_exchange.publish(message, routing_key=unique)
+            with pytest.raises(ConfigurationError, match=re.escape(said)):
+                await asyncio.wait_for(consume_rabbitmq(queue, handler), 10)
+            waiting = await queue.get(timeout=5)  # never consumed: still there
+            assert waiting.message_id == event.id
+            await waiting.ack()
+        finally:
+            await queue.delete(if_unused=False, if_empty=False)
+    else:
+        client = Redis.from_url(REDIS_URL)
+        try:
+            await RedisStreamsPublisher(client, stream=unique).publish(event)
+            with pytest.raises(ConfigurationError, match=re.escape(said)):
+                await asyncio.wait_for(consume_redis(client, unique, "c", handler), 10)
+            assert await client.xinfo_groups(unique) == []  # it never read
+        finally:
+            await client.delete(unique)
+            await client.aclose()
     assert runs == []
-    # It never subscribed: the message waits in the stream, delivered to no one.
-    assert (await js.stream_info(nats_stream)).state.messages == 1
-    with pytest.raises(nats.js.errors.NotFoundError):
-        await js.consumer_info(nats_stream, "c")
 
 
 @pytest.mark.parametrize("how", ["refused", "hanging"])

@@ -304,32 +304,36 @@ async def test_unreachable_inbox_means_retry_not_a_crash_or_a_dead_letter(
 
 
 async def test_leased_claim_of_a_crashed_handler_is_retried_after_the_lease(db: Any) -> None:
-    inbox = Inbox(db, consumer="mailer", transactional=False, processing_lease=0.5)
-    await inbox.ensure_indexes()
+    def mailer() -> Inbox:
+        return Inbox(db, consumer="mailer", transactional=False, processing_lease=0.5)
+
     attempts: list[int] = []
     started = asyncio.Event()
 
-    @inbox_guard(inbox)
     async def send_mail(event: Event, session: Any, *, attempt: int) -> None:
         attempts.append(attempt)
         if attempt == 1:
             started.set()
             await asyncio.Event().wait()  # until the process dies inside the handler
 
+    # Two processes: the first never comes back from its handler (a crash: nothing after it
+    # runs, where a cancellation is a stop that lets the claim go).
+    crashed, alive = inbox_guard(mailer())(send_mail), inbox_guard(mailer())(send_mail)
     event = order_event()
-    dying = asyncio.create_task(send_mail(event))
+    dying = asyncio.create_task(crashed(event))
     await started.wait()
-    dying.cancel()  # as a crash: nothing after it runs
-    with pytest.raises(asyncio.CancelledError):
-        await dying
     # The ghost: a record in "processing" that nobody will finish.
     assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "processing"
     with pytest.raises(RetryLater) as caught:  # a redelivery while the lease holds waits
-        await send_mail(event)
+        await alive(event)
     assert 0 < caught.value.delay <= 0.5
     await asyncio.sleep(caught.value.delay + 0.05)
-    assert await send_mail(event) is True
+    assert await alive(event) is True
     assert attempts == [1, 2]
+    assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "done"
+    dying.cancel()  # its claim was taken over: letting it go now changes nothing
+    with pytest.raises(asyncio.CancelledError):
+        await dying
     assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "done"
 
 
@@ -458,14 +462,20 @@ async def test_a_handler_s_own_base_exception_is_a_counted_failure(
     assert record["attempts"] == 2
 
 
-async def test_a_handler_cancelled_by_a_stop_spends_no_attempt(db: Any) -> None:
-    inbox = Inbox(db, consumer="billing", transactional=True)
+@pytest.mark.parametrize("transactional", MODES)
+async def test_a_handler_cancelled_by_a_stop_spends_no_attempt(
+    db: Any, transactional: bool
+) -> None:
+    inbox = Inbox(db, consumer="billing", transactional=transactional)
     started = asyncio.Event()
+    attempts: list[int] = []
 
     @inbox_guard(inbox, backoff=FAST)
-    async def handler(event: Event, session: Any) -> None:
-        started.set()
-        await asyncio.Event().wait()
+    async def handler(event: Event, session: Any, *, attempt: int) -> None:
+        attempts.append(attempt)
+        if len(attempts) == 1:
+            started.set()
+            await asyncio.Event().wait()
 
     event = order_event()
     task = asyncio.create_task(handler.handle(event))
@@ -473,7 +483,17 @@ async def test_a_handler_cancelled_by_a_stop_spends_no_attempt(db: Any) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await db.inbox.find_one({"message_id": event.id}) is None  # rolled back, no attempt
+    record = await db.inbox.find_one({"message_id": event.id})
+    if transactional:
+        assert record is None  # rolled back, no attempt
+    else:
+        # The claim let go, its attempt unspent: it held the next delivery off for the rest
+        # of the processing lease (60 s).
+        assert (record["status"], record["attempts"], "token" in record) == ("retrying", 0, False)
+    # The next delivery runs it at once, as the first attempt it still is.
+    result = await handler.handle(event)
+    assert (result.outcome, result.attempt) == (Outcome.HANDLED, 1)
+    assert attempts == [1, 1]
 
 
 @pytest.mark.parametrize("transactional", MODES)

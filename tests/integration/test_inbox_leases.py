@@ -124,7 +124,6 @@ async def test_a_failing_dead_letter_releases_the_message_and_never_reruns_the_h
 
 
 async def test_a_crash_in_the_last_attempt_is_dead_lettered_without_another_run(db: Any) -> None:
-    inbox = Inbox(db, consumer="mailer", transactional=False, processing_lease=0.3)
     attempts: list[int] = []
     dead: list[str] = []
 
@@ -133,21 +132,24 @@ async def test_a_crash_in_the_last_attempt_is_dead_lettered_without_another_run(
 
     started = asyncio.Event()
 
-    @inbox_guard(inbox, max_attempts=2, backoff=FAST, dead_letter=dead_letter)
-    async def send_mail(event: Event, session: Any, *, attempt: int) -> None:
+    async def mail(event: Event, session: Any, *, attempt: int) -> None:
         attempts.append(attempt)
         if attempt == 2:
             started.set()
             await asyncio.Event().wait()  # until the process dies inside its last attempt
         raise ConnectionError("SMTP timed out")
 
+    def guarded() -> Any:
+        inbox = Inbox(db, consumer="mailer", transactional=False, processing_lease=0.3)
+        return inbox_guard(inbox, max_attempts=2, backoff=FAST, dead_letter=dead_letter)(mail)
+
+    # Two processes: the first never comes back from its last attempt (a crash: nothing after
+    # it runs, where a cancellation is a stop that lets the claim go).
+    crashed, send_mail = guarded(), guarded()
     event = order_event()
-    assert (await send_mail.handle(event)).outcome is Outcome.RETRY
-    dying = asyncio.create_task(send_mail.handle(event))
+    assert (await crashed.handle(event)).outcome is Outcome.RETRY
+    dying = asyncio.create_task(crashed.handle(event))
     await started.wait()
-    dying.cancel()  # as a crash: nothing after it runs
-    with pytest.raises(asyncio.CancelledError):
-        await dying
     for _ in range(100):
         result = await send_mail.handle(event)
         if result.error != "in progress":
@@ -156,6 +158,10 @@ async def test_a_crash_in_the_last_attempt_is_dead_lettered_without_another_run(
     assert (result.outcome, result.attempt) == (Outcome.DEAD_LETTERED, 2)
     assert attempts == [1, 2]
     assert dead == ["gave up after 2; last error recorded: ConnectionError: SMTP timed out"]
+    dying.cancel()  # its claim was taken over: letting it go now changes nothing
+    with pytest.raises(asyncio.CancelledError):
+        await dying
+    assert (await db.inbox.find_one({"message_id": event.id}))["status"] == "failed"
 
 
 @pytest.mark.parametrize("transactional", MODES)

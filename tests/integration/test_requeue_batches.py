@@ -13,7 +13,7 @@ import bson
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
-from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox import Event, InvalidEventError, Outbox, PollingRelay
 from mongo_outbox._relay.store import base as store_base
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import ParkedKey
@@ -211,3 +211,35 @@ async def test_entries_of_odd_ids_are_chosen_listed_and_requeued_without_a_crash
     assert [e["_id"] for e in await store.parked([{"a": 1}])] == [{"a": 1}]
     # The two with an id come back; the two without one cannot be named (fixed by hand).
     assert await store.requeue([key.id for key in keys]) == 2
+
+
+async def test_a_requeue_of_aggregates_with_long_ids_sends_each_command_under_16_mib(
+    db: Any, mongo: MongoServer
+) -> None:
+    # A batch was bounded by its count of ids alone, and each asked-for entry's aggregate goes
+    # into the command that brings its earlier parked entries back: 1,000 aggregates of 16 KB
+    # ids made one command over 16 MiB (PyMongo's DocumentTooLarge), and nothing was requeued.
+    # Here fewer aggregates, with longer ids: the same 19 MB.
+    outbox = make_outbox(db, "collection")
+    await outbox.ensure_indexes()
+    long_ids = [f"{n:03}" + "x" * 160_000 for n in range(120)]
+    saved: list[Event] = []
+    for aggregate in long_ids:
+        result = await outbox.save_with_events(
+            None, db.orders, {"_id": aggregate}, [Event(type="noted")]
+        )
+        saved += result.events
+    relay = PollingRelay(outbox, MemoryPublisher(fail=lambda e: InvalidEventError("no")))
+    assert await relay.drain() == 0
+    assert len(await relay.parked()) == len(saved)
+    listener = Commands()
+    watched: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, tz_aware=True, event_listeners=[listener]
+    )
+    try:
+        watching = PollingRelay(make_outbox(watched[db.name]), MemoryPublisher())
+        assert await watching.requeue([e.id for e in saved]) == len(saved)
+    finally:
+        await watched.close()
+    assert max(len(command) for command in listener.sent) < 16 * 1024 * 1024
+    await drained_in_order(outbox, saved)

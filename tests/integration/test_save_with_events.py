@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from math import nan
 from typing import Any
 
 import pytest
@@ -151,6 +152,17 @@ async def test_bad_input_raises_before_anything_is_written(
         (InvalidAggregateError, {"expected_version": -1}),
         (InvalidAggregateError, {"session": other_session}),
         (InvalidAggregateError, {"collection": client["elsewhere"].orders}),
+        # Events made without validation: stored, each was parked later, and one without a
+        # type raised a bare KeyError.
+        (InvalidEventError, {"events": [Event.model_construct(payload={})]}),
+        (InvalidEventError, {"events": [Event.model_construct(type="x", payload={"a": nan})]}),
+        (InvalidEventError, {"events": [Event.model_construct(type="x", id=5)]}),
+        # The outbox's own collections and MongoDB's: a document saved into outbox_config made
+        # every later Outbox() raise.
+        *[
+            (InvalidAggregateError, {"collection": db[name], "document": {"_id": "partitions"}})
+            for name in ("outbox", "outbox_config", "outbox_event_ids", "system.views")
+        ],
     ]
     if mode == "embedded":  # the relay scans only the collections it was given
         cases.append((InvalidAggregateError, {"collection": db.other}))
@@ -173,6 +185,7 @@ async def test_bad_input_raises_before_anything_is_written(
     await other_session.end_session()
     await other.close()
     assert (await db.orders.find().to_list(None), await stored_events(outbox, db)) == before
+    await make_outbox(db, mode).ensure_indexes()  # the partition record is the outbox's own
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -129,9 +129,10 @@ async def test_a_relay_of_another_tenant_relays_or_a_second_run_is_refused(
     # Shared, or run twice at once, one TenantRelays stopped the other's relay and left its
     # database unrelayed while the first reported itself active.
     shared = PollingRelay(Outbox(offline.shop), MemoryPublisher())
-    TenantRelays([shared])
+    first = TenantRelays([shared])
     with pytest.raises(UsageError, match="belongs to another TenantRelays"):
         TenantRelays([PollingRelay(Outbox(offline.billing), MemoryPublisher()), shared])
+    assert shared.turns is first.turns
     mine = [HandmadeRelay(Outbox(offline[db]), f"mine-{db}") for db in ("shop", "billing")]
     tenants = TenantRelays(mine)
     task = asyncio.ensure_future(tenants.run())
@@ -173,3 +174,63 @@ async def test_a_tenant_relays_run_again_after_a_failure_runs_every_relay(
     assert tenants.state == "active"
     tenants.stop()
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_relay_of_ones_own_given_to_two_tenant_relays_is_refused_at_build(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    # Only the library's relays (which take turns) were checked: a hand-made one went into both,
+    # and the second's run stopped it inside the first, whose database was left unrelayed.
+    shared = HandmadeRelay(Outbox(offline.shop), "shared")
+    free = HandmadeRelay(Outbox(offline.billing), "free")
+    first = TenantRelays([shared])
+    with pytest.raises(UsageError, match="'shared' of database 'shop' belongs to another"):
+        TenantRelays([free, shared])
+    # The refused one took nothing: its other relay is free for a TenantRelays of its own.
+    second = TenantRelays([free])
+    assert first.relays == {"shop": shared} and second.relays == {"billing": free}
+    del first  # gone, it no longer holds its relay
+    assert TenantRelays([shared]).relays == {"shop": shared}
+
+
+class Fails(HandmadeRelay):
+    """Fails as soon as it runs."""
+
+    async def run(self) -> None:
+        self.state = "failed"
+        raise RuntimeError(f"{self.name} broke")
+
+
+async def test_when_the_last_relay_running_fails_run_raises_its_error(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    # With none left to stop, run() raised ValueError("Set of Tasks/Futures is empty") from
+    # asyncio.wait instead of the relay's failure.
+    alone = TenantRelays([Fails(Outbox(offline.shop), "shop")])
+    with pytest.raises(RuntimeError, match="shop broke"):
+        await asyncio.wait_for(alone.run(), 5)
+    # The other one stopped on its own before: the failing one is again the last running.
+    stopped = HandmadeRelay(Outbox(offline.shop), "stopped")
+    failing = BlockedThenFails(Outbox(offline.billing), "billing")
+    tenants = TenantRelays([stopped, failing])
+    task = asyncio.ensure_future(tenants.run())
+    await asyncio.wait_for(stopped.running.wait(), 5)
+    stopped.stop()
+    await asyncio.sleep(0.05)  # its task ends; the other goes on
+    failing.fail.set()
+    with pytest.raises(RuntimeError, match="billing broke"):
+        await asyncio.wait_for(task, 5)
+
+
+class BlockedThenFails(HandmadeRelay):
+    """Runs until ``fail`` is set, then fails."""
+
+    def __init__(self, outbox: Outbox, name: str) -> None:
+        super().__init__(outbox, name)
+        self.fail = asyncio.Event()
+
+    async def run(self) -> None:
+        self.state = "active"
+        await self.fail.wait()
+        self.state = "failed"
+        raise RuntimeError(f"{self.name} broke")

@@ -25,6 +25,7 @@ from typing import Any, Literal, NamedTuple, Protocol, cast
 import bson
 from pymongo.errors import BulkWriteError
 
+from mongo_outbox._commands import chunked
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox
 
@@ -35,11 +36,12 @@ RECHECK = timedelta(seconds=1)
 a live relay is usually published within milliseconds, and a dead one's lease is long."""
 
 REQUEUE_BATCH = 1000
-"""How many event ids one requeue command names at most: a requeue of any size is a series of
-bounded commands (one command naming 130k aggregates outgrew MongoDB's 16 MiB, and requeued
-nothing). Each batch brings back the earlier parked entries of its aggregates with it, so an
-aggregate's order holds whatever batch its entries fall in, and an interrupted requeue leaves
-whole batches requeued and the rest parked, for the same requeue to pick up again."""
+"""How many event ids one requeue batch names at most (fewer when the ids are long: a batch is
+also bounded in bytes, ``_commands.chunked``): a requeue of any size is a series of bounded
+commands (one command naming 130k aggregates outgrew MongoDB's 16 MiB, and requeued nothing).
+Each batch brings back the earlier parked entries of its aggregates with it, so an aggregate's
+order holds whatever batch its entries fall in, and an interrupted requeue leaves whole batches
+requeued and the rest parked, for the same requeue to pick up again."""
 
 
 def hashable(event_id: Any) -> Hashable:
@@ -65,10 +67,15 @@ async def tolerant(write: Awaitable[Any]) -> None:
 
 
 def batches(ids: Sequence[Any], size: int | None = None) -> list[list[Any]]:
-    """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_BATCH``)."""
+    """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_BATCH``) ids and of
+    bounded bytes (``_commands.chunked``): ids of another producer may be long."""
     size = size or REQUEUE_BATCH
     unique = list({hashable(i): i for i in ids}.values())
-    return [unique[start : start + size] for start in range(0, len(unique), size)]
+    return [
+        piece
+        for start in range(0, len(unique), size)
+        for piece in chunked(unique[start : start + size])
+    ]
 
 
 class ParkedKey(NamedTuple):
@@ -187,7 +194,8 @@ class Store(Protocol):
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make these parked entries due again with no attempts counted, together with the
         earlier parked entries of their aggregates (a requeued event must not overtake them);
-        return how many. Any number of ids, in commands of ``REQUEUE_BATCH`` ids at most."""
+        return how many. Any number of ids, in batches (``batches``) of commands of bounded
+        size, whatever the length of the ids and of their aggregates' ids."""
 
     def published(
         self,

@@ -390,8 +390,20 @@ class CollectionStore:
             {"aggregate_type": t, "aggregate_id": i, "sequence": {"$lte": s}}
             for (t, i), s in latest.items()
         ]
+        # Each selector names its aggregate's id, which may be long (1,000 aggregates of 16 KB
+        # ids made one command over 16 MiB): in commands of bounded size. An aggregate's
+        # selector is whole in one of them, so its entries come back together, in order.
+        requeued = 0
+        for chosen in chunked(selectors):
+            requeued += await self._unpark({"$or": chosen})
+        # Then those no selector matched (an entry of another producer, without a sequence).
+        for ids in chunked([e["_id"] for e in asked]):
+            requeued += await self._unpark({"_id": {"$in": ids}})
+        return requeued
+
+    async def _unpark(self, chosen: dict[str, Any]) -> int:
         result = await self.coll.update_many(
-            {"status": "parked", "$or": [*selectors, {"_id": {"$in": [e["_id"] for e in asked]}}]},
+            {"status": "parked", **chosen},
             {
                 "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
                 "$unset": {"waits": "", "misses": "", "waiting": ""},

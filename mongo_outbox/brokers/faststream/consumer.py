@@ -197,13 +197,22 @@ class FastStreamHandler:
         async def retries() -> Any:
             return await self._retry_queues(message, subscriber)
 
-        return await settle(
-            _Delivery(message, self.delivery_limit, retries if self.retry_queues else None),
-            self.guarded,
-            source=self.source,
-            rejected=self.rejected,
-            stop=self.stop,
-        )
+        delivery = _Delivery(message, self.delivery_limit, retries if self.retry_queues else None)
+        try:
+            return await settle(
+                delivery,
+                self.guarded,
+                source=self.source,
+                rejected=self.rejected,
+                stop=self.stop,
+            )
+        except asyncio.CancelledError:
+            # FastStream's stop waits for running handlers; cancelled (the stop given up on, a
+            # supervisor's timeout), the handler ends here, and the broker has the message again
+            # at once, not after its ack wait, or (RabbitMQ) once the connection is gone.
+            # (Settled already, FastStream ignores this.)
+            await _given_back(delivery)
+            raise
 
     async def _retry_queues(self, message: StreamMessage[Any], subscriber: Any) -> Any:
         """The retry queues of the subscriber's RabbitMQ queue, declared on first use; None
@@ -237,6 +246,24 @@ class FastStreamHandler:
                 return None
             self._queues[name] = (work, queues)
             return queues
+
+
+_GIVE_BACK_WAIT = 2.0
+"""Seconds a cancelled handler waits for its message to be given back."""
+
+
+async def _given_back(delivery: _Delivery) -> None:
+    # Shielded: a second cancellation stops the wait, not the nack.
+    nack = asyncio.ensure_future(delivery.give_back())
+    nack.add_done_callback(lambda done: done.cancelled() or done.exception())
+    try:
+        await asyncio.wait_for(asyncio.shield(nack), _GIVE_BACK_WAIT)
+    except (asyncio.TimeoutError, asyncio.CancelledError, Exception) as error:  # noqa: BLE001
+        _log.warning(
+            "could not give message %s back after its handler was cancelled: %s",
+            delivery.message_id,
+            describe(error),
+        )
 
 
 def inbox_handler(
