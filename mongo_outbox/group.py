@@ -115,8 +115,8 @@ class RelayGroup(Lifecycle):
         self.outbox = outbox
         self.publisher = publisher
         self.settings = check_relay_settings(settings, "RelayGroup.settings")
-        check_name(checkpoints, "RelayGroup.checkpoints")
-        check_name(members, "RelayGroup.members")
+        outbox.check_relay_collection(checkpoints, "RelayGroup.checkpoints")
+        outbox.check_relay_collection(members, "RelayGroup.members")
         self.member_lease = check_timedelta(member_lease, "RelayGroup.member_lease")
         timeout = self.settings.publish_timeout
         if self.member_lease.total_seconds() < 2.5 * timeout:

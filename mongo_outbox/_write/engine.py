@@ -155,8 +155,21 @@ class WriteEngine:
         """The aggregate document's fields the outbox writes itself: its counters and, in
         embedded mode, its entries and their bookkeeping. A model's own fields never set them
         (the ODM integrations leave them out)."""
+        self._internal = internal
         self._rules = Rules(db, self.layout, self.aggregate_types, self.owned_fields, internal)
         self._documents = DocumentWriter(self.layout)
+
+    def check_relay_collection(self, name: str, setting: str) -> str:
+        """``name``, for a relay's own records (checkpoints, leases, members), unless it is one
+        of this outbox's collections, whose documents the records would overwrite."""
+        check_name(name, setting)
+        if name in self._internal or name in self.collections:
+            whose = "the outbox's own" if name in self._internal else "one of its aggregates'"
+            raise ConfigurationError(
+                f"{setting}: {name} is {whose} collection, not a place for a relay's records",
+                setting=setting,
+            )
+        return name
 
     def partition_of(self, aggregate_type: Any, aggregate_id: Any) -> int:
         """The partition of an aggregate's entries (0 when the outbox has one partition)."""

@@ -261,11 +261,19 @@ def _check_valid(event: Event) -> None:
         ) from error
 
 
+RELAYS_DEFAULT_COLLECTIONS = frozenset({"outbox_relays", "outbox_relay_members"})
+"""Where the relays keep their checkpoints and leases, and a group its members, unless told
+otherwise: an aggregate saved there would overwrite a lease or a checkpoint."""
+
+
 def reserved_collection(name: str, internal: frozenset[str]) -> str | None:
     """Whose collection ``name`` is when it is no place for aggregates: one of ``internal``
-    (the outbox's own) or MongoDB's (``system.*``); else ``None``."""
+    (the outbox's own), the relays' (by their default names) or MongoDB's (``system.*``);
+    else ``None``."""
     if name in internal:
         return "one of the outbox's own collections"
+    if name in RELAYS_DEFAULT_COLLECTIONS:
+        return "one of the relays' own collections"
     if name.startswith("system."):
         return "one of MongoDB's own collections"
     return None

@@ -116,7 +116,7 @@ class ChangeStreamRelay(Lifecycle):
                 f"(0 to {outbox.partitions - 1}), not {partition!r}",
                 setting="ChangeStreamRelay.partition",
             )
-        check_name(checkpoints, "ChangeStreamRelay.checkpoints")
+        outbox.check_relay_collection(checkpoints, "ChangeStreamRelay.checkpoints")
         self.max_wait = check_seconds(max_wait, "ChangeStreamRelay.max_wait")
         self.leader_lease = check_timedelta(leader_lease, "ChangeStreamRelay.leader_lease")
         self.sweep_interval = check_seconds(sweep_interval, "ChangeStreamRelay.sweep_interval")

@@ -150,14 +150,24 @@ def test_a_collection_or_session_of_the_wrong_kind_is_refused(shop: Any) -> None
 
 
 @pytest.mark.parametrize(
-    "name", ["outbox", "outbox_config", "outbox_event_ids", "system.views", "system.js"]
+    "name",
+    [
+        "outbox",
+        "outbox_config",
+        "outbox_event_ids",
+        "outbox_relays",
+        "outbox_relay_members",
+        "system.views",
+        "system.js",
+    ],
 )
 @pytest.mark.parametrize("mode", ["collection", "embedded"])
 def test_the_outboxs_own_collections_and_mongodbs_take_no_aggregates(
     shop: Any, name: str, mode: str
 ) -> None:
     # Written there, an aggregate would overwrite the partition record (every writer then
-    # refuses), stand in the outbox as an entry, or take an event id in the registry.
+    # refuses), stand in the outbox as an entry, take an event id in the registry, or overwrite
+    # a relay's lease and checkpoint or a group's member record.
     outbox = Outbox(shop, mode=mode, collections=["orders"] if mode == "embedded" else ())
     with pytest.raises(InvalidAggregateError, match=rf"{name} is one of .* own collections"):
         outbox.save_with_events(None, shop[name], {"_id": "partitions", "count": 2}, [])
@@ -172,6 +182,7 @@ def test_the_outboxs_own_collections_and_mongodbs_take_no_aggregates(
         (["outbox_event_ids"], "outbox_event_ids is one of the outbox's own collections"),
         (["orders", "outbox"], "outbox is one of the outbox's own collections"),
         (["system.views"], "system.views is one of MongoDB's own collections"),
+        (["outbox_relays"], "outbox_relays is one of the relays' own collections"),
         ([""], "must be a non-empty str"),
         ([None], "must be a non-empty str, not None"),
     ],
