@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
+from mongo_outbox._commands import chunked
 from mongo_outbox._driver import aggregate
 from mongo_outbox.events import Event, utc_now
 
@@ -214,22 +215,27 @@ class InboxStore:
         return list(await cursor.to_list(None))
 
     async def requeue(self, message_ids: Sequence[str] | None, event_type: str | None) -> int:
-        """Make failed records ``retrying`` afresh; return how many."""
+        """Make failed records ``retrying`` afresh; return how many. Ids go in commands of
+        bounded size: many long ids in one ``$in`` outgrew the 16 MiB a command may hold."""
         now = utc_now()
-        result = await self.coll.update_many(
-            self._failed(message_ids, event_type),
-            {
-                "$set": {
-                    "status": "retrying",
-                    "attempts": 0,
-                    "requeued_at": now,
-                    "expire_at": now + self.inbox.retention,
-                },
-                # No token: whoever claimed it before can no longer write to it.
-                "$unset": {"token": "", "lease_until": "", "verdict": ""},
+        update = {
+            "$set": {
+                "status": "retrying",
+                "attempts": 0,
+                "requeued_at": now,
+                "expire_at": now + self.inbox.retention,
             },
-        )
-        return int(result.modified_count)
+            # No token: whoever claimed it before can no longer write to it.
+            "$unset": {"token": "", "lease_until": "", "verdict": ""},
+        }
+        if message_ids is None:
+            result = await self.coll.update_many(self._failed(None, event_type), update)
+            return int(result.modified_count)
+        requeued = 0
+        for chunk in chunked(list(message_ids)):
+            result = await self.coll.update_many(self._failed(chunk, event_type), update)
+            requeued += result.modified_count
+        return requeued
 
     # Transactional mode.
 

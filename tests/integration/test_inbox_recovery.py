@@ -200,3 +200,15 @@ async def test_requeue_and_failed_refuse_what_they_cannot_mean(db: Any) -> None:
     with pytest.raises(ConfigurationError):
         await inbox.failed(limit=0)
     assert await inbox.requeue([]) == 0
+
+
+async def test_a_requeue_of_many_long_ids_goes_out_in_commands_under_16_mib(db: Any) -> None:
+    # All the ids went into one `$in`: 120 ids of 160 KB made a command over 16 MiB, which
+    # PyMongo refused (DocumentTooLarge) before sending, and nothing was requeued.
+    # (Message ids of any source: longer than an Event's own may be.)
+    events = [Event(type="order.placed") for _ in range(2)]
+    await poison(db, "billing", *events)
+    inbox = Inbox(db, consumer="billing")
+    asked = [f"{n:03}" + "x" * 160_000 for n in range(120)] + [e.id for e in events]
+    assert await inbox.requeue(asked) == 2
+    assert await inbox.failed() == []
