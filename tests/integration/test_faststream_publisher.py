@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,6 +72,26 @@ async def test_rabbitmq_messages_carry_the_event_id_and_headers(
         assert message.headers["aggregate-id"] == event.aggregate_id
         assert message.headers["tenant"] == "acme"
         assert message.routing_key == "order.placed"
+
+
+async def test_rabbitmq_an_event_from_before_1970_goes_out_without_an_amqp_timestamp(
+    channel: Any, unique: str
+) -> None:
+    # AMQP's timestamp is unsigned: pamqp raised struct.error for it, so the event failed
+    # every attempt and was parked (a backfilled history of old events, all of them).
+    queue = await bind_queue(channel, unique)
+    landing = datetime(1969, 7, 20, 20, 17, 40, tzinfo=timezone.utc)
+    old, new = Event(type="moon.landed", occurred_at=landing), Event(type="moon.landed")
+    async with RabbitBroker(RABBITMQ_URL) as broker:
+        publisher = FastStreamPublisher(broker, "{type}", exchange=unique)
+        await publisher.publish(old)
+        await publisher.publish(new)
+    by_id = {m.message_id: m for m in await drain_queue(queue, 2)}
+    # FastStream stamps a message given no timestamp with the time it sends it; the body
+    # says when the event occurred.
+    assert by_id[old.id].timestamp is not None and by_id[old.id].timestamp.year > 2000
+    assert Event.from_json(by_id[old.id].body).occurred_at == landing
+    assert by_id[new.id].timestamp == new.occurred_at.replace(microsecond=0)
 
 
 async def test_rabbitmq_unroutable_message_is_an_outage_of_its_destination(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from mongo_outbox.brokers import BROKERS
@@ -51,6 +52,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 log = logging.getLogger(__name__)
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 _KINDS = {
     "faststream.rabbit": "RabbitMQ",
@@ -142,7 +145,9 @@ class FastStreamPublisher:
                 message_id=event.id,
                 content_type="application/json",
                 message_type=event.type,
-                timestamp=event.occurred_at,
+                # AMQP's timestamp is unsigned (pamqp fails on an earlier one); the body
+                # carries occurred_at whole anyway.
+                timestamp=event.occurred_at if event.occurred_at >= _EPOCH else None,
                 persist=True,
                 mandatory=True,
                 timeout=self.timeout,
