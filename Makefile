@@ -17,15 +17,21 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# The suite runs on WORKERS processes (pytest-xdist), each with its own emulator: it mostly
+# waits (leases, timeouts, brokers), and one process used a little over half a core. The broker
+# tests stay together on one worker (tests/conftest.py); WORKERS=0 runs everything in one.
+WORKERS ?= 2
+PARALLEL = -n $(WORKERS) --dist loadgroup
+
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The fast tier a developer runs every few minutes (docs/testing.md, "Tiers"): the unit tests and
 # the tests against the emulator alone, without brokers, crash subprocesses, randomized model
 # checks or the tests that wait seconds by design. One emulator serves the run, as in `make test`.
 FAST ?= not broker and not crash and not model and not slow
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -m '$(FAST)' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) -m '$(FAST)' $(PYTEST_ARGS)
 
 # The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv. The tests
 # of the emulator itself (`testground`: its transactions, MongoDB's spec tests) run once, in `make
@@ -37,13 +43,13 @@ OLDEST_VENV := .venv-oldest
 $(OLDEST_VENV)/bin/.installed: pyproject.toml
 	@test -n "$(OLDEST)" || { echo "error: Python 3.10 not found (set OLDEST=...)" >&2; exit 1; }
 	test -x $(OLDEST_VENV)/bin/python || $(OLDEST) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,console,otel,prometheus,faststream,testing,beanie,mongoengine,odmantic]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout hypothesis motor pyyaml blinker httpx playwright \
+	$(OLDEST_VENV)/bin/pip install -q -e '.[rabbitmq,nats,redis,cli,console,otel,prometheus,faststream,testing,beanie,mongoengine,odmantic]' 'faststream[rabbit,nats,redis,kafka]' pytest pytest-asyncio pytest-timeout pytest-xdist hypothesis motor pyyaml blinker httpx playwright \
 		opentelemetry-sdk 'opentelemetry-test-utils>=0.41b0'
 	touch $@
 
 test-oldest: $(BIN)/.installed $(OLDEST_VENV)/bin/.installed
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) RELAY_MODEL_EXAMPLES=$(OLDEST_MODEL_EXAMPLES) \
-		$(OLDEST_VENV)/bin/python -m pytest -m 'not testground' $(PYTEST_ARGS)
+		$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) -m 'not testground' $(PYTEST_ARGS)
 
 # The whole suite under coverage.py, for the line-coverage figure of mongo_outbox (in-process only).
 coverage: $(BIN)/.installed

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, MongoClient
 
+from tests.conformance import report as conformance_report
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer, start_mongo
 
@@ -84,6 +85,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif module is not None and path not in checked:
             checked.add(path)
             _check_crash_marks(path, module)
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item, path)))
+
+
+def _worker_group(item: pytest.Item, path: Path) -> str:
+    """Which tests run one after another on one worker of `pytest -n` (`--dist loadgroup`):
+    the broker tests all together, as in a run without workers, since the leg's brokers are
+    shared and a test may use a default name (an exchange, a stream) another also uses; every
+    other test with the rest of its module. Each worker has its own emulator."""
+    if item.get_closest_marker("broker") is not None:
+        return "brokers"
+    return str(path.relative_to(TESTS))
 
 
 def _names_a_broker_url(item: pytest.Item, path: Path, fixtures: set[str]) -> bool:
@@ -138,8 +150,16 @@ def _check_crash_marks(path: Path, module: Any) -> None:
         )
 
 
+def _controller(config: pytest.Config) -> bool:
+    """Whether this process hands the tests to workers (`pytest -n N`) rather than runs them."""
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global MONGO
+    # The conformance report is summed up where the run's reports all arrive: in the
+    # controller of a run with workers, which never collects tests/conformance itself.
+    config.pluginmanager.register(conformance_report, "conformance_report")
     if sys.version_info < (3, 11):
         # Seen only on 3.10, in the RabbitMQ outage tests (a gate refuses, hangs or drops the
         # connection): aiormq leaves the transport of a connection attempt that failed or was
@@ -152,7 +172,8 @@ def pytest_configure(config: pytest.Config) -> None:
             ":pytest.PytestUnraisableExceptionWarning",
         ):
             config.addinivalue_line("filterwarnings", line)
-    MONGO = start_mongo()
+    if not _controller(config):
+        MONGO = start_mongo()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -161,11 +182,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    assert MONGO is not None
-    return [
-        f"mongodb: {MONGO.description}",
-        f"rabbitmq: {RABBITMQ_URL}  nats: {NATS_URL}",
-    ]
+    mongodb = MONGO.description if MONGO is not None else "one per worker"
+    return [f"mongodb: {mongodb}", f"rabbitmq: {RABBITMQ_URL}  nats: {NATS_URL}"]
 
 
 @pytest.fixture(scope="session")

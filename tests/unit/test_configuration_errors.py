@@ -169,10 +169,16 @@ ASYNC_CASES: list[tuple[str, Build, list[Any]]] = [
 
 def _cases(cases: list[tuple[str, Build, list[Any]]]) -> list[Any]:
     return [
-        pytest.param(setting, build, value, id=f"{setting}={value!r}")
+        pytest.param(setting, build, value, id=f"{setting}={_shown(value)}")
         for setting, build, values in cases
         for value in values
     ]
+
+
+def _shown(value: Any) -> str:
+    """The value in a test's id: the same in every process (a worker of `pytest -n` must
+    collect the same ids), so no address of an object."""
+    return repr(value) if type(value).__repr__ is not object.__repr__ else type(value).__name__
 
 
 def assert_names(raised: pytest.ExceptionInfo[ConfigurationError], setting: str) -> None:

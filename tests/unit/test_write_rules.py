@@ -260,8 +260,12 @@ def test_an_event_stamped_for_another_aggregate_is_refused(shop: Any) -> None:
 @pytest.mark.parametrize(
     ("doc_id", "why"),
     [
-        (str(ObjectId()), "spelled like an ObjectId"),
-        (str(uuid.uuid4()), "spelled like an ObjectId or UUID"),
+        # Fixed values: every worker of `pytest -n` must collect the same test ids.
+        (str(ObjectId("6b0bbae40ac062a529543b07")), "spelled like an ObjectId"),
+        (
+            str(uuid.UUID("1638ac26-6010-48a5-bb14-a8a69376c18f")),
+            "spelled like an ObjectId or UUID",
+        ),
         (2**63, "does not fit in a 64-bit integer"),
         (1.5, "type float is not supported"),
     ],

@@ -1,7 +1,8 @@
 """The conformance report: how many spec tests passed, and each one not run with its reason.
 
-Printed at the end of any run that includes ``tests/conformance``; ``CONFORMANCE_REPORT=path``
-also writes it to that file. Skips are grouped per spec file when every test of a file was
+Printed at the end of any run that includes ``tests/conformance`` (by the controller of a run on
+workers, ``pytest -n``, from the reports and notes they send it; tests/conftest.py registers this
+module); ``CONFORMANCE_REPORT=path`` also writes it to that file. Skips are grouped per spec file when every test of a file was
 skipped for the same reason.
 """
 
@@ -66,6 +67,18 @@ def report_lines() -> list[str]:
         if entries:
             lines += [f"{title}:", *entries]
     return lines
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A worker of `pytest -n` hands its notes to the controller, which prints the report.
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["conformance_notes"] = sorted(NOTES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    NOTES.update(getattr(node, "workeroutput", {}).get("conformance_notes", ()))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
