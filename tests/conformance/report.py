@@ -2,8 +2,8 @@
 
 Printed at the end of any run that includes ``tests/conformance`` (by the controller of a run on
 workers, ``pytest -n``, from the reports and notes they send it; tests/conftest.py registers this
-module); ``CONFORMANCE_REPORT=path`` also writes it to that file. Skips are grouped per spec file when every test of a file was
-skipped for the same reason.
+module); ``CONFORMANCE_REPORT=path`` also writes it to that file. Skips are grouped per spec
+file when every test of a file was skipped for the same reason.
 """
 
 from __future__ import annotations
