@@ -59,6 +59,7 @@ class FakeChannel:
 
     number = 1
     is_closed = False
+    closing_begun = False
     window: Any = None
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -126,7 +127,7 @@ class WindowModel(RuleBasedStateMachine):
     def send_a_wave(self, messages: list[tuple[str, bytes, str]]) -> None:
         keys = [(key, body) for key, body, _ in messages]
         frames = [b"frame"] * len(keys)
-        wave = self.loop.run_until_complete(self.window.send(frames, keys, timeout=1))
+        wave = self.loop.run_until_complete(self.window.send(frames, keys))
         tags = list(range(wave.first, wave.first + len(keys)))
         assert not set(tags) & set(self.fate), "a tag was given twice"
         for tag, (key, body, fate) in zip(tags, messages, strict=True):
@@ -251,8 +252,26 @@ async def test_a_return_that_matches_no_message_sent_is_logged(
     # RabbitMQ returns a message before its confirm, as published: one left over once every
     # message is confirmed means that rule broke, and its message may be reported published.
     window = ConfirmWindow(FakeChannel(asyncio.get_running_loop()), FakeConnection())  # type: ignore[arg-type]
-    wave = await window.send([b"frame"], [("kept", b"a")], timeout=1)
+    wave = await window.send([b"frame"], [("kept", b"a")])
     window.returned(returned_message("kept", b"not what was sent"))
     window.confirmed(spec.Basic.Ack(delivery_tag=wave.first, multiple=False))
     assert wave.outcome(0) is None
     assert "RabbitMQ returned 1 messages this publisher cannot match" in caplog.text
+
+
+async def test_a_wave_queued_behind_its_channels_close_writes_nothing() -> None:
+    # The connection's writer is behind (its queue full) when the broker closes the channel:
+    # the wave goes into the queue after the channel's Close-Ok, and must write nothing, or
+    # RabbitMQ closes the whole connection (a frame on a channel it no longer has).
+    connection = FakeConnection()
+    connection.write_queue = asyncio.Queue(maxsize=1)
+    connection.write_queue.put_nowait("what the writer has yet to write")
+    channel = FakeChannel(asyncio.get_running_loop())
+    window = ConfirmWindow(channel, connection)  # type: ignore[arg-type]
+    sending = asyncio.create_task(window.send([b"frame"], [("kept", b"a")]))
+    await asyncio.sleep(0)
+    channel.closing_begun = True  # as ``_ConfirmChannel`` does on the broker's Channel.Close
+    connection.write_queue.get_nowait()  # the writer goes on
+    with pytest.raises(aiormq.exceptions.ChannelInvalidStateError):
+        await sending
+    assert connection.write_queue.get_nowait().payload == b""
