@@ -284,7 +284,9 @@ class ConfirmWindow:
     duplicate, never a loss). When no copy was routed, every copy is reported returned: by the
     time the k-th of them is confirmed, the returns of those k have come and at most k - 1 were
     taken. So among the confirmed copies of a message, no more are reported acked than were
-    routed (``tests/unit/test_rabbitmq_confirm_window.py`` checks it by model).
+    routed (``tests/unit/test_rabbitmq_confirm_window.py`` checks it by model). A nack takes
+    no return (RabbitMQ's documentation allows a return before a nack too): taken by the nack
+    of an identical copy a queue refused, it would leave the returned copy reported acked.
     """
 
     def __init__(self, channel: _ConfirmChannel, connection: aiormq.abc.AbstractConnection) -> None:
