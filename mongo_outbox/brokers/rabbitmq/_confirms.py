@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import weakref
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Coroutine, Sequence
@@ -263,6 +264,22 @@ def unblocked(connection: aiormq.abc.AbstractConnection) -> asyncio.Event | None
     return event if isinstance(event, asyncio.Event) else None
 
 
+_unblocked_on_close: weakref.WeakSet[aiormq.abc.AbstractConnection] = weakref.WeakSet()
+
+
+def unblock_on_close(connection: aiormq.abc.AbstractConnection) -> None:
+    """Mark ``connection`` unblocked once it closes. aiormq's ``ready()`` waits for a
+    ``connection.unblocked`` even after the connection closed: one dropped while the broker
+    blocked it (a broker restarted to clear its alarm) left aio-pika's robust channel of the
+    exchange waiting for ever to reopen on it, holding its restore lock, and so the robust
+    connection's reconnection too, which restores that channel: nothing was published again."""
+    event = unblocked(connection)
+    if event is None or connection in _unblocked_on_close:
+        return
+    _unblocked_on_close.add(connection)
+    connection.closing.add_done_callback(lambda _: event.set())
+
+
 class ConfirmWindow:
     """Publishes waves on one channel in confirm mode and settles them from its confirms.
 
@@ -320,6 +337,7 @@ class ConfirmWindow:
             channel = _ConfirmChannel(connection, number, publisher_confirms=True)
             connection.channels[number] = channel
         window = cls(channel, connection)
+        unblock_on_close(connection)
         await channel.open(timeout=timeout)
         return window
 
