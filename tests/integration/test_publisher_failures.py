@@ -30,6 +30,7 @@ from mongo_outbox import (
     InvalidEventError,
     PublishError,
 )
+from mongo_outbox.brokers.rabbitmq._confirms import UNCONFIRMED_BYTES
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
@@ -98,6 +99,36 @@ async def test_rabbitmq_channel_closed_for_a_missing_exchange_is_reopened(
                 await publisher.publish(event())
         sent = event()
         queue = await bind_queue(channel, unique)
+        await eventually(lambda: publisher.publish(sent))
+        [message] = await drain_queue(queue, 1)
+        assert message.message_id == sent.id
+    finally:
+        await connection.close()
+
+
+async def test_rabbitmq_waves_waiting_when_the_broker_closes_the_channel_are_never_written(
+    channel: Any, unique: str
+) -> None:
+    # A wave written after the broker closed the channel (and aiormq answered Close-Ok) would
+    # reach a channel the broker no longer has: it closes the whole connection for that
+    # (CHANNEL_ERROR, "expected 'channel.open'"), the caller's own, and a plain one stays closed.
+    await bind_queue(channel, unique)
+    connection = await aio_pika.connect(RABBITMQ_URL)
+    try:
+        confirming = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        publisher = RabbitMQPublisher(await confirming.get_exchange(unique), timeout=5)
+        assert await publisher.publish_many([event()]) == [None]  # its channel is open
+        await channel.exchange_delete(unique)
+        large = {"data": "x" * (UNCONFIRMED_BYTES * 5 // 8)}
+        # The first wave closes the channel (404); the second waits for the first's confirms
+        # (together they are over the bound), and the third waits for the second.
+        waves = [[event(payload=large)], [event(payload=large)], [event()]]
+        outcomes = await asyncio.gather(*(publisher.publish_many(wave) for wave in waves))
+        assert all(isinstance(r, BrokerUnavailableError) for rs in outcomes for r in rs)
+        await asyncio.sleep(0.5)  # the broker's answer to anything written meanwhile
+        await (await connection.channel()).close()  # the caller's connection is still open
+        queue = await bind_queue(channel, unique)
+        sent = event()
         await eventually(lambda: publisher.publish(sent))
         [message] = await drain_queue(queue, 1)
         assert message.message_id == sent.id

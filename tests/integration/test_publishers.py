@@ -56,6 +56,9 @@ class Writes:
     def write_queue(self) -> Any:
         return self
 
+    def full(self) -> bool:
+        return bool(self.inner.write_queue.full())
+
     def put_nowait(self, item: Any) -> None:
         self.count += 1
         self.inner.write_queue.put_nowait(item)

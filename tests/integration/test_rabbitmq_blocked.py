@@ -113,3 +113,29 @@ async def test_a_wave_over_the_bound_goes_when_nothing_else_is_unconfirmed(
     finally:
         await publisher.aclose()
     assert set(await copies(queue)) == {e.id for e in wave}
+
+
+async def test_a_connection_dropped_while_the_broker_blocks_it_comes_back_and_publishing_resumes(
+    channel: Any, unique: str, gate: BlockingGate, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A broker restarted to clear its alarm drops every connection it blocks. aio-pika's robust
+    # channel of the exchange reopens on the connection it lost, through aiormq's ready(),
+    # which waits for that connection's connection.unblocked: it used to wait for ever, and the
+    # robust connection's next reconnection with it, so nothing was published again.
+    queue = await bind_queue(channel, unique)
+    publisher = await RabbitMQPublisher.connect(gate.url, exchange=unique, timeout=1)
+    sent = [event(), event()]
+    try:
+        assert await publisher.publish_many([event()]) == [None]  # the channel is open
+        gate.tell_blocked()
+        await until(lambda: "was blocked" in caplog.text)
+        await gate.kill()
+        await gate.start()
+        await eventually(lambda: publisher.publish(sent[0]))
+        await gate.kill()  # and once more, unblocked: the robust connection reconnects again
+        await gate.start()
+        await eventually(lambda: publisher.publish(sent[1]))
+    finally:
+        await publisher.aclose()
+    counted = await copies(queue)
+    assert [counted[e.id] for e in sent] == [1, 1]

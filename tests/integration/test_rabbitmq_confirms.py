@@ -149,3 +149,42 @@ async def test_a_relay_with_two_chunks_in_flight_marks_published_only_what_the_q
         f"{len(marked - set(held))} marked published are in no queue (lost), "
         f"{len(set(held) - marked)} in the queue are not marked"
     )
+
+
+async def test_a_wave_its_caller_gave_up_before_it_was_queued_takes_no_delivery_tags(
+    channel: Any, unique: str
+) -> None:
+    # More waves at once than aiormq's write queue holds (10 entries): the eleventh waits for
+    # room, and the ones after it for their turn. Its caller gives up there, so it is never
+    # written: the waves behind it must not count the delivery tags it would have taken, or
+    # each of their messages would be settled by the confirm of the one 3 places after it.
+    declared = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    full = await channel.declare_queue(
+        exclusive=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+    )
+    await full.bind(declared, "full.#")  # nacks every message
+    kept = await channel.declare_queue(exclusive=True)
+    await kept.bind(declared, "kept.#")
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique, timeout=2)
+    # Waves of 3 (an odd shift), nacked and routed in turn across them all.
+    sent = [Event(type=("full.x", "kept.x")[n % 2], payload={"n": n}) for n in range(60)]
+    waves = [sent[start : start + 3] for start in range(0, len(sent), 3)]
+    try:
+        assert await publisher.publish_many([Event(type="kept.x")]) == [None]  # channel open
+        tasks = [asyncio.create_task(publisher.publish_many(wave)) for wave in waves]
+        await asyncio.sleep(0)  # each wave written, or waiting for room or for its turn
+        tasks[10].cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await publisher.aclose()
+    assert isinstance(outcomes[10], asyncio.CancelledError)
+    held = set(await consumed_ids(kept))
+    published = [
+        e.id
+        for wave, results in zip(waves, outcomes, strict=True)
+        if isinstance(results, list)
+        for e, r in zip(wave, results, strict=True)
+        if r is None
+    ]
+    lost = set(published) - held
+    assert published and not lost, f"{len(lost)} reported published are in no queue"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import weakref
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Coroutine, Sequence
@@ -29,7 +30,6 @@ from datetime import datetime
 from typing import Any
 
 import aiormq
-from aiormq.abc import ChannelFrame
 from pamqp import commands as spec
 from pamqp.header import ContentHeader
 
@@ -166,8 +166,10 @@ class Wave:
 
     __slots__ = ("done", "first", "keys", "low", "pending", "results", "size")
 
-    def __init__(self, keys: list[ReturnKey], size: int, done: asyncio.Future[None]) -> None:
-        self.first = 0  # the delivery tag of position 0, taken when the wave is written
+    def __init__(
+        self, first: int, keys: list[ReturnKey], size: int, done: asyncio.Future[None]
+    ) -> None:
+        self.first = first  # the delivery tag of position 0
         self.keys = keys  # each position's routing key and body, to match a return to it
         self.results: list[Any] = [PENDING] * len(keys)
         self.pending = len(keys)
@@ -180,11 +182,45 @@ class Wave:
         return self.results[position]
 
 
+class _Entry:
+    """A wave's frames as an entry of the connection's write queue, of which aiormq's writer
+    reads ``payload``, ``should_close`` and ``should_drain``: written only if the channel is
+    not closing by the time the writer comes to it. A wave that waited for room in the queue
+    while the broker closed the channel is queued behind the channel's Close-Ok; written, it
+    would reach a channel the broker no longer has, and RabbitMQ closes the whole connection
+    for that (CHANNEL_ERROR, "expected 'channel.open'"), which may be the caller's own."""
+
+    __slots__ = ("channel", "frames")
+
+    should_close = False
+    should_drain = False
+
+    def __init__(self, channel: _ConfirmChannel, frames: bytes) -> None:
+        self.channel = channel
+        self.frames = frames
+
+    @property
+    def payload(self) -> bytes:
+        return b"" if self.channel.closing_begun or self.channel.is_closed else self.frames
+
+    def drain(self) -> None:
+        """Nothing waits for the entry to be written: the wave waits for its confirms."""
+
+
 class _ConfirmChannel(aiormq.Channel):
     """An aiormq channel whose acks, nacks and returns go to its window. Its own class, not
     handlers set on a channel once open: aiormq 6's reader takes its handlers as it starts."""
 
     window: ConfirmWindow | None = None
+    closing_begun = False
+    """Set once the broker closed the channel or the window closes it: nothing more is
+    written on it."""
+
+    async def _on_close_frame(self, frame: spec.Channel.Close) -> None:
+        # aiormq answers Close-Ok here, and marks the channel closed only a few steps later:
+        # a wave written after that answer would reach a channel the broker no longer has.
+        self.closing_begun = True
+        await super()._on_close_frame(frame)
 
     async def _on_confirm_frame(self, frame: Any) -> None:
         if self.window is not None:
@@ -228,6 +264,22 @@ def unblocked(connection: aiormq.abc.AbstractConnection) -> asyncio.Event | None
     return event if isinstance(event, asyncio.Event) else None
 
 
+_unblocked_on_close: weakref.WeakSet[aiormq.abc.AbstractConnection] = weakref.WeakSet()
+
+
+def unblock_on_close(connection: aiormq.abc.AbstractConnection) -> None:
+    """Mark ``connection`` unblocked once it closes. aiormq's ``ready()`` waits for a
+    ``connection.unblocked`` even after the connection closed: one dropped while the broker
+    blocked it (a broker restarted to clear its alarm) left aio-pika's robust channel of the
+    exchange waiting for ever to reopen on it, holding its restore lock, and so the robust
+    connection's reconnection too, which restores that channel: nothing was published again."""
+    event = unblocked(connection)
+    if event is None or connection in _unblocked_on_close:
+        return
+    _unblocked_on_close.add(connection)
+    connection.closing.add_done_callback(lambda _: event.set())
+
+
 class ConfirmWindow:
     """Publishes waves on one channel in confirm mode and settles them from its confirms.
 
@@ -249,7 +301,9 @@ class ConfirmWindow:
     duplicate, never a loss). When no copy was routed, every copy is reported returned: by the
     time the k-th of them is confirmed, the returns of those k have come and at most k - 1 were
     taken. So among the confirmed copies of a message, no more are reported acked than were
-    routed (``tests/unit/test_rabbitmq_confirm_window.py`` checks it by model).
+    routed (``tests/unit/test_rabbitmq_confirm_window.py`` checks it by model). A nack takes
+    no return (RabbitMQ's documentation allows a return before a nack too): taken by the nack
+    of an identical copy a queue refused, it would leave the returned copy reported acked.
     """
 
     def __init__(self, channel: _ConfirmChannel, connection: aiormq.abc.AbstractConnection) -> None:
@@ -270,7 +324,6 @@ class ConfirmWindow:
         self.unconfirmed = 0  # bytes of the unsettled waves
         self._freed: asyncio.Future[None] | None = None  # set when a wave settles
         self._writing = asyncio.Lock()
-        self._broken = False
         channel.window = self
 
     @classmethod
@@ -284,12 +337,22 @@ class ConfirmWindow:
             channel = _ConfirmChannel(connection, number, publisher_confirms=True)
             connection.channels[number] = channel
         window = cls(channel, connection)
+        unblock_on_close(connection)
         await channel.open(timeout=timeout)
         return window
 
     @property
     def is_closed(self) -> bool:
-        return bool(self._broken or self.channel.is_closed or self.connection.is_closed)
+        return bool(
+            self.channel.closing_begun or self.channel.is_closed or self.connection.is_closed
+        )
+
+    async def close(self, timeout: float) -> None:
+        """Close the channel; nothing more is written on it from now on, not even a wave
+        already queued behind what the connection has yet to write."""
+        self.channel.closing_begun = True
+        if not self.channel.is_closed:
+            await asyncio.wait_for(self.channel.close(), timeout)
 
     @property
     def blocked(self) -> bool:
@@ -310,38 +373,37 @@ class ConfirmWindow:
             )
         return None
 
-    async def send(self, frames: Sequence[bytes], keys: list[ReturnKey], timeout: float) -> Wave:
+    async def send(self, frames: Sequence[bytes], keys: list[ReturnKey]) -> Wave:
         """Write one message per item of ``frames`` (``keys``: each one's routing key and body)
-        in one write, once the broker does not block the connection and the bytes unconfirmed
-        leave room (the caller bounds that wait); their confirms settle the returned wave.
-        Raises ``ChannelInvalidStateError`` on a closed channel, and ``TimeoutError`` if the
-        connection's write queue stays full for ``timeout``."""
+        in one write, once the broker does not block the connection, the bytes unconfirmed
+        leave room and the connection's write queue has room (the caller bounds these waits);
+        their confirms settle the returned wave. Raises ``ChannelInvalidStateError`` on a
+        channel closed before the wave was queued."""
         if self.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
         payload = b"".join(frames)
-        wave = Wave(keys, len(payload), self.channel.create_future())
-        entry = ChannelFrame(payload=payload, should_close=False)
+        entry = _Entry(self.channel, payload)
         queue = self.connection.write_queue
-        # Tags are counted in the order the broker sees the messages: no other wave may take
-        # tags between this one's and its entry in the write queue.
+        # Tags are counted in the order the broker sees the messages: no other wave may be
+        # queued between this one's count and its entry.
         async with self._writing:
-            await self._room(wave.size)
-            wave.first = self._tag + 1
+            await self._room(len(payload))
+            if self.is_closed:  # while this wave waited: the broker would not count it
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
+            if not queue.full():
+                queue.put_nowait(entry)
+            else:
+                # The writer is behind. A caller that gives up meanwhile leaves nothing queued
+                # (``Queue.put`` puts only once it returns), and so no tags taken.
+                await queue.put(entry)
+                if self.is_closed:  # meanwhile: the entry writes nothing (``_Entry``)
+                    raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} is closed")
+            # Queued, and no frame read since: these are the broker's next tags.
+            wave = Wave(self._tag + 1, keys, len(payload), self.channel.create_future())
             self._tag += len(keys)
             self._waves.append(wave)
             self._firsts.append(wave.first)
             self.unconfirmed += wave.size
-            try:
-                try:
-                    queue.put_nowait(entry)
-                except asyncio.QueueFull:
-                    # The writer is behind (or gone, with a dropped connection): bounded.
-                    await asyncio.wait_for(queue.put(entry), timeout)
-            except BaseException:
-                # Perhaps not queued: the broker may never see these tags, so this channel's
-                # count may be off for good. The next wave takes a new channel.
-                self._broken = True
-                raise
         return wave
 
     async def _room(self, size: int) -> None:

@@ -241,7 +241,7 @@ class RabbitMQPublisher:
         left = max(0.0, deadline - loop.time())
         try:
             wave = await client_call(
-                window.send(frames, keys, left), left, lambda reason: _Unsent(reason)
+                window.send(frames, keys), left, lambda reason: _Unsent(reason)
             )
         except (
             asyncio.TimeoutError,
@@ -383,8 +383,8 @@ class RabbitMQPublisher:
                 return window
             underlay = await self._open_channel(event)
             if window is not None and not window.channel.is_closed:
-                with contextlib.suppress(Exception):  # a count gone wrong; the channel is done
-                    await asyncio.wait_for(window.channel.close(), self.timeout)
+                with contextlib.suppress(Exception):  # the broker closes it already
+                    await window.close(self.timeout)
             try:
                 window = await ConfirmWindow.open(underlay.connection, self.timeout)
             except Exception as error:
@@ -392,7 +392,7 @@ class RabbitMQPublisher:
             if self.closed:
                 # aclose ran meanwhile: the channel would outlive the publisher.
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(window.channel.close(), self.timeout)
+                    await window.close(self.timeout)
                 raise closed_error(self, event)
             if self._confirms is not None:
                 log.info("reopened the publishing channel of exchange %r", self.exchange.name)
@@ -437,7 +437,7 @@ class RabbitMQPublisher:
         if window is not None and not window.channel.is_closed:
             # The publisher's own channel, on a connection that may be the caller's.
             try:
-                await asyncio.wait_for(window.channel.close(), self.timeout)
+                await window.close(self.timeout)
             except Exception as error:  # noqa: BLE001 - closing must not fail the caller
                 log.debug("closing the RabbitMQ publishing channel: %s", describe(error))
         if self.connection is not None and not self.connection.is_closed:
