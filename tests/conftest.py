@@ -88,6 +88,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(_worker_group(item, path)))
 
 
+class _GroupsApplied:
+    """Refuses a run on workers whose groups did not take: the broker tests would share the
+    leg's brokers across workers (pytest 9 ignores how pytest-xdist 3.8 names a group)."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist named each test's group in its id
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        if getattr(config.option, "loadgroup", False) and any("@" not in i.nodeid for i in items):
+            raise pytest.UsageError(
+                "pytest-xdist's --dist loadgroup did not group the tests: use pytest < 9 "
+                "(pyproject.toml pins it), or WORKERS=0"
+            )
+
+
 def _worker_group(item: pytest.Item, path: Path) -> str:
     """Which tests run one after another on one worker of `pytest -n` (`--dist loadgroup`):
     the broker tests all together, as in a run without workers, since the leg's brokers are
@@ -160,6 +175,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # The conformance report is summed up where the run's reports all arrive: in the
     # controller of a run with workers, which never collects tests/conformance itself.
     config.pluginmanager.register(conformance_report, "conformance_report")
+    config.pluginmanager.register(_GroupsApplied(), "groups_applied")
     if sys.version_info < (3, 11):
         # Seen only on 3.10, in the RabbitMQ outage tests (a gate refuses, hangs or drops the
         # connection): aiormq leaves the transport of a connection attempt that failed or was

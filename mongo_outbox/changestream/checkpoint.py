@@ -133,7 +133,15 @@ class Checkpoint:
             await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
             left = deadline - loop.time()
             if left <= 0:
-                break  # no renewal got through in time: another may take over any moment
+                # No renewal got through in time (a slow server, or this process's loop held
+                # up): another may take over any moment.
+                log.warning(
+                    "relay %s: no lease renewal got through within %.1fs of the last: giving "
+                    "the lease up",
+                    self.name,
+                    lease * 0.8 - margin,
+                )
+                break
             try:
                 # A hung connection must not outlast the lease: give up at the deadline.
                 if not await asyncio.wait_for(self.renew(), left):

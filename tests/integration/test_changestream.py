@@ -27,7 +27,7 @@ from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.changestream_sources import MongoEcoSource, ScriptedSource, inserts
 from tests.support.outboxes import save_aborted
 from tests.support.servers import NATS_URL
-from tests.support.waiting import until
+from tests.support.waiting import LoopStalls, until
 
 FAST = Backoff(initial=0.01, maximum=0.05)
 ROOT = Path(__file__).resolve().parents[2]
@@ -752,11 +752,17 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
     # loop (the emulator runs on it) does not cost it the lease again and again.
     last = relay(outbox, publisher, source, **(options | {"leader_lease": 3.0}))
     task = await running(last)
+    stalls = LoopStalls()
 
     async def all_published() -> bool:
         return (await last.status()).pending == 0
 
-    await until(all_published, timeout=60)
+    async def explain() -> str:
+        status = await last.status()
+        return f"{status!r}; the loop's longest stall: {stalls.longest:.2f} s"
+
+    with stalls.watching():
+        await until(all_published, timeout=60, explain=explain)
     await stopped(last, task)
     source.close()
     ids = [e.id for e in publisher.events]

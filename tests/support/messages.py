@@ -1,8 +1,10 @@
-"""Messages for broker tests: a sample event, and reading back what a real NATS stream or
-RabbitMQ queue holds."""
+"""Messages for broker tests: a sample event, and reading back what a real NATS stream,
+consumer or RabbitMQ queue holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import aio_pika
@@ -33,6 +35,21 @@ async def read_stream(nats_client: Any, stream: str, count: int) -> list[Any]:
         return [await sub.next_msg(timeout=5) for _ in range(count)]
     finally:
         await sub.unsubscribe()
+
+
+async def pull(subscription: Any, count: int, within: float) -> list[Any]:
+    """``count`` messages from a JetStream pull ``subscription``, fetched until they are all
+    there or ``within`` seconds passed: one fetch returns what is due when it asks, and a message
+    given back with a delay comes due later."""
+    import nats.errors
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    messages: list[Any] = []
+    while len(messages) < count and (left := deadline - loop.time()) > 0:
+        with contextlib.suppress(nats.errors.TimeoutError):
+            messages += await subscription.fetch(count - len(messages), timeout=left)
+    return messages
 
 
 async def bind_queue(channel: Any, exchange: str, pattern: str = "#") -> Any:

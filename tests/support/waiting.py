@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from mongo_outbox import BrokerUnavailableError
@@ -43,3 +44,27 @@ async def eventually(attempt: Callable[[], Awaitable[Any]], seconds: float = 30)
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.05)
+
+
+class LoopStalls:
+    """The longest time this event loop took to run a task due every 50 ms, while watching: a
+    loop held up (by an in-process emulator's CPU work on a loaded machine) delays every timer on
+    it, leases included, and says why a wait ran out."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + 0.05
+            await asyncio.sleep(0.05)
+            self.longest = max(self.longest, loop.time() - due)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        watcher = asyncio.ensure_future(self._watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
