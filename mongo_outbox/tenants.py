@@ -57,8 +57,9 @@ async def _run_for(database: str, relay: Relay) -> None:
 
 
 _owners: dict[int, weakref.ref[TenantRelays]] = {}
-"""The ``TenantRelays`` each relay belongs to, by the relay's ``id``: an owner holds its relays,
-so no other object takes that ``id`` while the owner lives, and its entries go with it."""
+"""The ``TenantRelays`` each relay belongs to, by the relay's ``id``: from its build until its
+``run()`` ends, then again while a later ``run()`` runs. An owner holds its relays, so no other
+object takes that ``id`` while it is listed; its entries go with it."""
 
 
 def _release(relays: list[int], owner: weakref.ref[TenantRelays]) -> None:
@@ -108,27 +109,34 @@ class TenantRelays:
             self.relays[database] = relay
         if not self.relays:
             raise UsageError("TenantRelays needs at least one relay")
-        # Every relay checked before any is taken: a refused TenantRelays leaves its relays free.
+        self.turns = Turns()
+        """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
+        self._me = weakref.ref(self)
+        self._take()
+        weakref.finalize(self, _release, list(map(id, self.relays.values())), self._me)
+        self._stopping = False
+        self._running = False
+
+    def _take(self) -> None:
+        """Make every relay this one's, or raise ``UsageError`` taking none: at the build, and
+        at each ``run()`` (the relays are free again once a ``run()`` ends)."""
         for relay in self.relays.values():
-            owner = _owners.get(id(relay))
-            if owner is not None and owner() is not None:
+            if self._of_another(relay):
                 # Running here too would stop it there (or be refused) and leave its database
                 # unrelayed under a healthy state. The library's relays and your own alike.
                 raise UsageError(
                     f"the relay {relay.name!r} of database {relay.outbox.db.name!r} belongs "
-                    "to another TenantRelays: give each TenantRelays relays of its own"
+                    "to another TenantRelays: give each TenantRelays relays of its own, or "
+                    "build the next once the other's run() has ended"
                 )
-        mine = weakref.ref(self)
         for relay in self.relays.values():
-            _owners[id(relay)] = mine
-        weakref.finalize(self, _release, [id(relay) for relay in self.relays.values()], mine)
-        self.turns = Turns()
-        """The rounds' turns, shared by every relay here (``history``: who had the latest)."""
-        for relay in self.relays.values():
+            _owners[id(relay)] = self._me
             if isinstance(relay, _TakesTurns):
                 relay.turns = self.turns
-        self._stopping = False
-        self._running = False
+
+    def _of_another(self, relay: Relay) -> bool:
+        owner = _owners.get(id(relay))
+        return owner is not None and owner is not self._me and owner() is not None
 
     async def run(self) -> None:
         """Run every relay until ``stop()`` or cancellation; see the class for failures."""
@@ -136,11 +144,15 @@ class TenantRelays:
             raise UsageError(
                 "TenantRelays.run(): already running; one TenantRelays runs one loop at a time"
             )
+        self._take()  # another may have had them since this one's last run() ended
         self._running = True
         try:
             await self._run()
         finally:
             self._running = False
+            # Ended: a supervisor may build a new TenantRelays of the same relays (this one
+            # lives on meanwhile: a name still bound to it, the traceback of its failure).
+            _release(list(map(id, self.relays.values())), self._me)
 
     async def _run(self) -> None:
         self._stopping = False
@@ -191,7 +203,8 @@ class TenantRelays:
         """Stop every relay once its publishes in flight are confirmed (each gives its lease up)."""
         self._stopping = True
         for relay in self.relays.values():
-            relay.stop()
+            if not self._of_another(relay):  # given to another since this one ended: its own
+                relay.stop()
 
     async def status(self) -> Mapping[str, RelayStatus | GroupStatus]:
         """Each relay's ``status()``, by database name."""

@@ -8,9 +8,10 @@ records are written through ``InboxStore``; this module decides what becomes of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 Run = Callable[[Event, Any, int], Awaitable[None]]
 """``run(event, session, attempt)``: the handler, called the way it wants to be."""
+
+T = TypeVar("T")
 
 
 class Attempts:
@@ -46,6 +49,12 @@ class Attempts:
         self.dead_letter = dead_letter
 
     async def transactional(self, event: Event, identity: Identity, last: bool) -> Result:
+        stop = _Stop()
+        return await stop.around(self._transactional(event, identity, last, stop))
+
+    async def _transactional(
+        self, event: Event, identity: Identity, last: bool, stop: _Stop
+    ) -> Result:
         before: dict[str, Any] | None = None
 
         async def attempt_in_transaction(session: Any) -> None:
@@ -68,7 +77,8 @@ class Attempts:
                 before.get("verdict") or attempts_of(before) >= self.max_attempts
             ):
                 raise _GiveUp  # abort: only the dead letter remains to be done
-            await self.run(event, session, attempts_of(before) + 1)
+            with stop.cancellable():
+                await self.run(event, session, attempts_of(before) + 1)
 
         try:
             async with await start_session(self.store.inbox.db.client) as session:
@@ -97,6 +107,10 @@ class Attempts:
         return Result(Outcome.HANDLED, attempts_of(before) + 1)
 
     async def leased(self, event: Event, identity: Identity, last: bool) -> Result:
+        stop = _Stop()
+        return await stop.around(self._leased(event, identity, last, stop))
+
+    async def _leased(self, event: Event, identity: Identity, last: bool, stop: _Stop) -> Result:
         claim = await self.store.claim(identity, event)
         if isinstance(claim, ClaimRefused):
             if claim.status in ("done", "failed"):
@@ -105,39 +119,38 @@ class Attempts:
                 return Result(Outcome.RETRY, 0, self.backoff.delay(1), "record vanished")
             # Another delivery holds it: come back when its lease ends.
             return Result(Outcome.RETRY, claim.attempts, claim.wait, "in progress")
-        try:
-            return await self._claimed(event, identity, claim, last)
-        except asyncio.CancelledError:
-            # A stop (the guard lets no other cancellation through): the consumer gives the
-            # message back to the broker, and the claim goes with it, its attempt unspent. Kept,
-            # it made the next delivery wait out the rest of the processing lease.
-            await self._let_go(claim)
-            raise
+        return await self._claimed(event, identity, claim, last, stop)
 
     async def _let_go(self, claim: MessageClaim) -> None:
-        # Shielded: a second cancellation stops the wait, not the write. Bounded: a stop does
-        # not wait on an unreachable MongoDB (the claim then runs out, as after a crash).
-        write = asyncio.ensure_future(self.store.let_go(claim))
-        write.add_done_callback(_retrieved)
         try:
-            await asyncio.wait_for(asyncio.shield(write), _LET_GO_WAIT)
-        except (asyncio.TimeoutError, asyncio.CancelledError, PyMongoError) as error:
+            await self.store.let_go(claim)
+        except (asyncio.CancelledError, PyMongoError) as error:
+            # Cut short (MongoDB out of reach for _SETTLE_WAIT): as after a crash.
             log.warning(
                 "stopped while handling %s, its claim could not be let go (%s): the next "
                 "delivery waits until it runs out (Inbox.processing_lease)",
                 claim.identity["message_id"],
-                describe(error),
+                describe(error) if isinstance(error, PyMongoError) else "given up on",
             )
 
     async def _claimed(
-        self, event: Event, identity: Identity, claim: MessageClaim, last: bool
+        self, event: Event, identity: Identity, claim: MessageClaim, last: bool, stop: _Stop
     ) -> Result:
         if claim.verdict is not None or claim.attempt > self.max_attempts:
             # The handler is done with this message (its dead letter failed, or a crash
             # followed its last attempt): do not run it again.
             return await self._give_up(event, identity, claim, claim.attempt - 1, None)
         try:
-            await self.run(event, None, claim.attempt)
+            with stop.cancellable():
+                await self.run(event, None, claim.attempt)
+        except asyncio.CancelledError:
+            # A stop while the handler ran, or before it did (the guard lets no other
+            # cancellation through): the consumer gives the message back to the broker, and
+            # the claim goes with it, its attempt unspent. Kept, it made the next delivery wait
+            # out the rest of the processing lease. Only here: once the handler has returned,
+            # its effect is done, and a claim let go then would be run again.
+            await self._let_go(claim)
+            raise
         except PoisonMessage as error:
             return await self._poison(event, identity, claim, claim.attempt, str(error))
         except Exception as error:  # noqa: BLE001 - any handler failure is retried or poisoned
@@ -240,14 +253,68 @@ class Attempts:
         )
 
 
-_LET_GO_WAIT = 2.0
-"""Seconds a stopped leased attempt waits for its claim to be let go."""
+_SETTLE_WAIT = 2.0
+"""Seconds a stop waits for an attempt's writes to settle what its handler did."""
 
 
-def _retrieved(write: asyncio.Future[Any]) -> None:
-    """Retrieve the outcome of a write no one may await any more (``_let_go``)."""
-    if not write.cancelled():
-        write.exception()
+class _Stop:
+    """Where a stop lands in one attempt. A stop is the cancellation of the task handling the
+    delivery (a consumer's stop, a ``wait_for`` given up on, FastStream's graceful timeout).
+
+    It cancels the handler, whose work is unfinished: the message goes back to the broker. It
+    never cuts short the writes that settle an attempt (the claim, the record marked done or
+    released, the transaction's commit or abort): the attempt runs in a task of its own, which
+    the stop cancels only while the handler runs; otherwise the stop waits for those writes to
+    end (``_SETTLE_WAIT`` at most, then cuts them as a crash would), and a handler not yet
+    started does not start. Cut short, such a write let go of a claim whose effect was done, to
+    be run again at once; or left the transaction open on the server (PyMongo counts a commit
+    or abort it sent as made), holding the message's record until the server's
+    ``transactionLifetimeLimitSeconds``. A second cancellation stops the wait, not the writes.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._handler_runs = False
+
+    async def around(self, attempt: Coroutine[Any, Any, T]) -> T:
+        task: asyncio.Task[T] = asyncio.ensure_future(attempt)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_retrieved)
+            if task.done():
+                raise
+            self.requested = True
+            if self._handler_runs:
+                task.cancel()
+            # A second cancellation ends this wait, and leaves the writes to go on.
+            await asyncio.wait([task], timeout=_SETTLE_WAIT)
+            if not task.done():
+                log.warning(
+                    "stopped while an attempt settled, its writes were cut short after %gs "
+                    "(MongoDB slow or out of reach): as after a crash, the message waits for "
+                    "its claim or its transaction to run out",
+                    _SETTLE_WAIT,
+                )
+                task.cancel()
+            raise
+
+    @contextlib.contextmanager
+    def cancellable(self) -> Iterator[None]:
+        """Inside, the handler runs, and a stop cancels it; a stop that came before raises."""
+        if self.requested:
+            raise asyncio.CancelledError
+        self._handler_runs = True
+        try:
+            yield
+        finally:
+            self._handler_runs = False
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of an attempt no one may await any more (``_Stop``)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Duplicate(Exception):

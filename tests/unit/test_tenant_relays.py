@@ -234,3 +234,35 @@ class BlockedThenFails(HandmadeRelay):
         await self.fail.wait()
         self.state = "failed"
         raise RuntimeError(f"{self.name} broke")
+
+
+async def test_a_supervisor_builds_a_new_tenant_relays_of_the_same_relays_once_one_ended(
+    offline: AsyncMongoClient[Any],
+) -> None:
+    # The relays stayed the first one's for as long as it lived: a name still bound to it, or
+    # its failure's traceback (which holds it in a cycle, until the garbage collector runs).
+    # The supervisor's loop that builds a new one after a failure was refused.
+    relays = [FailsOnce(Outbox(offline.shop), "shop"), HandmadeRelay(Outbox(offline.billing), "b")]
+    first = TenantRelays(relays)
+    with pytest.raises(RuntimeError, match="boom"):
+        await asyncio.wait_for(first.run(), 5)
+    relays[1]._stopping.clear()  # a HandmadeRelay's stop is not consumed by its run
+    second = TenantRelays(relays)  # while `first` lives, as in a supervisor's loop
+    task = asyncio.ensure_future(second.run())
+    await asyncio.wait_for(asyncio.gather(*(relay.running.wait() for relay in relays)), 5)
+    # The first, still alive, can neither run them nor stop them while the second has them.
+    with pytest.raises(UsageError, match="belongs to another TenantRelays"):
+        await first.run()
+    first.stop()
+    assert second.state == "active" and not relays[1]._stopping.is_set()
+    second.stop()
+    await asyncio.wait_for(task, 5)
+    # Ended, the second lets them go in turn: the first runs them again.
+    for relay in relays:
+        relay._stopping.clear()
+        relay.running.clear()
+    again = asyncio.ensure_future(first.run())
+    await asyncio.wait_for(asyncio.gather(*(relay.running.wait() for relay in relays)), 5)
+    assert first.state == "active"
+    first.stop()
+    await asyncio.wait_for(again, 5)
