@@ -275,6 +275,7 @@ class RelayGroup(Lifecycle):
         lease = Checkpoint(self._leases, name, self.member_lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k, relay=name)
+        rounds.command_wait = max(rounds.command_wait, self.member_lease.total_seconds())
         rounds.turns = self.turns
         return PollingWorker(self.name, k, lease, rounds, self.interval, self.outbox.db.name)
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
+import pymongo
+
 from mongo_outbox import metrics
 from mongo_outbox._relay.failures import Classifier
 from mongo_outbox._relay.store import store_for
@@ -50,6 +52,9 @@ PROBE_EVERY = 1.0
 """Seconds between two probes during an outage: one waiting entry is retried at a time."""
 OUTAGE_LOG_EVERY = 60.0
 """Seconds between two warnings of one outage: each probe's failure needs no line of its own."""
+COMMAND_WAIT_AT_LEAST = 10.0
+"""Seconds a round's MongoDB command may take at the least, whatever the leases: a loaded
+server's slow answer is no hang."""
 
 
 class Flag(Protocol):
@@ -98,6 +103,17 @@ class Rounds:
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): a round waits for its turn."""
         self.tenant = outbox.db.name
+        self.command_wait = max(settings.claim_lease, COMMAND_WAIT_AT_LEAST)
+        """The longest a round waits for one MongoDB command (a relay with a longer lease of
+        its own raises it to that lease)."""
+
+    def bounded(self) -> contextlib.AbstractContextManager[None]:
+        """PyMongo's timeout on the MongoDB commands sent inside: one that got no answer in
+        ``command_wait`` (a connection hung without a reset, a server that stopped answering)
+        fails as a MongoDB error, which the relay backs off from and retries on another
+        connection. Unbounded, it held the relay for ever while the lease's heartbeat, on
+        another connection, went on renewing the lease, so no other relay could take over."""
+        return pymongo.timeout(self.command_wait)
 
     def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
@@ -158,9 +174,10 @@ class Rounds:
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            claim = await self.store.claim(
-                limit, timedelta(seconds=self.settings.claim_lease), until
-            )
+            with self.bounded():
+                claim = await self.store.claim(
+                    limit, timedelta(seconds=self.settings.claim_lease), until
+                )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
@@ -174,9 +191,10 @@ class Rounds:
         whether some could not be claimed and deserve a sweep soon)."""
         async with self._turn():
             started = asyncio.get_running_loop().time()
-            claim = await self.store.claim_changes(
-                changes, timedelta(seconds=self.settings.claim_lease)
-            )
+            with self.bounded():
+                claim = await self.store.claim_changes(
+                    changes, timedelta(seconds=self.settings.claim_lease)
+                )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
@@ -192,13 +210,15 @@ class Rounds:
         if not self.outage or now - self._probed_at < PROBE_EVERY:
             return False
         self._probed_at = now
-        return bool(await self.store.wake(limit=1))
+        with self.bounded():
+            return bool(await self.store.wake(limit=1))
 
     async def _wake(self, now: float) -> bool:
         # The broker confirms again: what waited for it is due now, not after its backoff
         # (which grew during the outage).
         self._wake_due, self._woke_at = False, now
-        return bool(await self.store.wake())
+        with self.bounded():
+            return bool(await self.store.wake())
 
     async def _round(self, claim: Claim, started: float, lost: Flag | None) -> tuple[int, int]:
         """Publish and settle one claim; returns how many were published, and how many entries
@@ -211,7 +231,8 @@ class Rounds:
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
         async with self._turn():
-            await self.store.settle(claim, published, failed)
+            with self.bounded():
+                await self.store.settle(claim, published, failed)
         self.stats.published += len(published)
         metrics.published(self.relay, len(published))
         self.stats.failed += len(failed)

@@ -125,6 +125,8 @@ class ChangeStreamRelay(Lifecycle):
         self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)
         self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
         self._rounds = Rounds(outbox, publisher, self.settings, partition, relay=name)
+        lease = self.leader_lease.total_seconds()
+        self._rounds.command_wait = max(self._rounds.command_wait, lease)
         self.recoveries = 0
         self._sweep_due = 0.0
         self._saved_at = float("-inf")
@@ -458,7 +460,8 @@ class ChangeStreamRelay(Lifecycle):
         return total
 
     async def _schedule_sweep(self) -> None:
-        due = await self._rounds.store.next_due()
+        with self._rounds.bounded():
+            due = await self._rounds.store.next_due()
         wait = self.sweep_interval
         if due is not None:
             wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)

@@ -27,7 +27,7 @@ from mongo_outbox.publishers import MemoryPublisher, NatsPublisher
 from tests.support.changestream_sources import MongoEcoSource, ScriptedSource, inserts
 from tests.support.outboxes import save_aborted
 from tests.support.servers import NATS_URL
-from tests.support.waiting import LoopStalls, until
+from tests.support.waiting import LoopStalls, awaiting, until
 
 FAST = Backoff(initial=0.01, maximum=0.05)
 ROOT = Path(__file__).resolve().parents[2]
@@ -759,7 +759,10 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
 
     async def explain() -> str:
         status = await last.status()
-        return f"{status!r}; the loop's longest stall: {stalls.longest:.2f} s"
+        return (
+            f"{status!r}; the loop's longest stall: {stalls.longest:.2f} s; the relay waits in\n"
+            f"{awaiting(task)}"
+        )
 
     with stalls.watching():
         await until(all_published, timeout=60, explain=explain)

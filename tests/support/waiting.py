@@ -68,3 +68,20 @@ class LoopStalls:
             yield
         finally:
             watcher.cancel()
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where ``task`` waits: its chain of coroutines, one line each, down to what the last one
+    awaits (``Task.print_stack`` shows only the outermost)."""
+    lines = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            where = frame.f_code.co_filename.rsplit("site-packages/", 1)[-1]
+            lines.append(f"  {where}:{frame.f_lineno} {frame.f_code.co_name}")
+        inner = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if inner is None:
+            lines.append(f"  awaiting {coro!r}")
+        coro = inner
+    return "\n".join(lines)

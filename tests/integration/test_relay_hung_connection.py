@@ -1,0 +1,62 @@
+"""A MongoDB command that never gets an answer (its connection hung without a reset) holds no
+relay for ever: it fails after the round's bound, and the relay goes on over a new connection.
+Unbounded, the relay waited for ever, while its lease's heartbeat, on another connection,
+kept renewing the lease, so no other relay could take over."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from mongo_outbox import Backoff, ChangeStreamRelay, Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox._relay import rounds
+from mongo_outbox.publishers import MemoryPublisher
+from tests.support.hanging_mongo import HangingMongo
+
+BOUND = 1.0  # the bound on a round's command, lowered from its 10 s floor for the test
+
+
+@pytest.mark.parametrize("kind", ["polling", "changestream"])
+async def test_a_claim_that_never_gets_an_answer_fails_and_the_relay_goes_on(
+    mongo: Any, db: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rounds, "COMMAND_WAIT_AT_LEAST", BOUND)
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    async with HangingMongo(mongo.uri) as path:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(path.uri, tz_aware=True)
+        try:
+            relayed = Outbox(client[db.name])
+            publisher = MemoryPublisher()
+            settings = RelaySettings(
+                claim_lease=BOUND, publish_timeout=0.2, backoff=Backoff(0.05, 0.2)
+            )
+            relay: Any = (
+                PollingRelay(relayed, publisher, settings=settings, interval=0.05)
+                if kind == "polling"
+                else ChangeStreamRelay(
+                    relayed,
+                    publisher,
+                    name="orders",
+                    settings=settings,
+                    leader_lease=BOUND,
+                    max_wait=0.05,
+                    sweep_interval=0.2,
+                )
+            )
+            task = asyncio.create_task(relay.run())
+            first = await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a")])
+            await publisher.wait_for(1)
+            path.hang_next("update")  # the next claim (or settle) is swallowed
+            second = await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="b")])
+            await asyncio.wait_for(path.hung.wait(), 10)
+            # Published once the hung command failed at its bound and a new round went on.
+            await publisher.wait_for(2, timeout=10 * BOUND)
+            relay.stop()
+            await asyncio.wait_for(task, 10)
+        finally:
+            await client.close()
+    assert {e.id for e in publisher.events} == {e.id for e in [*first.events, *second.events]}
