@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from typing import Any
+import sys
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.asynchronous.mongo_client import AsyncMongoClient
+from pymongo.errors import NetworkTimeout
 from pymongo.synchronous.collection import Collection
 from pymongo.synchronous.database import Database
 from pymongo.synchronous.mongo_client import MongoClient
 
 DUPLICATE_KEY = 11000  # DuplicateKey, in a bulk write's writeErrors
+
+T = TypeVar("T")
 
 
 _KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
@@ -59,3 +65,21 @@ async def aggregate(collection: Any, pipeline: list[dict[str, Any]]) -> list[dic
         cursor = await cursor
     documents: list[dict[str, Any]] = await cursor.to_list(None)
     return documents
+
+
+async def answered(commands: Awaitable[T], seconds: float) -> T:
+    """``commands``' result, or ``NetworkTimeout`` once they took ``seconds``: for commands on a
+    connection that hung without a reset (a stalled NAT or firewall, a half-open socket), which
+    PyMongo would wait on for ever without ``socketTimeoutMS``. Cancelled, PyMongo closes the
+    connection. Not ``pymongo.timeout()``: it would also replace the client's own
+    ``serverSelectionTimeoutMS`` with ``seconds`` (a stop during an outage waited that long) and
+    not reach Motor's threads."""
+    try:
+        if sys.version_info >= (3, 11):
+            # Not wait_for: before 3.12 it could swallow a cancellation that came as the
+            # commands ended.
+            async with asyncio.timeout(seconds):
+                return await commands
+        return await asyncio.wait_for(commands, seconds)
+    except asyncio.TimeoutError as error:
+        raise NetworkTimeout(f"MongoDB gave no answer within {seconds:g} s") from error

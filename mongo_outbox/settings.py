@@ -13,6 +13,11 @@ from datetime import timedelta
 from mongo_outbox.errors import ConfigurationError
 
 Duration = float | int | timedelta
+
+# The backoff's jitter draws from a generator of its own: drawing from ``random``'s shared one
+# moved an application's seeded sequence on every retry (and, from the relay's thread, under a
+# hypothesis test drawing on another).
+_jitter = random.Random()
 """Seconds as a number, or a ``timedelta``."""
 
 
@@ -96,7 +101,7 @@ class Backoff:
                 ceiling = maximum
             else:
                 ceiling = min(maximum, initial * float(self.factor) ** (attempt - 1))
-        return random.uniform(0, ceiling)
+        return _jitter.uniform(0, ceiling)
 
 
 @dataclass(frozen=True, init=False)

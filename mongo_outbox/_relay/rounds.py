@@ -18,13 +18,12 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
-import pymongo
-
 from mongo_outbox import metrics
+from mongo_outbox._driver import answered
 from mongo_outbox._relay.failures import Classifier
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import Claim, PublishFailure
@@ -45,6 +44,7 @@ from mongo_outbox.status import RelayStats, RelayStatus, State
 from mongo_outbox.tracing import publishing, tracer
 
 log = logging.getLogger("mongo_outbox.relay")
+T = TypeVar("T")
 
 WAKE_EVERY = 1.0
 """Seconds between two looks for entries that wait for the broker, once it confirms again."""
@@ -100,6 +100,7 @@ class Rounds:
         self._woke_at = float("-inf")
         self._probed_at = float("-inf")
         self._warned_at = float("-inf")
+        self._late_told_at = float("-inf")  # when a claim that left no time was last told
         self.turns: Turns | None = None
         """Shared with other tenants' relays (``TenantRelays``): a round waits for its turn."""
         self.tenant = outbox.db.name
@@ -107,13 +108,13 @@ class Rounds:
         """The longest a round waits for one MongoDB command (a relay with a longer lease of
         its own raises it to that lease)."""
 
-    def bounded(self) -> contextlib.AbstractContextManager[None]:
-        """PyMongo's timeout on the MongoDB commands sent inside: one that got no answer in
-        ``command_wait`` (a connection hung without a reset, a server that stopped answering)
-        fails as a MongoDB error, which the relay backs off from and retries on another
-        connection. Unbounded, it held the relay for ever while the lease's heartbeat, on
-        another connection, went on renewing the lease, so no other relay could take over."""
-        return pymongo.timeout(self.command_wait)
+    def answered(self, commands: Awaitable[T]) -> Awaitable[T]:
+        """``commands`` bounded by ``command_wait``: one that got no answer (a connection hung
+        without a reset, a server that stopped answering) fails as a MongoDB error, which the
+        relay backs off from and retries on another connection. Unbounded, it held the relay
+        for ever while the lease's heartbeat, on another connection, went on renewing the
+        lease, so no other relay could take over."""
+        return answered(commands, self.command_wait)
 
     def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
@@ -174,10 +175,9 @@ class Rounds:
             limit = self.settings.batch_size
             if self.turns is not None:
                 limit = self.turns.share(self.tenant, limit)
-            with self.bounded():
-                claim = await self.store.claim(
-                    limit, timedelta(seconds=self.settings.claim_lease), until
-                )
+            claim = await self.answered(
+                self.store.claim(limit, timedelta(seconds=self.settings.claim_lease), until)
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
@@ -191,10 +191,9 @@ class Rounds:
         whether some could not be claimed and deserve a sweep soon)."""
         async with self._turn():
             started = asyncio.get_running_loop().time()
-            with self.bounded():
-                claim = await self.store.claim_changes(
-                    changes, timedelta(seconds=self.settings.claim_lease)
-                )
+            claim = await self.answered(
+                self.store.claim_changes(changes, timedelta(seconds=self.settings.claim_lease))
+            )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, _ = await self._round(claim, started, lost)
@@ -210,15 +209,13 @@ class Rounds:
         if not self.outage or now - self._probed_at < PROBE_EVERY:
             return False
         self._probed_at = now
-        with self.bounded():
-            return bool(await self.store.wake(limit=1))
+        return bool(await self.answered(self.store.wake(limit=1)))
 
     async def _wake(self, now: float) -> bool:
         # The broker confirms again: what waited for it is due now, not after its backoff
         # (which grew during the outage).
         self._wake_due, self._woke_at = False, now
-        with self.bounded():
-            return bool(await self.store.wake())
+        return bool(await self.answered(self.store.wake()))
 
     async def _round(self, claim: Claim, started: float, lost: Flag | None) -> tuple[int, int]:
         """Publish and settle one claim; returns how many were published, and how many entries
@@ -231,8 +228,9 @@ class Rounds:
         # tenant holds up no other; its claim and settle (MongoDB's work) take turns.
         published, failed, left = await self.publish_claim(claim, deadline, lost)
         async with self._turn():
-            with self.bounded():
-                await self.store.settle(claim, published, failed)
+            await self.answered(self.store.settle(claim, published, failed))
+        if left and not published and not failed and not (lost and lost.is_set()):
+            self._late(asyncio.get_running_loop().time() - started)
         self.stats.published += len(published)
         metrics.published(self.relay, len(published))
         self.stats.failed += len(failed)
@@ -252,6 +250,24 @@ class Rounds:
         if waits:
             self._warn(waits)
         return len(published), parked + left
+
+    def _late(self, took: float) -> None:
+        """Tell that a round published nothing because its claim left no time for a publish:
+        released at once, the entries are claimed again by a round that may run as late, so
+        a MongoDB slower than the lease allows stalls the relay without another sign."""
+        now = asyncio.get_running_loop().time()
+        if now - self._late_told_at < OUTAGE_LOG_EVERY:
+            return
+        self._late_told_at = now
+        log.warning(
+            "a round took %.2fs of its %gs claim before a publish could start, so it published "
+            "nothing (its entries are released, in order): MongoDB answers slower than "
+            "claim_lease allows (at least publish_timeout, %gs, must be left); raise "
+            "RelaySettings.claim_lease",
+            took,
+            self.settings.claim_lease,
+            self.settings.publish_timeout,
+        )
 
     def _warn(self, waits: list[PublishFailure]) -> None:
         """Tell that events wait for the broker, as the relay then behaves: during an outage it
@@ -406,9 +422,6 @@ class Rounds:
 
 class _NotStarted(Exception):
     """A publish not started because the claim could run out before it ends."""
-
-
-T = TypeVar("T")
 
 
 async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:

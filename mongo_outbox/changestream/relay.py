@@ -460,8 +460,7 @@ class ChangeStreamRelay(Lifecycle):
         return total
 
     async def _schedule_sweep(self) -> None:
-        with self._rounds.bounded():
-            due = await self._rounds.store.next_due()
+        due = await self._rounds.answered(self._rounds.store.next_due())
         wait = self.sweep_interval
         if due is not None:
             wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)

@@ -4,6 +4,7 @@ interval would busy-loop, a NaN would never fire, a bool is no count."""
 from __future__ import annotations
 
 import math
+import random
 from datetime import timedelta
 from typing import Any
 
@@ -110,3 +111,14 @@ def test_a_relay_name_must_be_a_non_empty_string() -> None:
     for name in ("", None, 7, "a\x00b"):
         with pytest.raises(ConfigurationError):
             PollingRelay(outbox(), MemoryPublisher(), name=name)  # type: ignore[arg-type]
+
+
+def test_the_backoffs_jitter_leaves_the_shared_random_generator_alone() -> None:
+    # An application's seeded ``random`` sequence must not move with the relay's retries (a
+    # hypothesis test drawing on another thread saw it move, and failed as flaky).
+    backoff = Backoff(initial=1, maximum=8)
+    random.seed(7)
+    before = random.getstate()
+    delays = [backoff.delay(attempt) for attempt in range(1, 50)]
+    assert random.getstate() == before
+    assert all(0 <= d <= 8 for d in delays) and len(set(delays)) > 1  # still jittered
