@@ -23,6 +23,7 @@ never a silent misread.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import threading
@@ -129,7 +130,7 @@ class Upcasters:
                     f"{setting}: the step from v{version} must be callable, not {step!r}",
                     setting=setting,
                 )
-            if is_async_callable(step):
+            if _is_async(step):
                 # Its coroutine would stand for the payload: every old event a failure.
                 raise ConfigurationError(
                     f"{setting}: the step from v{version} is async; steps are plain functions "
@@ -192,6 +193,8 @@ class Upcasters:
             step, wants_headers = steps[version]
             result = step(payload, headers=dict(event.headers)) if wants_headers else step(payload)
             if not isinstance(result, dict):
+                if inspect.iscoroutine(result):
+                    result.close()  # a plain function that returned one: never awaited
                 raise InvalidEventError(
                     f"the upcaster of {event.type} from v{version} returned a "
                     f"{type(result).__name__}, not the payload dict",
@@ -234,6 +237,20 @@ def _older(event: Versioned, supported: int, missing: int, reader: str) -> Incom
         version=event.version,
         supported=supported,
     )
+
+
+def _is_async(step: Step) -> bool:
+    """Whether ``step`` returns a coroutine or an async generator, never a payload: an
+    ``async def`` function or method, a ``functools.partial`` of one, or an object whose
+    ``__call__`` is one."""
+    if is_async_callable(step):
+        return True
+    target: Any = step
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        target = getattr(target, "__call__", None)  # noqa: B004 - the method is inspected
+    return inspect.isasyncgenfunction(target)
 
 
 def _takes_headers(step: Step) -> bool | None:

@@ -5,6 +5,7 @@ misread."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -196,14 +197,66 @@ def test_a_step_whose_headers_are_positional_only_is_refused_when_registered() -
         Upcasters().register("t", {1: positional})
 
 
-def test_an_async_step_is_refused_when_registered() -> None:
-    # It was registered, and its coroutine stood for the payload: every old event retried,
-    # then dead-lettered.
-    async def step(payload: dict[str, Any]) -> dict[str, Any]:
+async def async_step(payload: dict[str, Any], extra: int = 0) -> dict[str, Any]:
+    return payload
+
+
+async def async_generator_step(payload: dict[str, Any]) -> Any:
+    yield payload
+
+
+class AsyncCall:
+    async def __call__(self, payload: dict[str, Any]) -> dict[str, Any]:
         return payload
 
-    with pytest.raises(ConfigurationError, match="is async"):
-        Upcasters().register("t", {1: step})
+    async def method(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return payload
+
+
+class AsyncGeneratorCall:
+    async def __call__(self, payload: dict[str, Any]) -> Any:
+        yield payload
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        async_step,
+        functools.partial(async_step, extra=1),
+        functools.partial(functools.partial(async_step), extra=1),
+        AsyncCall(),
+        functools.partial(AsyncCall()),
+        AsyncCall().method,
+        async_generator_step,
+        AsyncGeneratorCall(),
+    ],
+    ids=[
+        "async-def",
+        "partial",
+        "partial-of-partial",
+        "async-call",
+        "partial-of-async-call",
+        "async-method",
+        "async-generator",
+        "async-generator-call",
+    ],
+)
+def test_an_async_step_is_refused_when_registered(step: Any) -> None:
+    # It was registered, and its coroutine stood for the payload: every old event retried,
+    # then dead-lettered.
+    upcasters = Upcasters()
+    with pytest.raises(ConfigurationError, match="the step from v1 is async") as refused:
+        upcasters.register("t", {1: step})
+    assert refused.value.setting == "Upcasters.register('t')"
+    assert upcasters.latest("t") is None  # nothing registered
+
+
+def test_a_plain_step_that_returns_a_coroutine_fails_without_leaving_it_unawaited() -> None:
+    # Registration cannot see it; the upcast refuses the coroutine, and closes it (else a
+    # "never awaited" warning, an error under this suite's filterwarnings).
+    upcasters = Upcasters().register("t", {1: lambda payload: async_step(payload)})
+    with pytest.raises(InvalidEventError, match="returned a coroutine, not the payload dict"):
+        upcasters.upcast(Event(type="t", payload={"a": 1}))
 
 
 def test_steps_registered_from_two_threads_at_once_are_all_kept(
