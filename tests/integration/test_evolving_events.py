@@ -331,3 +331,72 @@ def test_the_guard_takes_an_upcasters_registry_and_nothing_else(db: Any) -> None
     with pytest.raises(ConfigurationError) as refused:
         inbox_guard(Inbox(db, consumer="c"), upcasters={1: v1_to_v2})  # type: ignore[arg-type]
     assert refused.value.setting == "inbox_guard.upcasters"
+
+
+def returns_a_list(payload: dict[str, Any]) -> Any:
+    return [payload]
+
+
+def raises(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"cents": payload["no such field"]}
+
+
+def makes_no_event(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"order": payload["order"], "cents": float("nan")}  # no JSON number
+
+
+def reader(kind: str, inbox: Inbox, upcasters: Upcasters, ran: list[Any]) -> Any:
+    """The ``Guarded`` each way of reading a v1 event at v2 builds."""
+    if kind == "inbox_guard":
+
+        @inbox_guard(inbox, max_attempts=3, backoff=FAST, upcasters=upcasters)
+        async def guarded(event: Event, session: Any) -> None:
+            ran.append(event.payload_as(PlacedV2))
+
+        return guarded
+
+    @inbox_handler(
+        inbox,
+        max_attempts=3,
+        backoff=FAST,
+        upcasters=upcasters,
+        payload=PlacedV2 if kind == "inbox_handler(payload=)" else None,
+    )
+    async def handler(placed: Any, session: Any) -> None:
+        ran.append(placed)
+
+    return handler.inbox.guarded  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [
+        (returns_a_list, "InvalidEventError: the upcaster of order.placed from v1 returned a list"),
+        (raises, "KeyError: 'no such field'"),
+        (makes_no_event, "InvalidEventError: the upcasters of order.placed from v1 to v2 made"),
+    ],
+    ids=["wrong-type", "raises", "no-event"],
+)
+@pytest.mark.parametrize("kind", ["inbox_guard", "inbox_handler(payload=)", "inbox_handler"])
+async def test_a_failing_step_is_retried_then_dead_lettered_with_its_error_by_every_reader(
+    db: Any, kind: str, step: Any, error: str
+) -> None:
+    # One rule, as for a handler that fails: inbox_handler(payload=Model) dead-lettered a
+    # step's wrong type at once, without the error's class, where inbox_guard retried it.
+    inbox = Inbox(db, consumer="billing", transactional=False)
+    ran: list[Any] = []
+    guarded = reader(kind, inbox, Upcasters().register("order.placed", {1: step}), ran)
+    v1 = Event(type="order.placed", payload={"order": "o-1", "euros": 2})
+
+    results = [await guarded.handle(v1) for _ in range(4)]
+
+    assert [(r.outcome, r.attempt) for r in results] == [
+        (Outcome.RETRY, 1),
+        (Outcome.RETRY, 2),
+        (Outcome.DEAD_LETTERED, 3),
+        (Outcome.DUPLICATE, 3),  # the same message again: settled
+    ]
+    assert all(error in (r.error or "") for r in results[:3]), results
+    assert ran == []
+    [record] = await inbox.failed()
+    assert error in record["last_error"] and record["event"]["version"] == 1
