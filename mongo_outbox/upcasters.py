@@ -225,6 +225,7 @@ def _newer(event: Versioned, supported: int, reader: str) -> IncompatibleEventEr
         event_type=event.type,
         version=event.version,
         supported=supported,
+        reader=reader,
     )
 
 
@@ -236,6 +237,7 @@ def _older(event: Versioned, supported: int, missing: int, reader: str) -> Incom
         event_type=event.type,
         version=event.version,
         supported=supported,
+        reader=reader,
     )
 
 

@@ -400,3 +400,49 @@ async def test_a_failing_step_is_retried_then_dead_lettered_with_its_error_by_ev
     assert ran == []
     [record] = await inbox.failed()
     assert error in record["last_error"] and record["event"]["version"] == 1
+
+
+@pytest.mark.parametrize("arrived", [1, 2])
+async def test_a_guard_whose_upcasters_go_past_the_handlers_model_says_so(
+    db: Any, arrived: int
+) -> None:
+    # The dead letter said "is version 3, newer than version 2 ... deploy a reader that knows
+    # it" of an event that arrived as v2 (or v1), which the record shows: no newer producer is
+    # to blame, the consumer's own upcasters went past its model.
+    full = Upcasters().register("order.placed", {1: v1_to_v2, 2: v2_to_v3})
+    inbox = Inbox(db, consumer="billing", transactional=False)
+    ran: list[int] = []
+
+    @inbox_guard(inbox, backoff=FAST, upcasters=full)
+    async def bill(event: Event, session: Any) -> None:
+        ran.append(event.version)
+        event.payload_as(PlacedV2)
+
+    payloads = {1: {"order": "o-1", "euros": 2}, 2: {"order": "o-1", "cents": 200}}
+    event = Event(type="order.placed", version=arrived, payload=payloads[arrived])
+    results = await asyncio.gather(bill.handle(event), bill.handle(event))  # the same, twice
+
+    [result] = [r for r in results if r.outcome is not Outcome.DUPLICATE]
+    assert (result.outcome, result.attempt, ran) == (Outcome.DEAD_LETTERED, 1, [3])
+    [record] = await inbox.failed()
+    assert record["event"]["version"] == arrived
+    assert record["last_error"] == (
+        f"IncompatibleEventError: event {event.id} (order.placed) arrived as version {arrived}; "
+        "consumer billing's upcasters brought it to version 3, past the version 2 the model "
+        "PlacedV2 reads: the handler is behind its own upcasters (give the model PlacedV2 "
+        "version 3, or pass the upcasters to payload_as instead of the guard: it upcasts to "
+        "the model's version)"
+    )
+    assert "deploy a reader" not in record["last_error"]
+
+
+async def test_a_guard_without_upcasters_still_blames_the_newer_event(db: Any) -> None:
+    # What really happened there: the event came newer than the handler's model.
+    @inbox_guard(Inbox(db, consumer="billing", transactional=False), backoff=FAST)
+    async def bill(event: Event, session: Any) -> None:
+        event.payload_as(PlacedV2)
+
+    newer = Event.of(PlacedV3(order="o-1", cents=1, currency="EUR"), type="order.placed")
+    result = await bill.handle(newer)
+    assert result.outcome is Outcome.DEAD_LETTERED
+    assert "is version 3, newer than the version 2 the model PlacedV2 reads" in (result.error or "")

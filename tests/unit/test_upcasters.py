@@ -166,6 +166,10 @@ def test_an_event_newer_than_the_reader_is_refused_with_its_own_error() -> None:
         3,
     )
     assert error.newer and "newer than the version 3" in str(error)
+    assert error.reader == "the Upcasters registry"
+    with pytest.raises(IncompatibleEventError) as refused:
+        upcasters.upcast(event, 2, reader="consumer billing")
+    assert refused.value.reader == "consumer billing"
 
 
 def test_an_event_older_than_the_first_step_is_refused_naming_the_missing_step() -> None:
