@@ -71,6 +71,17 @@ def version_of(model: type[BaseModel] | BaseModel) -> int:
     """The payload version a model declares as ``event_version: ClassVar[int]``, 1 when it
     declares none."""
     cls = model if isinstance(model, type) else type(model)
+    if "class_version" in cls.model_fields or hasattr(cls, "class_version"):
+        # The eventsourcing library's spelling: read as nothing, every event would be v1.
+        raise ConfigurationError(
+            f"{cls.__name__}.class_version declares a version the eventsourcing way, which "
+            "mongo-outbox does not read (its events would be stamped version 1): declare "
+            "event_version: ClassVar[int] instead, and register the steps from each older "
+            "version (upcast_vX_vY methods are not read either) in an Upcasters registry: "
+            "Upcasters().register(event_type, {1: v1_to_v2, ...}) (docs/evolving-events.md); "
+            "a payload field of that name takes another attribute name and an alias",
+            setting=f"{cls.__name__}.class_version",
+        )
     setting = f"{cls.__name__}.event_version"
     if "event_version" in cls.model_fields:
         # A field would be sent in every payload and is not a class attribute to read here.

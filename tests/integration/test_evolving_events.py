@@ -446,3 +446,17 @@ async def test_a_guard_without_upcasters_still_blames_the_newer_event(db: Any) -
     result = await bill.handle(newer)
     assert result.outcome is Outcome.DEAD_LETTERED
     assert "is version 3, newer than the version 2 the model PlacedV2 reads" in (result.error or "")
+
+
+def test_inbox_handler_refuses_a_model_with_a_class_version_when_decorated(db: Any) -> None:
+    # Before any message: every one would have failed at payload_as.
+    class Legacy(BaseModel):
+        class_version: ClassVar[int] = 2
+        order: str
+
+    async def mail(placed: Legacy, session: Any) -> None:
+        raise AssertionError("never runs")
+
+    decorate = inbox_handler(Inbox(db, consumer="mailer"), payload=Legacy)
+    with pytest.raises(ConfigurationError, match=r"Legacy\.class_version declares a version"):
+        decorate(mail)

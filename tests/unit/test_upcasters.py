@@ -367,6 +367,55 @@ def test_a_model_declares_its_version_as_a_class_variable_only() -> None:
         assert bad.value.setting == f"{model.__name__}.event_version"
 
 
+class EventsourcingStyle(BaseModel):
+    """How the eventsourcing library declares a version, and its upcaster."""
+
+    class_version: ClassVar[int] = 2
+    order: str
+    cents: int
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        state["cents"] = state.pop("euros") * 100
+
+
+class ClassVersionField(BaseModel):
+    class_version: int = 2
+    order: str
+
+
+class BothVersions(BaseModel):
+    event_version: ClassVar[int] = 2
+    class_version: ClassVar[int] = 2
+
+
+@pytest.mark.parametrize("model", [EventsourcingStyle, ClassVersionField, BothVersions])
+def test_a_class_version_is_refused_with_a_pointer_to_event_version_and_upcasters(
+    model: type[BaseModel],
+) -> None:
+    # It was stamped version 1 in silence (a field of that name travelled in the payload).
+    for use in (
+        lambda: Event.of(model.model_construct(order="o", cents=1), type="order.placed"),
+        lambda: Event(type="order.placed", payload={"order": "o"}).payload_as(model),
+        lambda: version_of(model),
+    ):
+        with pytest.raises(ConfigurationError, match="event_version: ClassVar") as refused:
+            use()
+        assert refused.value.setting == f"{model.__name__}.class_version"
+        assert "Upcasters().register(" in str(refused.value)
+
+
+def test_a_payload_field_may_be_sent_as_class_version_under_another_name() -> None:
+    from pydantic import Field
+
+    class Course(BaseModel):
+        grade: int = Field(alias="class_version")
+
+    event = Event.of(Course(class_version=3), type="course.created")
+    assert (event.version, event.payload) == (1, {"class_version": 3})
+    assert event.payload_as(Course) == Course(class_version=3)
+
+
 def test_payload_as_upcasts_to_the_models_version_and_refuses_a_newer_event() -> None:
     old = Event(type="order.placed", payload={"order": "o", "euros": 3})
     assert old.payload_as(PlacedV3, PLACED) == PlacedV3(order="o", cents=300, currency="EUR")
