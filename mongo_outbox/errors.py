@@ -66,16 +66,25 @@ class IncompatibleEventError(OutboxError):
     says which way: an event newer than the reader (deploy a newer consumer), or one older
     than the reader's upcasters reach (register the missing step). Either way the event itself
     is fine: a guarded handler dead-letters it with its inbox record, to be requeued once the
-    reader can read it (docs/evolving-events.md)."""
+    reader can read it (docs/evolving-events.md). ``reader`` names who wanted ``supported``
+    (``"the model OrderPlaced"``, ``"consumer billing"``)."""
 
     def __init__(
-        self, message: str, *, event_id: str, event_type: str, version: int, supported: int
+        self,
+        message: str,
+        *,
+        event_id: str,
+        event_type: str,
+        version: int,
+        supported: int,
+        reader: str = "",
     ) -> None:
         super().__init__(message)
         self.event_id = event_id
         self.event_type = event_type
         self.version = version
         self.supported = supported
+        self.reader = reader
 
     @property
     def newer(self) -> bool:

@@ -360,9 +360,32 @@ class Event(BaseModel):
     def from_json(cls, data: str | bytes, upcasters: Upcasters | None = None) -> Event:
         """Decode an Event from a message body, raising InvalidEventError on anything else;
         with ``upcasters``, brought to its type's latest version (``IncompatibleEventError``
-        when they cannot: see ``Upcasters.upcast``)."""
+        when they cannot: see ``Upcasters.upcast``).
+
+        Top-level fields this version of Event does not know are ignored: a newer producer
+        may send them, and refusing them would strand its messages in every consumer not yet
+        upgraded. Building an Event (the write side) still refuses them."""
         try:
             event = cls.model_validate_json(data)
         except ValidationError as error:
-            raise InvalidEventError(f"message body is not an Event: {error}") from error
+            known = _known_fields(cls, data)
+            if known is None:
+                raise InvalidEventError(f"message body is not an Event: {error}") from error
+            try:
+                event = cls.model_validate_json(known)
+            except ValidationError as again:
+                raise InvalidEventError(f"message body is not an Event: {again}") from again
         return event if upcasters is None else upcasters.upcast(event)
+
+
+def _known_fields(model: builtins.type[BaseModel], data: str | bytes) -> bytes | None:
+    """``data`` without the top-level fields ``model`` does not know; None when it has none
+    (or is no JSON object), so the first error stands. Asked only after validation failed, so
+    a body without such fields is parsed once."""
+    try:
+        parsed = pydantic_core.from_json(data)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or parsed.keys() <= model.model_fields.keys():
+        return None
+    return pydantic_core.to_json({k: v for k, v in parsed.items() if k in model.model_fields})

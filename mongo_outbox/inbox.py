@@ -505,6 +505,7 @@ class Guarded:
             )
 
     async def _run(self, event: Event, session: Any, attempt: int) -> None:
+        arrived = event
         with metrics.handler_timer(self.inbox.consumer):
             try:
                 if self.upcasters is not None:
@@ -527,6 +528,13 @@ class Guarded:
                     )
             except IncompatibleEventError as error:
                 # No retry reads it before a deploy does: dead-letter it now, requeue it then.
+                if (
+                    event is not arrived
+                    and error.event_id == event.id
+                    and error.newer
+                    and error.version == event.version
+                ):
+                    error = self._past_the_handler(arrived, event, error)
                 record_failure(error)
                 raise PoisonMessage(describe(error)) from error
             except Exception as error:
@@ -545,6 +553,27 @@ class Guarded:
                 raise HandlerFailed(
                     f"the handler {self.handler_name} raised {describe(error)}"
                 ) from error
+
+    def _past_the_handler(
+        self, arrived: Event, upcast: Event, error: IncompatibleEventError
+    ) -> IncompatibleEventError:
+        """The handler's own reader (``payload_as(Model)``) found the event newer than it
+        because this guard's upcasters brought it there: the event as it arrived, which the
+        record keeps, may be one the handler reads, and no newer producer is to blame."""
+        reader = error.reader or "the handler"
+        return IncompatibleEventError(
+            f"event {arrived.id} ({arrived.type}) arrived as version {arrived.version}; "
+            f"consumer {self.inbox.consumer}'s upcasters brought it to version "
+            f"{upcast.version}, past the version {error.supported} {reader} reads: the "
+            f"handler is behind its own upcasters (give {reader} version {upcast.version}, "
+            "or pass the upcasters to payload_as instead of the guard: it upcasts to the "
+            "model's version)",
+            event_id=arrived.id,
+            event_type=arrived.type,
+            version=upcast.version,
+            supported=error.supported,
+            reader=reader,
+        )
 
 
 def qualified_name(handler: Callable[..., Any]) -> str:

@@ -23,6 +23,7 @@ never a silent misread.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import threading
@@ -70,6 +71,17 @@ def version_of(model: type[BaseModel] | BaseModel) -> int:
     """The payload version a model declares as ``event_version: ClassVar[int]``, 1 when it
     declares none."""
     cls = model if isinstance(model, type) else type(model)
+    if "class_version" in cls.model_fields or hasattr(cls, "class_version"):
+        # The eventsourcing library's spelling: read as nothing, every event would be v1.
+        raise ConfigurationError(
+            f"{cls.__name__}.class_version declares a version the eventsourcing way, which "
+            "mongo-outbox does not read (its events would be stamped version 1): declare "
+            "event_version: ClassVar[int] instead, and register the steps from each older "
+            "version (upcast_vX_vY methods are not read either) in an Upcasters registry: "
+            "Upcasters().register(event_type, {1: v1_to_v2, ...}) (docs/evolving-events.md); "
+            "a payload field of that name takes another attribute name and an alias",
+            setting=f"{cls.__name__}.class_version",
+        )
     setting = f"{cls.__name__}.event_version"
     if "event_version" in cls.model_fields:
         # A field would be sent in every payload and is not a class attribute to read here.
@@ -129,7 +141,7 @@ class Upcasters:
                     f"{setting}: the step from v{version} must be callable, not {step!r}",
                     setting=setting,
                 )
-            if is_async_callable(step):
+            if _is_async(step):
                 # Its coroutine would stand for the payload: every old event a failure.
                 raise ConfigurationError(
                     f"{setting}: the step from v{version} is async; steps are plain functions "
@@ -192,6 +204,8 @@ class Upcasters:
             step, wants_headers = steps[version]
             result = step(payload, headers=dict(event.headers)) if wants_headers else step(payload)
             if not isinstance(result, dict):
+                if inspect.iscoroutine(result):
+                    result.close()  # a plain function that returned one: never awaited
                 raise InvalidEventError(
                     f"the upcaster of {event.type} from v{version} returned a "
                     f"{type(result).__name__}, not the payload dict",
@@ -222,6 +236,7 @@ def _newer(event: Versioned, supported: int, reader: str) -> IncompatibleEventEr
         event_type=event.type,
         version=event.version,
         supported=supported,
+        reader=reader,
     )
 
 
@@ -233,7 +248,22 @@ def _older(event: Versioned, supported: int, missing: int, reader: str) -> Incom
         event_type=event.type,
         version=event.version,
         supported=supported,
+        reader=reader,
     )
+
+
+def _is_async(step: Step) -> bool:
+    """Whether ``step`` returns a coroutine or an async generator, never a payload: an
+    ``async def`` function or method, a ``functools.partial`` of one, or an object whose
+    ``__call__`` is one."""
+    if is_async_callable(step):
+        return True
+    target: Any = step
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        target = getattr(target, "__call__", None)  # noqa: B004 - the method is inspected
+    return inspect.isasyncgenfunction(target)
 
 
 def _takes_headers(step: Step) -> bool | None:

@@ -270,7 +270,21 @@ async def _warn_without_stream(publisher: Any, subject: str, waits: bool) -> Non
 
 def broker_options(function: F) -> F:
     """Add the broker options to a command, which receives them as one ``broker: Broker``."""
+    return _with_broker_options(function, optional=False)
 
+
+def optional_broker_options(function: F) -> F:
+    """``broker_options`` for a command that may run without a broker (``replay --dry-run``):
+    it receives ``broker=None`` when none is named, and decides itself whether it needs one."""
+    return _with_broker_options(function, optional=True)
+
+
+def name_one_broker() -> Failure:
+    named = " or ".join(f"--{name} URL" for name in COMMAND_LINE)
+    return Failure(f"name one broker: {named}")
+
+
+def _with_broker_options(function: F, *, optional: bool) -> F:
     @functools.wraps(function)
     def command(**given: Any) -> Any:
         urls = {name: given.pop(name) for name in COMMAND_LINE}
@@ -279,9 +293,12 @@ def broker_options(function: F) -> F:
             for name, broker in COMMAND_LINE.items()
         }
         chosen = [name for name, url in urls.items() if url]
+        if not chosen and optional:
+            # A broker's own options without its URL (--subject, or their environment twins)
+            # have nothing to apply to; the command refuses when it needs a broker.
+            return function(broker=None, **given)
         if len(chosen) != 1:
-            named = " or ".join(f"--{name} URL" for name in COMMAND_LINE)
-            raise Failure(f"name one broker: {named}")
+            raise name_one_broker()
         broker = COMMAND_LINE[chosen[0]]
         for other in COMMAND_LINE.values():
             if other is not broker and any(values[other.name].values()):

@@ -76,6 +76,7 @@ def list_parked(
         [
             e.get("_id"),
             e.get("type"),
+            _version(e),
             f"{e.get('aggregate_type')}/{e.get('aggregate_id')}",
             e.get("sequence"),
             e.get("attempts"),
@@ -83,7 +84,15 @@ def list_parked(
         ]
         for e in entries
     ]
-    say(table(["EVENT ID", "TYPE", "AGGREGATE", "SEQ", "ATTEMPTS", "LAST ERROR"], rows, ""))
+    headings = ["EVENT ID", "TYPE", "VERSION", "AGGREGATE", "SEQ", "ATTEMPTS", "LAST ERROR"]
+    say(table(headings, rows, ""))
+
+
+def _version(entry: dict[str, Any]) -> str:
+    # As in ``inbox failed``: the version consumers will meet once it is requeued. An entry
+    # without one is published as version 1 (Event's default); one the relay cannot read, "?".
+    version = entry.get("version", 1)
+    return f"v{version}" if isinstance(version, int) and not isinstance(version, bool) else "?"
 
 
 @parked.command("show")

@@ -13,7 +13,12 @@ from datetime import datetime
 import click
 
 from mongo_outbox._relay.replay import Replayed, replay
-from mongo_outbox.cli.brokers import Broker, broker_options, sample_event
+from mongo_outbox.cli.brokers import (
+    Broker,
+    name_one_broker,
+    optional_broker_options,
+    sample_event,
+)
 from mongo_outbox.cli.common import (
     Failure,
     Target,
@@ -32,7 +37,7 @@ log = logging.getLogger("mongo_outbox.cli")
 
 @click.command("replay")
 @target_options
-@broker_options
+@optional_broker_options
 @click.option("--since", required=True, help="Events that occurred since: ISO time, or 2h, 7d.")
 @click.option("--until", help="... and before this time.")
 @click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
@@ -42,7 +47,7 @@ log = logging.getLogger("mongo_outbox.cli")
 )
 def replay_command(
     target: Target,
-    broker: Broker,
+    broker: Broker | None,
     since: str,
     until: str | None,
     types: tuple[str, ...],
@@ -50,7 +55,10 @@ def replay_command(
     dry_run: bool,
 ) -> None:
     """Republish already-published events, under their own ids, in order per aggregate (for a
-    new consumer, say). Consumers' inboxes skip what they already handled."""
+    new consumer, say). Consumers' inboxes skip what they already handled. Collection mode
+    only; --dry-run needs no broker."""
+    if broker is None and not dry_run:
+        raise name_one_broker()
     start = moment(since, "--since")
     end = moment(until, "--until") if until else None
     if end is not None and end <= start:
@@ -58,8 +66,8 @@ def replay_command(
             f"--until {until} ({end.isoformat()}) is not after --since {since} "
             f"({start.isoformat()}): no event occurred in between"
         )
-    sample = sample_event(target.collections)
-    broker.check(sample)
+    if broker is not None:  # a dry run given a broker checks its template all the same
+        broker.check(sample_event(target.collections))
     result, where = run(_replay(target, broker, start, end, types, _ids(aggregates), dry_run))
     if not result.found:
         _say_why_none(where, start, end, types, aggregates)
@@ -70,6 +78,7 @@ def replay_command(
         if rows:
             say(table(["TYPE", "VERSION", "EVENTS"], rows))
         return
+    assert broker is not None  # refused above without one unless a dry run
     say(
         f"republished {result.published} of {result.found} events of {result.aggregates} "
         f"aggregates to {broker.describe()}"
@@ -114,7 +123,7 @@ def _ids(aggregates: tuple[str, ...]) -> list[str | int]:
 
 async def _replay(
     target: Target,
-    broker: Broker,
+    broker: Broker | None,
     since: datetime,
     until: datetime | None,
     types: tuple[str, ...],
@@ -124,6 +133,7 @@ async def _replay(
     async with connected(target) as conn:
 
         async def connect() -> Publisher:
+            assert broker is not None  # only called when not a dry run
             return await broker.connect(sample_event(target.collections), waits=False)
 
         async with progress("replay", "events") as shown:

@@ -63,6 +63,15 @@ async def test_parked_events_are_listed_shown_and_requeued_in_order(
     ids = {line.split()[0] for line in listed.out.splitlines()[1:]}
     assert ids == {a_poison.id, b_bad.id, c_first.id, c_second.id}
     assert "cannot encode" in listed.out
+    # Which version each parked event is, as `inbox failed` shows (c's second is v2).
+    header, *rows = listed.out.splitlines()
+    assert header.split()[:4] == ["EVENT", "ID", "TYPE", "VERSION"]
+    assert {row.split()[0]: row.split()[2] for row in rows} == {
+        a_poison.id: "v1",
+        b_bad.id: "v1",
+        c_first.id: "v1",
+        c_second.id: "v2",
+    }
     only_bad = json.loads((await cli("parked", "list", *where, "--type=bad", "--json")).out)
     assert [e["_id"] for e in only_bad] == [b_bad.id]
     of_c = json.loads((await cli("parked", "list", *where, "--aggregate=c", "--json")).out)

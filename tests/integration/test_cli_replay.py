@@ -194,6 +194,27 @@ async def test_the_dry_run_twin_in_the_environment_sends_nothing(
     assert await drain_queue(queue) == []
 
 
+async def test_a_dry_run_needs_no_broker_and_a_replay_does(mongo: MongoServer, db: Any) -> None:
+    # It demanded --nats or --rabbitmq, and so a broker that answers, to send nothing.
+    await published_history(db)
+    where = [f"--uri={mongo.uri}", f"--db={db.name}", "--since=1h"]
+
+    ran = await cli("replay", *where, "--dry-run")
+
+    assert ran.code == 0, ran.output
+    assert ran.out.splitlines() == [
+        "would republish 9 events of 3 aggregates",
+        "  TYPE           VERSION  EVENTS",
+        "  order.paid     v1       3",
+        "  order.placed   v1       3",
+        "  order.shipped  v1       2",
+        "  order.shipped  v2       1",
+    ]
+    refused = await cli("replay", *where)
+    assert refused.code == 1 and refused.out == ""
+    assert refused.err.strip() == "mongo-outbox: name one broker: --nats URL or --rabbitmq URL"
+
+
 async def test_an_until_before_the_since_is_refused(mongo: MongoServer, db: Any) -> None:
     await published_history(db)
     where = [f"--uri={mongo.uri}", f"--db={db.name}", f"--rabbitmq={RABBITMQ_URL}"]

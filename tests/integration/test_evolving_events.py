@@ -331,3 +331,132 @@ def test_the_guard_takes_an_upcasters_registry_and_nothing_else(db: Any) -> None
     with pytest.raises(ConfigurationError) as refused:
         inbox_guard(Inbox(db, consumer="c"), upcasters={1: v1_to_v2})  # type: ignore[arg-type]
     assert refused.value.setting == "inbox_guard.upcasters"
+
+
+def returns_a_list(payload: dict[str, Any]) -> Any:
+    return [payload]
+
+
+def raises(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"cents": payload["no such field"]}
+
+
+def makes_no_event(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"order": payload["order"], "cents": float("nan")}  # no JSON number
+
+
+def reader(kind: str, inbox: Inbox, upcasters: Upcasters, ran: list[Any]) -> Any:
+    """The ``Guarded`` each way of reading a v1 event at v2 builds."""
+    if kind == "inbox_guard":
+
+        @inbox_guard(inbox, max_attempts=3, backoff=FAST, upcasters=upcasters)
+        async def guarded(event: Event, session: Any) -> None:
+            ran.append(event.payload_as(PlacedV2))
+
+        return guarded
+
+    @inbox_handler(
+        inbox,
+        max_attempts=3,
+        backoff=FAST,
+        upcasters=upcasters,
+        payload=PlacedV2 if kind == "inbox_handler(payload=)" else None,
+    )
+    async def handler(placed: Any, session: Any) -> None:
+        ran.append(placed)
+
+    return handler.inbox.guarded  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [
+        (returns_a_list, "InvalidEventError: the upcaster of order.placed from v1 returned a list"),
+        (raises, "KeyError: 'no such field'"),
+        (makes_no_event, "InvalidEventError: the upcasters of order.placed from v1 to v2 made"),
+    ],
+    ids=["wrong-type", "raises", "no-event"],
+)
+@pytest.mark.parametrize("kind", ["inbox_guard", "inbox_handler(payload=)", "inbox_handler"])
+async def test_a_failing_step_is_retried_then_dead_lettered_with_its_error_by_every_reader(
+    db: Any, kind: str, step: Any, error: str
+) -> None:
+    # One rule, as for a handler that fails: inbox_handler(payload=Model) dead-lettered a
+    # step's wrong type at once, without the error's class, where inbox_guard retried it.
+    inbox = Inbox(db, consumer="billing", transactional=False)
+    ran: list[Any] = []
+    guarded = reader(kind, inbox, Upcasters().register("order.placed", {1: step}), ran)
+    v1 = Event(type="order.placed", payload={"order": "o-1", "euros": 2})
+
+    results = [await guarded.handle(v1) for _ in range(4)]
+
+    assert [(r.outcome, r.attempt) for r in results] == [
+        (Outcome.RETRY, 1),
+        (Outcome.RETRY, 2),
+        (Outcome.DEAD_LETTERED, 3),
+        (Outcome.DUPLICATE, 3),  # the same message again: settled
+    ]
+    assert all(error in (r.error or "") for r in results[:3]), results
+    assert ran == []
+    [record] = await inbox.failed()
+    assert error in record["last_error"] and record["event"]["version"] == 1
+
+
+@pytest.mark.parametrize("arrived", [1, 2])
+async def test_a_guard_whose_upcasters_go_past_the_handlers_model_says_so(
+    db: Any, arrived: int
+) -> None:
+    # The dead letter said "is version 3, newer than version 2 ... deploy a reader that knows
+    # it" of an event that arrived as v2 (or v1), which the record shows: no newer producer is
+    # to blame, the consumer's own upcasters went past its model.
+    full = Upcasters().register("order.placed", {1: v1_to_v2, 2: v2_to_v3})
+    inbox = Inbox(db, consumer="billing", transactional=False)
+    ran: list[int] = []
+
+    @inbox_guard(inbox, backoff=FAST, upcasters=full)
+    async def bill(event: Event, session: Any) -> None:
+        ran.append(event.version)
+        event.payload_as(PlacedV2)
+
+    payloads = {1: {"order": "o-1", "euros": 2}, 2: {"order": "o-1", "cents": 200}}
+    event = Event(type="order.placed", version=arrived, payload=payloads[arrived])
+    results = await asyncio.gather(bill.handle(event), bill.handle(event))  # the same, twice
+
+    [result] = [r for r in results if r.outcome is not Outcome.DUPLICATE]
+    assert (result.outcome, result.attempt, ran) == (Outcome.DEAD_LETTERED, 1, [3])
+    [record] = await inbox.failed()
+    assert record["event"]["version"] == arrived
+    assert record["last_error"] == (
+        f"IncompatibleEventError: event {event.id} (order.placed) arrived as version {arrived}; "
+        "consumer billing's upcasters brought it to version 3, past the version 2 the model "
+        "PlacedV2 reads: the handler is behind its own upcasters (give the model PlacedV2 "
+        "version 3, or pass the upcasters to payload_as instead of the guard: it upcasts to "
+        "the model's version)"
+    )
+    assert "deploy a reader" not in record["last_error"]
+
+
+async def test_a_guard_without_upcasters_still_blames_the_newer_event(db: Any) -> None:
+    # What really happened there: the event came newer than the handler's model.
+    @inbox_guard(Inbox(db, consumer="billing", transactional=False), backoff=FAST)
+    async def bill(event: Event, session: Any) -> None:
+        event.payload_as(PlacedV2)
+
+    newer = Event.of(PlacedV3(order="o-1", cents=1, currency="EUR"), type="order.placed")
+    result = await bill.handle(newer)
+    assert result.outcome is Outcome.DEAD_LETTERED
+    assert "is version 3, newer than the version 2 the model PlacedV2 reads" in (result.error or "")
+
+
+def test_inbox_handler_refuses_a_model_with_a_class_version_when_decorated(db: Any) -> None:
+    # Before any message: every one would have failed at payload_as.
+    class Legacy(BaseModel):
+        class_version: ClassVar[int] = 2
+        order: str
+
+    async def mail(placed: Legacy, session: Any) -> None:
+        raise AssertionError("never runs")
+
+    decorate = inbox_handler(Inbox(db, consumer="mailer"), payload=Legacy)
+    with pytest.raises(ConfigurationError, match=r"Legacy\.class_version declares a version"):
+        decorate(mail)

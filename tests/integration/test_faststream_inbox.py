@@ -240,6 +240,9 @@ async def test_typed_payload_reaches_the_handler_and_a_misfit_is_dead_lettered(
     assert [i["n"] for i in await db.invoices.find().to_list(None)] == [7]
     failed = await Inbox(db, consumer="typed").failed()
     assert failed[0]["message_id"] == misfit.id and "not a StrictOrder" in failed[0]["last_error"]
+    # Dead-lettered at once (it would never fit), and its error's class said.
+    assert failed[0]["attempts"] == 1
+    assert failed[0]["last_error"].startswith("InvalidEventError: the payload of event")
 
 
 async def test_nats_last_delivery_is_dead_lettered_not_dropped(

@@ -10,7 +10,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from mongo_outbox.cli.brokers import COMMAND_LINE, Broker, Nats, RabbitMQ, broker_options
+from mongo_outbox.cli.brokers import (
+    COMMAND_LINE,
+    Broker,
+    Nats,
+    RabbitMQ,
+    broker_options,
+    optional_broker_options,
+)
 
 
 @click.command()
@@ -97,3 +104,20 @@ def test_max_message_size_is_a_positive_number_of_bytes() -> None:
     for bad in ("0", "-5", "16MiB"):
         refused = run("--rabbitmq", "amqp://b", "--max-message-size", bad)
         assert refused.exit_code == 2 and "--max-message-size" in refused.output
+
+
+@click.command()
+@optional_broker_options
+def maybe_publish(broker: Broker | None) -> None:
+    click.echo(repr(broker))
+
+
+def test_a_command_that_may_run_without_a_broker_gets_none_and_one_broker_at_most() -> None:
+    # replay --dry-run: nothing is sent, so no broker is needed (or checked).
+    assert CliRunner().invoke(maybe_publish, [], env={}).output.strip() == "None"
+    alone = CliRunner().invoke(maybe_publish, ["--subject", "s.{type}"], env={})
+    assert alone.exit_code == 0 and alone.output.strip() == "None"
+    named = CliRunner().invoke(maybe_publish, ["--nats", "nats://a"], env={})
+    assert named.exit_code == 0 and named.output.startswith("Nats(")
+    two = CliRunner().invoke(maybe_publish, ["--nats", "nats://a", "--rabbitmq", "amqp://b"])
+    assert two.exit_code == 1 and "name one broker" in two.output

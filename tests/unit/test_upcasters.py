@@ -5,6 +5,7 @@ misread."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -165,6 +166,10 @@ def test_an_event_newer_than_the_reader_is_refused_with_its_own_error() -> None:
         3,
     )
     assert error.newer and "newer than the version 3" in str(error)
+    assert error.reader == "the Upcasters registry"
+    with pytest.raises(IncompatibleEventError) as refused:
+        upcasters.upcast(event, 2, reader="consumer billing")
+    assert refused.value.reader == "consumer billing"
 
 
 def test_an_event_older_than_the_first_step_is_refused_naming_the_missing_step() -> None:
@@ -196,14 +201,66 @@ def test_a_step_whose_headers_are_positional_only_is_refused_when_registered() -
         Upcasters().register("t", {1: positional})
 
 
-def test_an_async_step_is_refused_when_registered() -> None:
-    # It was registered, and its coroutine stood for the payload: every old event retried,
-    # then dead-lettered.
-    async def step(payload: dict[str, Any]) -> dict[str, Any]:
+async def async_step(payload: dict[str, Any], extra: int = 0) -> dict[str, Any]:
+    return payload
+
+
+async def async_generator_step(payload: dict[str, Any]) -> Any:
+    yield payload
+
+
+class AsyncCall:
+    async def __call__(self, payload: dict[str, Any]) -> dict[str, Any]:
         return payload
 
-    with pytest.raises(ConfigurationError, match="is async"):
-        Upcasters().register("t", {1: step})
+    async def method(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return payload
+
+
+class AsyncGeneratorCall:
+    async def __call__(self, payload: dict[str, Any]) -> Any:
+        yield payload
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        async_step,
+        functools.partial(async_step, extra=1),
+        functools.partial(functools.partial(async_step), extra=1),
+        AsyncCall(),
+        functools.partial(AsyncCall()),
+        AsyncCall().method,
+        async_generator_step,
+        AsyncGeneratorCall(),
+    ],
+    ids=[
+        "async-def",
+        "partial",
+        "partial-of-partial",
+        "async-call",
+        "partial-of-async-call",
+        "async-method",
+        "async-generator",
+        "async-generator-call",
+    ],
+)
+def test_an_async_step_is_refused_when_registered(step: Any) -> None:
+    # It was registered, and its coroutine stood for the payload: every old event retried,
+    # then dead-lettered.
+    upcasters = Upcasters()
+    with pytest.raises(ConfigurationError, match="the step from v1 is async") as refused:
+        upcasters.register("t", {1: step})
+    assert refused.value.setting == "Upcasters.register('t')"
+    assert upcasters.latest("t") is None  # nothing registered
+
+
+def test_a_plain_step_that_returns_a_coroutine_fails_without_leaving_it_unawaited() -> None:
+    # Registration cannot see it; the upcast refuses the coroutine, and closes it (else a
+    # "never awaited" warning, an error under this suite's filterwarnings).
+    upcasters = Upcasters().register("t", {1: lambda payload: async_step(payload)})
+    with pytest.raises(InvalidEventError, match="returned a coroutine, not the payload dict"):
+        upcasters.upcast(Event(type="t", payload={"a": 1}))
 
 
 def test_steps_registered_from_two_threads_at_once_are_all_kept(
@@ -308,6 +365,55 @@ def test_a_model_declares_its_version_as_a_class_variable_only() -> None:
         with pytest.raises(ConfigurationError, match="whole number from 1") as bad:
             version_of(model)
         assert bad.value.setting == f"{model.__name__}.event_version"
+
+
+class EventsourcingStyle(BaseModel):
+    """How the eventsourcing library declares a version, and its upcaster."""
+
+    class_version: ClassVar[int] = 2
+    order: str
+    cents: int
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        state["cents"] = state.pop("euros") * 100
+
+
+class ClassVersionField(BaseModel):
+    class_version: int = 2
+    order: str
+
+
+class BothVersions(BaseModel):
+    event_version: ClassVar[int] = 2
+    class_version: ClassVar[int] = 2
+
+
+@pytest.mark.parametrize("model", [EventsourcingStyle, ClassVersionField, BothVersions])
+def test_a_class_version_is_refused_with_a_pointer_to_event_version_and_upcasters(
+    model: type[BaseModel],
+) -> None:
+    # It was stamped version 1 in silence (a field of that name travelled in the payload).
+    for use in (
+        lambda: Event.of(model.model_construct(order="o", cents=1), type="order.placed"),
+        lambda: Event(type="order.placed", payload={"order": "o"}).payload_as(model),
+        lambda: version_of(model),
+    ):
+        with pytest.raises(ConfigurationError, match="event_version: ClassVar") as refused:
+            use()
+        assert refused.value.setting == f"{model.__name__}.class_version"
+        assert "Upcasters().register(" in str(refused.value)
+
+
+def test_a_payload_field_may_be_sent_as_class_version_under_another_name() -> None:
+    from pydantic import Field
+
+    class Course(BaseModel):
+        grade: int = Field(alias="class_version")
+
+    event = Event.of(Course(class_version=3), type="course.created")
+    assert (event.version, event.payload) == (1, {"class_version": 3})
+    assert event.payload_as(Course) == Course(class_version=3)
 
 
 def test_payload_as_upcasts_to_the_models_version_and_refuses_a_newer_event() -> None:

@@ -42,7 +42,7 @@ from mongo_outbox.events import Event
 from mongo_outbox.guard import Guarded, inbox_guard
 from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
 from mongo_outbox.settings import Backoff
-from mongo_outbox.upcasters import Upcasters
+from mongo_outbox.upcasters import Upcasters, version_of
 
 try:
     from faststream import Context
@@ -350,15 +350,23 @@ def inbox_handler(
 
 
 def _typed(handler: _Handler, model: type[BaseModel], upcasters: Upcasters | None) -> _Handler:
+    wanted = version_of(model)  # its version declared wrongly: refused when decorated
+    steps = upcasters or Upcasters()
+    reader = f"the model {model.__name__}"
+
     # functools.wraps keeps the handler's name (the inbox registers it) and its signature (the
     # guard passes ``attempt`` only to a handler that takes it).
     @functools.wraps(handler)
     async def typed(event: Event, session: Any, **keywords: Any) -> None:
+        # Upcast apart from validating: a step that fails (raises, returns no payload) fails
+        # the attempt as it does in inbox_guard, retried and then dead-lettered; an
+        # IncompatibleEventError goes on to the guard, which dead-letters it at once.
+        event = steps.upcast(event, wanted, reader=reader)
         try:
-            # An IncompatibleEventError goes on to the guard, which dead-letters it at once.
-            value = event.payload_as(model, upcasters)
+            value = event.payload_as(model)
         except InvalidEventError as error:
-            raise PoisonMessage(str(error)) from error
+            # A payload that does not fit the model never will: no retry would help.
+            raise PoisonMessage(describe(error)) from error
         await handler(value, session, **keywords)
 
     return typed
