@@ -166,14 +166,17 @@ def _instruments() -> _Instruments | None:
 # -- hooks: where things happen ---------------------------------------------------------------
 
 
-def relay_started(relay: dict[str, str]) -> None:
+def relay_started(relay: dict[str, str], *, recovers: bool = False) -> None:
     """A relay's counters exist from its start, at zero: Prometheus' ``increase()`` reads a
     series that first appears at 1 as no increase, so the first parked event of a process, or
-    its first publish, would go unseen by an alert."""
+    its first publish, would go unseen by an alert. ``recovers``: a change-stream relay's, whose
+    recoveries are counted too."""
     instruments = _instruments()
     if instruments is not None:
         _at_zero(instruments, "published", relay)
         _at_zero(instruments, "failures", relay, "reason", FAILURE_REASONS)
+        if recovers:
+            _at_zero(instruments, "recoveries", relay)
 
 
 def published(relay: dict[str, str] | None, count: int) -> None:
@@ -282,9 +285,12 @@ class RelayGauges:
     ``status()`` read it. A relay is reported from its first ``run()`` on (a relay object
     that only monitors is not), its backlog only while ``run()`` runs."""
 
-    def __init__(self, name: str, database: str, partition: int | None = None) -> None:
+    def __init__(
+        self, name: str, database: str, partition: int | None = None, *, recovers: bool = False
+    ) -> None:
         self.name = name
         self.labels = relay_labels(name, database, partition)
+        self.recovers = recovers  # a change-stream relay: its recoveries are counted
         self.state: State = "starting"
         self.backlog: _Backlog | None = None
 
@@ -307,7 +313,7 @@ class RelayGauges:
         has its backlog: an alert on a gauge's absence would fire at every restart otherwise.
         Without a metrics SDK nothing is read."""
         # The gauges exist from now on, also if nothing is ever published.
-        relay_started(self.labels)
+        relay_started(self.labels, recovers=self.recovers)
         instruments = _instruments()
         if instruments is not None and _collected(instruments.gauges[0]):
             await self._first_read(status)
