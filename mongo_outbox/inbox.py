@@ -396,6 +396,9 @@ class Guarded:
         self.dead_letter = dead_letter
         self.store = InboxStore(inbox)
         metrics.inbox_started(inbox.consumer)
+        self._dead_letters = metrics.InboxGauge(
+            inbox.consumer, inbox.db.name, self.store.count_failed
+        )
         self._wants_attempt = "attempt" in inspect.signature(handler).parameters
         self._attempts = Attempts(
             self.store,
@@ -454,7 +457,19 @@ class Guarded:
             if span is not None:
                 outcome(span, result.outcome.value, result.attempt, result.error)
         metrics.inbox_outcome(self.inbox.consumer, result.outcome.value)
+        self._dead_letters.delivered(result.outcome is Outcome.DEAD_LETTERED)
         return result
+
+    async def prepare(self) -> bool:
+        """What a consumer does before its first delivery: the inbox's indexes made
+        (``Inbox.prepare``, whose answer it returns), and with a metrics SDK the consumer's
+        metrics there at once: its outcome counters at 0 and its dead letters read from the
+        inbox, so that an alert sees its first dead letter. A guard called without it makes
+        the indexes at its first delivery, and its metrics appear with that delivery's."""
+        transactional = await self.inbox.prepare()
+        metrics.inbox_started(self.inbox.consumer)
+        await self._dead_letters.first_read()
+        return transactional
 
     async def _handle(
         self, event: Event, message_id: str, source: str, last_delivery: bool

@@ -13,7 +13,10 @@ cached in memory, which a running relay reads from its ``status()`` as it starts
 collects: the first scrape has them) and then every ``REFRESH_EVERY`` seconds once any gauge
 was observed, so a scrape never waits for MongoDB.
 Ages are computed at observation time from cached moments (the oldest pending event's, the
-last checkpoint's), so they keep growing when a relay is stuck.
+last checkpoint's), so they keep growing when a relay is stuck. A guard's dead letters are
+counted from its inbox the same way, in the guard's event loop (``InboxGauge``): a counter of
+dead letters could not make an alert fire on a consumer's first one (its series appears at 1,
+no increase) nor keep it firing while the message stays dead-lettered.
 
 Prometheus names (the exporter adds ``_total`` to counters and ``_seconds`` for unit ``s``):
 
@@ -30,6 +33,7 @@ Prometheus names (the exporter adds ``_total`` to counters and ``_seconds`` for 
 | ``mongo_outbox_relay_state`` | gauge | ``relay``, ``database``, ``state`` |
 | ``mongo_outbox_inbox_messages_total`` | counter | ``consumer``, ``outcome`` |
 | ``mongo_outbox_handler_duration_seconds`` | histogram | ``consumer`` |
+| ``mongo_outbox_inbox_dead_letters`` | gauge | ``consumer``, ``database`` |
 
 ``reason`` is one of ``FAILURE_REASONS``.
 
@@ -166,14 +170,17 @@ def _instruments() -> _Instruments | None:
 # -- hooks: where things happen ---------------------------------------------------------------
 
 
-def relay_started(relay: dict[str, str]) -> None:
+def relay_started(relay: dict[str, str], *, recovers: bool = False) -> None:
     """A relay's counters exist from its start, at zero: Prometheus' ``increase()`` reads a
     series that first appears at 1 as no increase, so the first parked event of a process, or
-    its first publish, would go unseen by an alert."""
+    its first publish, would go unseen by an alert. ``recovers``: a change-stream relay's, whose
+    recoveries are counted too."""
     instruments = _instruments()
     if instruments is not None:
         _at_zero(instruments, "published", relay)
         _at_zero(instruments, "failures", relay, "reason", FAILURE_REASONS)
+        if recovers:
+            _at_zero(instruments, "recoveries", relay)
 
 
 def published(relay: dict[str, str] | None, count: int) -> None:
@@ -232,14 +239,19 @@ def _at_zero(
     key: str | None = None,
     values: tuple[str, ...] = (),
 ) -> None:
-    """Add 0 to the ``counter``'s series of ``labels`` (one per ``key`` value), once."""
+    """Add 0 to the ``counter``'s series of ``labels`` (one per ``key`` value), once an SDK
+    records them: a zero added before an SDK was installed (a guard made at import, the
+    exporter set up in ``main()``) went nowhere, and remembering it kept the series from ever
+    starting at 0."""
     seen = (counter, frozenset(labels.items()))
     if seen in instruments.zeroed:
         return
-    instruments.zeroed.add(seen)
+    instrument = getattr(instruments, counter)
+    if _collected(instrument):
+        instruments.zeroed.add(seen)
     for value in values or (None,):
         series = labels if key is None else labels | {key: value}
-        getattr(instruments, counter).add(0, series)
+        instrument.add(0, series)
 
 
 @contextlib.contextmanager
@@ -282,9 +294,12 @@ class RelayGauges:
     ``status()`` read it. A relay is reported from its first ``run()`` on (a relay object
     that only monitors is not), its backlog only while ``run()`` runs."""
 
-    def __init__(self, name: str, database: str, partition: int | None = None) -> None:
+    def __init__(
+        self, name: str, database: str, partition: int | None = None, *, recovers: bool = False
+    ) -> None:
         self.name = name
         self.labels = relay_labels(name, database, partition)
+        self.recovers = recovers  # a change-stream relay: its recoveries are counted
         self.state: State = "starting"
         self.backlog: _Backlog | None = None
 
@@ -307,7 +322,7 @@ class RelayGauges:
         has its backlog: an alert on a gauge's absence would fire at every restart otherwise.
         Without a metrics SDK nothing is read."""
         # The gauges exist from now on, also if nothing is ever published.
-        relay_started(self.labels)
+        relay_started(self.labels, recovers=self.recovers)
         instruments = _instruments()
         if instruments is not None and _collected(instruments.gauges[0]):
             await self._first_read(status)
@@ -388,6 +403,106 @@ def _backlogs() -> Iterator[tuple[dict[str, str], _Backlog]]:
             yield gauges.labels, backlog
 
 
+# -- the inbox's dead letters: read from the inbox in the guard's loop, never in a collection --
+
+
+class InboxGauge:
+    """How many messages a guard's consumer has dead-lettered now, as its inbox last said.
+
+    Read before a consumer's first delivery (``first_read``), again after each dead letter
+    the guard makes, and whenever a collection finds the count older than ``REFRESH_EVERY``
+    (a requeue from a shell, another process's dead letter): that read runs in the guard's
+    own event loop, and its count shows from the next collection on. A count is reported
+    once read, and stays until the guard is gone; without a metrics SDK nothing is read.
+    """
+
+    def __init__(self, consumer: str, database: str, read: Callable[[], Awaitable[int]]) -> None:
+        self.consumer = consumer
+        self.labels = {"consumer": consumer, "database": database}
+        self.count: int | None = None
+        self.read_at = float("-inf")  # time.monotonic() when the count's read started
+        self._read = read
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._again = False  # a read was asked for while one ran: it may predate the change
+        self._asked_at = float("-inf")
+        with _lock:
+            _inboxes.add(self)
+
+    async def first_read(self) -> None:
+        """A consumer starts: read the count now (within ``FIRST_READ_TIMEOUT``; an outage
+        leaves it to the refreshes), so that its first scrape has it."""
+        self._loop = asyncio.get_running_loop()
+        if not _gauges_collected():
+            return
+        started = time.monotonic()
+        try:
+            self.count = await asyncio.wait_for(self._read(), FIRST_READ_TIMEOUT)
+            self.read_at = started
+        except Exception as error:  # noqa: BLE001 - the guard itself reports outages
+            log.debug("inbox of %s: dead letters not read at start: %s", self.consumer, error)
+
+    def delivered(self, dead_lettered: bool) -> None:
+        """After a delivery, in the guard's loop: read again after a dead letter (the alert
+        must see the first), or when it was never read, if an SDK collects the gauges."""
+        self._loop = asyncio.get_running_loop()
+        if (dead_lettered or self.count is None) and _gauges_collected():
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Read the count in a task of the running loop: one read at a time, and one more
+        after it when asked for meanwhile."""
+        if self._reading is not None and not self._reading.done():
+            self._again = True
+            return
+        self._reading = asyncio.ensure_future(self._refresh())
+
+    async def _refresh(self) -> None:
+        self._again = True
+        while self._again:
+            self._again = False
+            started = time.monotonic()
+            try:
+                count = await self._read()
+            except Exception as error:  # noqa: BLE001 - the next collection asks again
+                log.debug("inbox of %s: dead letters not read: %s", self.consumer, error)
+                return
+            self.count, self.read_at = count, started
+
+    def ask(self) -> None:
+        """From a collection, in the exporter's thread: a read in the guard's loop when the
+        count is older than ``REFRESH_EVERY``; the collection does not wait for it."""
+        loop, now = self._loop, time.monotonic()
+        if loop is None or now - max(self.read_at, self._asked_at) < REFRESH_EVERY:
+            return
+        self._asked_at = now
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nothing reads any more
+            loop.call_soon_threadsafe(self.refresh)
+
+
+_inboxes: weakref.WeakSet[InboxGauge] = weakref.WeakSet()
+
+
+def _gauges_collected() -> bool:
+    instruments = _instruments()
+    return instruments is not None and _collected(instruments.gauges[0])
+
+
+def _dead_letters() -> Iterator[tuple[float, dict[str, str]]]:
+    with _lock:
+        gauges = list(_inboxes)
+    # Guards of one consumer in one process read the same records: the latest read says.
+    latest: dict[tuple[str, ...], InboxGauge] = {}
+    for gauge in gauges:
+        gauge.ask()
+        key = tuple(gauge.labels.values())
+        if gauge.count is not None and (key not in latest or gauge.read_at > latest[key].read_at):
+            latest[key] = gauge
+    for gauge in latest.values():
+        if gauge.count is not None:
+            yield gauge.count, gauge.labels
+
+
 def _pending() -> Iterator[tuple[float, dict[str, str]]]:
     for labels, backlog in _backlogs():
         yield backlog.pending, labels
@@ -446,6 +561,7 @@ def _observable_gauges(meter: Any) -> list[Any]:
         ("mongo_outbox_checkpoint_lag", "s", "Time since the last checkpoint", _lag),
         ("mongo_outbox_relay_active", "", "Relays that publish now (leader)", _active),
         ("mongo_outbox_relay_state", "", "Relays in each state", _states),
+        ("mongo_outbox_inbox_dead_letters", "", "Messages a consumer dead-lettered", _dead_letters),
     ]
     return [
         meter.create_observable_gauge(

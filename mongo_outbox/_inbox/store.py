@@ -214,6 +214,10 @@ class InboxStore:
             cursor = cursor.limit(limit)
         return list(await cursor.to_list(None))
 
+    async def count_failed(self) -> int:
+        """How many messages this consumer has dead-lettered now (the ``failures`` index)."""
+        return int(await self.coll.count_documents(self._failed(None, None)))
+
     async def requeue(self, message_ids: Sequence[str] | None, event_type: str | None) -> int:
         """Make failed records ``retrying`` afresh; return how many. Ids go in commands of
         bounded size: many long ids in one ``$in`` outgrew the 16 MiB a command may hold."""

@@ -103,7 +103,7 @@ class ChangeStreamRelay(Lifecycle):
         partition: int | None = None,
     ) -> None:
         name = check_name(name, "ChangeStreamRelay.name")
-        self._gauges = metrics.RelayGauges(name, outbox.db.name, partition)
+        self._gauges = metrics.RelayGauges(name, outbox.db.name, partition, recovers=True)
         super().__init__(name, log, self._gauges)
         self.settings = check_relay_settings(settings, "ChangeStreamRelay.settings")
         if partition is not None and (
@@ -128,6 +128,7 @@ class ChangeStreamRelay(Lifecycle):
         lease = self.leader_lease.total_seconds()
         self._rounds.command_wait = max(self._rounds.command_wait, lease)
         self.recoveries = 0
+        self._opened_by_sweep = 0  # streams opened after a sweep (recoveries and first starts)
         self._sweep_due = 0.0
         self._saved_at = float("-inf")
         self._lost = asyncio.Event()
@@ -311,7 +312,7 @@ class ChangeStreamRelay(Lifecycle):
     async def _follow(self) -> None:
         loop = asyncio.get_running_loop()
         self._saved_at = float("-inf")
-        recoveries = self.recoveries
+        swept = self._opened_by_sweep
         stream = await self._open((await self.checkpoint.load()).get("token"))
         self._following_since = None
         # The token after the last batch handled, and whether it passed changes since the last
@@ -322,10 +323,10 @@ class ChangeStreamRelay(Lifecycle):
         token: Any = None
         changed = False
         try:
-            if self.recoveries == recoveries:
+            if self._opened_by_sweep == swept:
                 # Resumed: the token may have moved past entries left due (a publish that
                 # failed, another relay's claim); they come due at their own time, not a sweep
-                # later. A recovery's sweep has scheduled the next one.
+                # later. An opening sweep (a recovery's, a first start's) scheduled the next.
                 await self._schedule_sweep()
             while not self._stopping.is_set():
                 self._check_lease()
@@ -384,7 +385,10 @@ class ChangeStreamRelay(Lifecycle):
 
     async def _open(self, token: Any) -> ChangeStream:
         if token is None:
-            return await self._recover("no checkpoint yet")
+            # Nothing was lost: a first start (or a checkpoint deleted by hand) has no position
+            # to resume from. Counted as a recovery, every relay's first start looked like
+            # a lost history on the dashboard and in status().
+            return await self._recover("no checkpoint yet", lost=False)
         try:
             return await self.source.open(resume_after=token)
         except PyMongoError as error:
@@ -404,13 +408,19 @@ class ChangeStreamRelay(Lifecycle):
         if kind == "resume":
             raise error
 
-    async def _recover(self, reason: str) -> ChangeStream:
-        self.recoveries += 1
-        metrics.recovered(self._gauges.labels)
-        log.warning(
-            "relay %s: recovering (%s): sweeping the outbox, then watching from the cluster "
-            "time taken before the sweep",
+    async def _recover(self, reason: str, *, lost: bool = True) -> ChangeStream:
+        """Sweep, then watch from the cluster time taken before the sweep. ``lost``: the
+        stream's position was lost (a recovery, counted); else there was none yet."""
+        self._opened_by_sweep += 1
+        if lost:
+            self.recoveries += 1
+            metrics.recovered(self._gauges.labels)
+        log.log(
+            logging.WARNING if lost else logging.INFO,
+            "relay %s: %s (%s): sweeping the outbox, then watching from the cluster time taken "
+            "before the sweep",
             self.name,
+            "recovering" if lost else "starting",
             reason,
         )
         start_at = await self.source.cluster_time()

@@ -10,8 +10,9 @@ saying which. A signal while it still connects stops it there (exit 0: it held n
 A signal once the relay has ended is ignored: it only closes its connections.
 
 ``--metrics-port`` serves Prometheus metrics and a health endpoint (``cli.metrics``); a relay
-that failed then keeps them up for ``--metrics-linger`` seconds (or until a signal) before it
-exits 1, so a probe and a last scrape can see the failure.
+that failed then keeps them up for ``--metrics-linger`` seconds (150 by default: two scrapes
+at Prometheus' default 1 m interval; or until a signal) before it exits 1, so that a probe and
+the scrapes see the failure.
 
 ``--drain`` publishes what is due now, with a progress line, and exits: for a one-off job (after
 an outage, before a migration) where no relay runs. It sweeps the collections, so it needs no
@@ -71,6 +72,12 @@ def _default(relay: type, parameter: str) -> float:
 LEADER_LEASE = _default(ChangeStreamRelay, "leader_lease")
 MEMBER_LEASE = _default(RelayGroup, "member_lease")
 
+# Prometheus' default scrape interval. A failed relay serves its failure for two and a half of
+# them, so that at least two scrapes see it whatever their phase (15 s let about three
+# failures in four go unscraped at 1 m), and OutboxRelayFailed fires on it.
+SCRAPE_INTERVAL = 60.0
+METRICS_LINGER = 2.5 * SCRAPE_INTERVAL
+
 
 @click.command()
 @target_options
@@ -125,9 +132,10 @@ MEMBER_LEASE = _default(RelayGroup, "member_lease")
 @option(
     "--metrics-linger",
     type=float,
-    default=15.0,
+    default=METRICS_LINGER,
     show_default=True,
-    help="Seconds a failed relay keeps serving them (/healthz: 503) before it exits.",
+    help="Seconds a failed relay keeps serving them (/healthz: 503) before it exits: at least "
+    "twice the scrape interval, so that a scrape sees the failure.",
 )
 def relay(
     target: Target,

@@ -204,7 +204,7 @@ async def ready(guarded: Guarded) -> None:
     does not start (and uses up no message's deliveries finding out). MongoDB out of reach is
     left to the guard, which retries each message."""
     try:
-        await guarded.inbox.prepare()
+        await guarded.prepare()
     except PyMongoError as error:
         log.warning("inbox of %s unavailable at start: %s", guarded.inbox.consumer, error)
 

@@ -139,6 +139,52 @@ async def test_counters_exist_at_zero_before_their_first_count(db: Any, reader: 
     }
 
 
+async def test_a_consumers_dead_letters_are_a_gauge_read_from_its_inbox(
+    db: Any, reader: Any, quick_refresh: None
+) -> None:
+    # A counter of dead letters cannot raise an alert on a consumer's first one (its series
+    # may first be scraped at 1: no increase) nor keep it up while the message stays dead.
+    guards = {}
+    for consumer in ("billing", "shipping"):  # two consumers, one process
+        inbox = Inbox(db, consumer=consumer, transactional=False)
+
+        @inbox_guard(inbox)
+        async def handler(event: Event, session: Any) -> None:
+            raise PoisonMessage("no customer")
+
+        guards[consumer] = handler
+        await handler.prepare()  # as a consumer does before its first delivery
+
+    def dead(consumer: str) -> Any:
+        return points(reader, "mongo_outbox_inbox_dead_letters").get(
+            at(consumer=consumer, database=db.name)
+        )
+
+    # Read at the start, before any delivery: both there at 0.
+    assert (dead("billing"), dead("shipping")) == (0, 0)
+    first = Event(type="paid", aggregate_type="orders", aggregate_id="o-1")
+    assert (await guards["billing"].handle(first)).outcome.value == "dead_lettered"
+    await until(lambda: dead("billing") == 1, timeout=10, every=0.01)
+    assert dead("shipping") == 0
+
+    # Another process of billing (another guard, another Inbox object) dead-letters a second:
+    # this one's count follows at its next refresh, read from the inbox.
+    other = Inbox(db, consumer="billing", transactional=False)
+
+    @inbox_guard(other)
+    async def elsewhere(event: Event, session: Any) -> None:
+        raise PoisonMessage("no customer")
+
+    second = Event(type="paid", aggregate_type="orders", aggregate_id="o-2")
+    assert (await elsewhere.handle(second)).outcome.value == "dead_lettered"
+    await until(lambda: dead("billing") == 2, timeout=10, every=0.01)
+    # A requeue (from a shell, say) takes it down; what stays dead-lettered stays counted.
+    assert await other.requeue([first.id]) == 1
+    await until(lambda: dead("billing") == 1, timeout=10, every=0.01)
+    await asyncio.sleep(0.3)  # refreshes go on: it stays at 1
+    assert (dead("billing"), dead("shipping")) == (1, 0)
+
+
 async def test_publish_failures_are_counted_by_reason_and_publishes_per_relay(
     db: Any, reader: Any
 ) -> None:
@@ -262,10 +308,12 @@ async def test_change_stream_relays_report_leadership_checkpoint_lag_and_recover
             at(database=db.name, relay="streamer"): 3
         }
         assert len(publisher.events) == 3
-        # Its first start found no checkpoint: one recovery (sweep, then watch).
+        # Its first start found no checkpoint: it swept, then watched, and lost nothing, so
+        # that is no recovery; the counter is there at 0, so a first recovery is an increase.
         assert points(reader, "mongo_outbox_relay_recoveries") == {
-            at(database=db.name, relay="streamer"): 1
+            at(database=db.name, relay="streamer"): 0
         }
+        assert (await leader.status()).recoveries == 0
     finally:
         leader.stop()
         standby.stop()

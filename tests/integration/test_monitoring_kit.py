@@ -36,6 +36,9 @@ MATCHED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
 # Only a relay group's members carry ``partition`` (metrics.relay_labels); the relay here is
 # not one.
 GROUP_ONLY = {"partition"}
+# Labels Prometheus gives series itself: ``job`` and ``instance`` to each scraped one (and its
+# ``up``), ``alertname`` to its ``ALERTS``.
+PROMETHEUS = {"job", "instance", "alertname"}
 
 CONSUMER = """
 import asyncio, sys
@@ -201,7 +204,7 @@ async def test_every_panel_and_alert_names_series_that_live_processes_export(
         missing = names - live.keys()
         assert not missing, f"{where} names series no live process exports: {missing}"
         used |= names
-        labels = set().union(*(live[name] for name in names)) | GROUP_ONLY
+        labels = set().union(*(live[name] for name in names)) | GROUP_ONLY | PROMETHEUS
         grouped = {label.strip() for group in GROUPED.findall(expr) for label in group.split(",")}
         matched = set(MATCHED.findall(expr))
         assert (grouped | matched) - {""} <= labels, f"{where}: labels {expr}"

@@ -1,23 +1,12 @@
-"""promtool, for the alert rules' and the dashboard's tests: Debian's ``prometheus`` package
-ships it, and ``.ci/run`` installs it when it is missing. Without it the tests that need it fail
-in CI (``CI`` set) and are skipped, with the reason shown, on a developer's machine."""
+"""promtool, for the alert rules' and the dashboard's tests (tests/support/promtool.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
-INSTALL = "apt-get install -y --no-install-recommends prometheus"
+from tests.support.promtool import promtool_or_skip
 
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        message = f"promtool is not installed: {INSTALL} (Debian), as .ci/run does"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
+    return promtool_or_skip()

@@ -90,6 +90,41 @@ def test_every_variable_a_query_uses_is_defined() -> None:
             assert used <= defined | builtin, panel["title"]
 
 
+def unit_of(panel: dict[str, Any], ref: str) -> tuple[str | None, str]:
+    """The unit and axis placement Grafana gives query ``ref`` of ``panel``: the panel's
+    defaults, then each override that matches it by its refId."""
+    config = panel.get("fieldConfig", {})
+    unit = config.get("defaults", {}).get("unit")
+    axis = config.get("defaults", {}).get("custom", {}).get("axisPlacement", "auto")
+    for override in config.get("overrides", []):
+        if override["matcher"] == {"id": "byFrameRefID", "options": ref}:
+            for prop in override["properties"]:
+                if prop["id"] == "unit":
+                    unit = prop["value"]
+                elif prop["id"] == "custom.axisPlacement":
+                    axis = prop["value"]
+    return unit, axis
+
+
+def test_a_query_is_shown_in_seconds_exactly_when_it_measures_seconds() -> None:
+    # "Checkpoint lag and recoveries" showed its count of recoveries in seconds, on the lag's
+    # axis. A rate is per second ("ops"), not seconds; a histogram's buckets of seconds are.
+    for panel in dashboard()["panels"]:
+        axes: dict[str | None, set[str]] = {}
+        for target in panel.get("targets", []):
+            unit, axis = unit_of(panel, target["refId"])
+            names = re.findall(r"\bmongo_outbox_[a-z_]+\b", target["expr"])
+            seconds = all(re.search(r"_seconds(_bucket)?$", name) for name in names)
+            rate = "rate(" in target["expr"] and "histogram_quantile" not in target["expr"]
+            assert (unit == "s") == (seconds and not rate), f"{panel['title']} {target['refId']}"
+            axes.setdefault(unit, set()).add(axis)
+        # Two units on one panel need an axis each.
+        if len(axes) > 1:
+            placements = [next(iter(placed)) for placed in axes.values()]
+            assert all(len(placed) == 1 for placed in axes.values()), panel["title"]
+            assert len(set(placements)) == len(placements), panel["title"]
+
+
 def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
     titles = " / ".join(p["title"] for p in dashboard()["panels"])
     for shown in (
