@@ -95,6 +95,29 @@ async def parked(
     return await choose_parked(store_for(conn.outbox), types, aggregates, read)
 
 
+PARKED_FIELDS = (
+    "_id",
+    "type",
+    "aggregate_type",
+    "aggregate_id",
+    "sequence",
+    "attempts",
+    "last_error",
+)
+FAILED_FIELDS = ("consumer", "message_id", "event_type", "failed_at", "attempts", "last_error")
+
+
+def parked_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows of a parked entry: these fields only (not its payload), each
+    ``None`` when the entry has none."""
+    return {name: entry.get(name) for name in PARKED_FIELDS}
+
+
+def failed_row(record: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows of a failed inbox message."""
+    return {name: record.get(name) for name in FAILED_FIELDS}
+
+
 async def inbox_failures(conn: Connection, places: Places) -> list[dict[str, Any]]:
     """The failed messages of every consumer, the latest first, at most ``SHOWN`` each."""
     records: list[dict[str, Any]] = []
