@@ -190,7 +190,7 @@ async def test_reading_needs_a_sign_in_when_required(
         page = await http.get("/")
         assert page.status_code == 401 and 'action="/login"' in page.text
         assert saved["b"][0].id not in page.text and "parked" not in page.text
-        for path in ("/api/overview", "/api/history"):
+        for path in ("/api/overview", "/api/history", "/api/outboxes"):
             answer = await http.get(path)
             assert answer.status_code == 401 and answer.json() == {
                 "error": "sign in to read this console"

@@ -14,10 +14,15 @@ in. Without configured credentials nobody can sign in, and the page says the con
 read-only. Responses forbid framing (a hidden frame could make an operator click "requeue") and
 allow scripts and styles from the console only. The data a page or a JSON answer shows is
 redacted before it is rendered (``redaction.py``): no credential is ever shown.
+
+A page tells what it could not read: when MongoDB does not answer, the page says so on top and
+shows no number in place of those it could not read; each part read when the page was made
+carries its time, and its script marks it stale once the live numbers moved on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlencode
 
 import jinja2
@@ -43,13 +48,18 @@ from mongo_outbox.cli.console.hosts import HostCheck, allowed_hosts
 from mongo_outbox.cli.console.limits import OVERALL, PER_CLIENT, Rate, SignInLimit, retry_after
 from mongo_outbox.cli.console.redaction import redacted
 from mongo_outbox.errors import OutboxError
-from mongo_outbox.events import as_utc
+from mongo_outbox.events import as_utc, utc_now
 
 log = logging.getLogger("mongo_outbox.cli")
+T = TypeVar("T")
 
 HERE = Path(__file__).parent
 MAX_FORM = 64 * 1024
 """Bytes a form may have: a requeue of every shown event fits many times over."""
+READ_TIMEOUT = 10.0
+"""Seconds the reads of one page or one JSON answer may take: a MongoDB that stopped answering
+(a connection hung without a reset) shows as an outage, not as a page that never comes. A
+MongoDB that refuses connections fails sooner, at the client's server selection timeout (3 s)."""
 READ_ONLY = "the console is read-only: no credentials are configured"
 SIGN_IN_TO_READ = "sign in to read this console"
 
@@ -83,6 +93,7 @@ class Settings:
     trusted_proxies: tuple[str, ...] = ()
     guesses_per_client: Rate = PER_CLIENT
     guesses_overall: Rate = OVERALL
+    read_timeout: float = READ_TIMEOUT
     sample_every: float = 5.0
     samples_kept: int = 180
 
@@ -94,6 +105,10 @@ class Refused(Exception):
         super().__init__(reason)
         self.status = status
         self.reason = reason
+
+
+class Unread(Exception):
+    """What a page or an answer needed could not be read from MongoDB; the message says why."""
 
 
 def create_app(conns: Sequence[Connection], settings: Settings) -> Starlette:
@@ -126,6 +141,7 @@ class Console:
                 Route("/", self.page),
                 Route("/api/overview", self.overview_json),
                 Route("/api/history", self.history_json),
+                Route("/api/outboxes", self.outboxes_json),
                 Route("/login", self.login, methods=["POST"]),
                 Route("/logout", self.logout, methods=["POST"]),
                 Route("/parked/requeue", self.requeue_parked, methods=["POST"]),
@@ -205,6 +221,19 @@ class Console:
             raise Refused(404, "this console serves no such database")
         return self.conns[name]
 
+    async def _read(self, reads: Awaitable[T]) -> T:
+        """What ``reads`` read, within the read timeout, else ``Unread`` saying why.
+
+        A timeout of asyncio's, not PyMongo's: PyMongo's would also stretch its server
+        selection to the whole timeout, and a MongoDB that refuses connections would take
+        that long to show as down."""
+        try:
+            return await asyncio.wait_for(reads, self.settings.read_timeout)
+        except (OutboxError, PyMongoError) as problem:
+            raise Unread(one_line(problem)) from None
+        except asyncio.TimeoutError:
+            raise Unread(f"no answer within {self.settings.read_timeout:g} s") from None
+
     def _render(self, name: str, **context: Any) -> str:
         return self.templates.get_template(name).render(**context)
 
@@ -227,11 +256,12 @@ class Console:
         except Refused as refused:
             return self._refused(request, refused)
         target, places = self.settings.target, self.settings.places
+        read_at = utc_now()
 
         async def read() -> dict[str, Any]:
             outboxes = []
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
-                outboxes = [await data.overview(c, target, places) for c in self.conns.values()]
+                outboxes = [await data.backlog(c) for c in self.conns.values()]
             overview = await data.overview(conn, target, places)
             choice = await data.parked(conn, types, aggregates)
             failed = await data.inbox_failures(conn, places)
@@ -249,11 +279,12 @@ class Console:
             }
 
         try:
-            found = await read()
-        except (OutboxError, PyMongoError) as problem:
-            parked = {"entries": [], "total": 0, "matching": 0, "types": []}
-            found = {"outboxes": [], "overview": None, "parked": parked, "failed": []}
-            found["error"] = one_line(problem)
+            found = await self._read(read())
+        except Unread as problem:
+            # Nothing read, nothing shown: the parts it could not read are said to be unread,
+            # never shown as zeros.
+            found = {"outboxes": [], "overview": None, "parked": None, "failed": None}
+            found["error"] = str(problem)
         notice, session.notice = session.notice, None
         shown = self._shown(
             {
@@ -270,6 +301,8 @@ class Console:
             **common,
             **shown,
             uri=self.shown_uri,
+            read_at=read_at,
+            relays_signature=_signature(shown["overview"]),
             signed_in=session.signed_in,
             sample_every=self.settings.sample_every,
         )
@@ -282,12 +315,26 @@ class Console:
         try:
             conn = self._conn(request.query_params.get("db"))
             places = self.settings.places
-            report = await data.overview(conn, self.settings.target, places)
+            report = await self._read(data.overview(conn, self.settings.target, places))
         except Refused as refused:
             return self._json(request, {"error": refused.reason}, refused.status)
-        except (OutboxError, PyMongoError) as problem:
-            return self._json(request, {"error": one_line(problem)}, 503)
+        except Unread as problem:
+            return self._json(request, {"error": str(problem)}, 503)
         return self._json(request, report)
+
+    async def outboxes_json(self, request: Request) -> Response:
+        """Each outbox's backlog: the table of ``--databases``, read at once."""
+        if not self._may_read(request):
+            return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
+
+        async def read() -> list[dict[str, Any]]:
+            return [await data.backlog(c) for c in self.conns.values()]
+
+        try:
+            rows = await self._read(read())
+        except Unread as problem:
+            return self._json(request, {"error": str(problem)}, 503)
+        return self._json(request, {"outboxes": rows})
 
     async def history_json(self, request: Request) -> Response:
         if not self._may_read(request):
@@ -436,6 +483,24 @@ class Console:
             )
 
         return await self._act(request, action)
+
+
+def _signature(overview: dict[str, Any] | None) -> str:
+    """The relays and partitions shown, as one text: the page's script builds the same from
+    the live overview, and marks the relays stale when the two differ."""
+    if overview is None:
+        return ""
+    rows = ["|".join(_text(r["name"], r["state"], r["lease_holder"])) for r in overview["relays"]]
+    for group in overview["groups"]:
+        for p in group["partitions"]:
+            rows.append(
+                "|".join(_text(group["name"], p["partition"], p["state"], p["lease_holder"]))
+            )
+    return ";".join(rows)
+
+
+def _text(*values: Any) -> list[str]:
+    return ["" if value is None else str(value) for value in values]
 
 
 def _field(fields: dict[str, list[str]], name: str) -> str:

@@ -26,7 +26,7 @@ from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import ParkedChoice, choose_parked
-from mongo_outbox.cli.common import Connection, Target, one_line
+from mongo_outbox.cli.common import Connection, Target, ago, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
 from mongo_outbox.events import utc_now
@@ -75,6 +75,20 @@ async def overview(conn: Connection, target: Target, places: Places) -> dict[str
         for name, leases in sorted(groups.items())
     ]
     return report
+
+
+async def backlog(conn: Connection) -> dict[str, Any]:
+    """One outbox's row of the ``--databases`` table: its backlog and parked count, as
+    ``status`` reads them."""
+    store = store_for(conn.outbox)
+    counts = await store.backlog()
+    oldest = ago(counts.oldest, utc_now())
+    return {
+        "database": conn.db.name,
+        "pending": counts.pending,
+        "oldest_pending_age_seconds": oldest.total_seconds() if oldest else None,
+        "parked": await store.parked_count(),
+    }
 
 
 async def _members(conn: Connection, places: Places, group: str) -> list[dict[str, Any]]:
