@@ -19,7 +19,8 @@ import pytest
 
 from mongo_outbox import Event, Inbox, Outbox
 from mongo_outbox._relay.store import store_for
-from tests.support.console import TOKEN, dead_letter, leases, park, served
+from tests.support.console import TOKEN, dead_letter, leases, park, park_one, served
+from tests.support.hanging_mongo import HangingMongo
 from tests.support.servers import MongoServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -131,3 +132,66 @@ async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
         await expect(page.locator("#notice")).to_contain_text("requeued 1 failed messages")
         assert await Inbox(db, consumer="billing").failed() == []
         await context.close()
+
+
+@pytest.mark.slow
+async def test_an_open_page_refreshes_what_it_shows_together_and_tells_an_outage_at_once(
+    browser: Any, mongo: MongoServer, db: Any
+) -> None:
+    from playwright.async_api import expect
+
+    expect.set_options(timeout=15_000)
+    other = db.client[f"{db.name}_b"]
+    try:
+        await park(db)
+        async with HangingMongo(mongo.uri) as path:
+            names = f"--databases={db.name},{other.name}"
+            async with served(mongo, db, names, "--sample-interval=0.5", uri=path.uri) as (
+                _,
+                url,
+            ):
+                page = await browser.new_page()
+                await page.goto(url)
+                await expect(page.locator("#parked-count")).to_have_text("4")
+                await expect(page.locator("#outage")).to_be_hidden()
+                await expect(page.locator("#backlog .live-as-of")).to_contain_text("live")
+                row = page.locator(f'tr.outbox[data-database="{other.name}"]')
+                await expect(row.locator(".pending")).to_have_text("0")
+
+                # The table of databases follows the other database's backlog.
+                await Outbox(other).save_with_events(
+                    None, other.orders, {"_id": 1}, [Event(type="x")]
+                )
+                await expect(row.locator(".pending")).to_have_text("1")
+
+                # The live count moves on; the list read with the page says it is stale.
+                await expect(page.locator("#parked")).not_to_have_class(re.compile("stale"))
+                await park_one(db, "d")
+                await expect(page.locator("#parked-count")).to_have_text("5")
+                await expect(page.locator("#parked")).to_have_class(re.compile("stale"))
+                await expect(page.locator("#parked .as-of")).to_contain_text("changed since")
+                await expect(page.locator("#parked-shown")).to_have_text("4 of 4 parked events")
+
+                # MongoDB down: said on top at once; the numbers are marked stale, not zeroed.
+                await path.cut()
+                await expect(page.locator("#outage")).to_be_visible()
+                await expect(page.locator("#outage")).to_contain_text("MongoDB did not answer")
+                await expect(page.locator("#backlog")).to_have_class(re.compile("stale"))
+                await expect(page.locator("#outboxes")).to_have_class(re.compile("stale"))
+                await expect(page.locator("#backlog .live-as-of")).to_contain_text("stale: as of")
+                await expect(page.locator("#parked-count")).to_have_text("5")
+
+                # A fresh load says it too, and shows no number it could not read.
+                fresh = await browser.new_page()
+                await fresh.goto(url)
+                await expect(fresh.locator("#outage")).to_contain_text("MongoDB did not answer")
+                await expect(fresh.locator("#parked-count")).to_have_count(0)
+                await expect(fresh.locator("#parked")).to_contain_text("Not read")
+                await expect(fresh.locator("#inbox")).not_to_contain_text("No failed messages")
+
+                await path.mend()
+                await expect(page.locator("#outage")).to_be_hidden()
+                await expect(page.locator("#backlog")).not_to_have_class(re.compile("stale"))
+                await expect(fresh.locator("#outage")).to_contain_text("answers again")
+    finally:
+        await db.client.drop_database(other.name)

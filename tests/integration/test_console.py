@@ -311,7 +311,8 @@ async def test_weak_or_half_given_credentials_stop_the_command_in_one_line(
     where = [f"--uri={mongo.uri}", f"--db={db.name}", "--port=0"]
     weak = await cli("console", *where, env=environment(MONGO_OUTBOX_CONSOLE_TOKEN="short-tkn"))
     assert weak.code == 1 and weak.err.strip() == (
-        "mongo-outbox: MONGO_OUTBOX_CONSOLE_TOKEN must be at least 12 characters long"
+        "mongo-outbox: MONGO_OUTBOX_CONSOLE_TOKEN must be at least 12 characters long, not "
+        "counting whitespace"
     )
     half = await cli("console", *where, env=environment(MONGO_OUTBOX_CONSOLE_USER="ops"))
     assert half.code == 1 and "MONGO_OUTBOX_CONSOLE_PASSWORD" in half.err

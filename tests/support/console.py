@@ -54,6 +54,16 @@ async def park(db: Any, mode: str = "collection") -> dict[str, list[Event]]:
     return saved
 
 
+async def park_one(db: Any, aggregate: str, mode: str = "collection") -> Event:
+    """One more parked event, of a new aggregate."""
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    event = Event(type="poison")
+    await outbox.save_with_events(None, db.orders, {"_id": aggregate}, [event])
+    broken = MemoryPublisher(fail=lambda e: ValueError("cannot encode"))
+    await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
+    return event
+
+
 async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
     @inbox_guard(Inbox(db, consumer=consumer, transactional=False))
     async def broken(event: Event, session: Any) -> None:
@@ -111,36 +121,55 @@ async def in_process(
     mode: str = "collection",
     credentials: Credentials | None = None,
     sample_every: float = 5.0,
+    databases: tuple[Any, ...] = (),
+    **options: Any,
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """The console of ``db``'s outbox, called in process; its sampler runs."""
-    where = target(mongo, db, mode)
-    conn = Connection(client, db, where.outbox(db))
+    """The console of ``db``'s outbox (and of ``databases``' too), called in process, from the
+    client address 127.0.0.1; its samplers run. ``options`` are more of its ``Settings``."""
+    where = options.pop("target", None) or target(mongo, db, mode)
+    conns = [Connection(client, d, where.outbox(d)) for d in (db, *databases)]
     settings = Settings(
         target=where,
         places=Places(),
         credentials=credentials or Credentials(),
         sample_every=sample_every,
+        **options,
     )
-    console = Console([conn], settings)
+    console = Console(conns, settings)
     app = console.app
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
-            CONSOLES[id(http)] = console
-            try:
-                yield http
-            finally:
-                del CONSOLES[id(http)]
+        async with visitor(console) as http:
+            yield http
+
+
+@contextlib.asynccontextmanager
+async def visitor(
+    console: Console, address: str = "127.0.0.1", base_url: str = "http://127.0.0.1"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of ``console`` (its lifespan already running) from ``address``, with cookies
+    of its own."""
+    transport = httpx.ASGITransport(app=console.app, client=(address, 50000))
+    async with httpx.AsyncClient(transport=transport, base_url=base_url) as http:
+        CONSOLES[id(http)] = console
+        try:
+            yield http
+        finally:
+            del CONSOLES[id(http)]
 
 
 CONSOLES: dict[int, Console] = {}
 
 
+def console_of(http: httpx.AsyncClient) -> Console:
+    return CONSOLES[id(http)]
+
+
 def session_of(http: httpx.AsyncClient) -> Session:
-    """The console's session of this client's cookie."""
-    found = CONSOLES[id(http)].sessions.get(http.cookies.get(COOKIE))
-    assert found is not None, "no session"
-    return found
+    """The console's session of this client's cookie: signed in, or a visitor's (kept
+    nowhere, its CSRF token derived from its id)."""
+    cookie = http.cookies.get(COOKIE)
+    assert cookie, "no cookie"
+    return CONSOLES[id(http)].sessions.of(cookie)[0]
 
 
 def csrf_of(page: str) -> str:
@@ -159,13 +188,18 @@ async def sign_in(http: httpx.AsyncClient, token: str = TOKEN) -> str:
 
 @contextlib.asynccontextmanager
 async def served(
-    mongo: MongoServer, db: Any, *args: str, env: dict[str, str] | None = None
+    mongo: MongoServer,
+    db: Any,
+    *args: str,
+    env: dict[str, str] | None = None,
+    uri: str | None = None,
 ) -> AsyncIterator[tuple[Service, str]]:
-    """``mongo-outbox console`` on a free port: the service and the URL it printed."""
+    """``mongo-outbox console`` on a free port (of ``uri``'s MongoDB, the test one's by
+    default): the service and the URL it printed."""
     where = [] if any(a.startswith("--databases") for a in args) else [f"--db={db.name}"]
     service = Service(
         "console",
-        f"--uri={mongo.uri}",
+        f"--uri={uri or mongo.uri}",
         *where,
         "--port=0",
         *args,

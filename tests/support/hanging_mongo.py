@@ -1,7 +1,8 @@
 """A FAKE network path to the test MongoDB that can hang one connection: a TCP proxy that, once
 told which command to catch, swallows the next request of that command and leaves its
 connection open and silent, as a connection hung without a reset is (a stalled NAT or firewall,
-a half-open socket). Every other request, and every new connection, goes through."""
+a half-open socket). Every other request, and every new connection, goes through. It can also
+be cut (every connection reset, new ones refused: MongoDB down) and mended again."""
 
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ class HangingMongo:
         for writer in self.writers:
             writer.transport.abort()
         await self.server.wait_closed()
+
+    async def cut(self) -> None:
+        """MongoDB down, as its clients see it: every connection reset, new ones refused."""
+        await self.__aexit__()
+
+    async def mend(self) -> None:
+        """MongoDB back, on the same port."""
+        await self.__aenter__()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream = await asyncio.open_connection(*self.target)

@@ -4,9 +4,12 @@ and requeues parked events and failed inbox messages.
 
 It needs the ``console`` extra (Starlette, Jinja2, uvicorn): ``pip install
 'mongo-outbox[console]'``, checked before anything else, as ``--metrics-port`` checks its own.
-The page is read-only unless credentials are set in the environment (``auth.py``), and it
-listens on 127.0.0.1 unless ``--host`` says otherwise. ``app.py`` is the web application,
-``data.py`` what it reads, through the same functions as ``status``, ``parked`` and ``inbox``.
+The page is read-only unless credentials are set in the environment (``auth.py``), it listens on
+127.0.0.1 unless ``--host`` says otherwise, answers to its allowed host names only
+(``hosts.py``), and beyond loopback shows nothing until one signs in. ``app.py`` is the web
+application, ``data.py`` what it reads, through the same functions as ``status``, ``parked`` and
+``inbox``; ``redaction.py`` keeps credentials off what it shows, ``limits.py`` limits sign-in
+guesses.
 """
 
 from __future__ import annotations
@@ -72,6 +75,27 @@ def check_extra() -> None:
     help="Show the outbox of each of these databases (comma-separated; tenants), instead of "
     "--db's.",
 )
+@option(
+    "--allowed-host",
+    help="Another host name the console answers to (comma-separated; the loopback names and "
+    "--host are allowed): the name a reverse proxy that keeps the original Host passes on.",
+)
+@option(
+    "--require-sign-in/--no-require-sign-in",
+    default=None,
+    help="Show nothing until one signs in [default: on when --host is beyond loopback].",
+)
+@option(
+    "--secure-cookies",
+    is_flag=True,
+    help="Mark the session cookie Secure, for a console reached over HTTPS only (behind a "
+    "proxy that terminates TLS).",
+)
+@option(
+    "--trusted-proxies",
+    help="Addresses of the proxies whose X-Forwarded-For and X-Forwarded-Proto are believed "
+    "(comma-separated; none by default).",
+)
 @option("--checkpoints", default="outbox_relays", show_default=True, help="Relays' checkpoints.")
 @option("--inbox-collection", default="inbox", show_default=True, help="The inbox collection.")
 @option(
@@ -93,6 +117,10 @@ def console(
     host: str,
     port: int,
     databases: str | None,
+    allowed_host: str | None,
+    require_sign_in: bool | None,
+    secure_cookies: bool,
+    trusted_proxies: str | None,
     checkpoints: str,
     inbox_collection: str,
     sample_interval: float,
@@ -103,7 +131,8 @@ def console(
 
     Signing in needs MONGO_OUTBOX_CONSOLE_TOKEN, or MONGO_OUTBOX_CONSOLE_USER and
     MONGO_OUTBOX_CONSOLE_PASSWORD, in the environment (never on the command line); without
-    them the console is read-only.
+    them the console is read-only. Beyond loopback, reading needs a sign-in too
+    (--no-require-sign-in for an open page behind a proxy that authenticates).
     """
     check_extra()
     from mongo_outbox.cli.console.app import Settings
@@ -113,8 +142,20 @@ def console(
     if names:  # connected() checks the first; the others are on the same server
         target = dataclasses.replace(target, db=names[0])
 
+    from mongo_outbox.cli.console.hosts import allowed_hosts, is_loopback
+
+    if require_sign_in is None:
+        require_sign_in = not is_loopback(host)
     try:
         credentials = Credentials.from_env(os.environ)
+        extra_hosts = _listed(allowed_host)
+        allowed_hosts(host, extra_hosts)  # a name that is none fails here, in one line
+        if require_sign_in and not credentials.configured:
+            raise CredentialsError(
+                f"reading needs a sign-in (--require-sign-in, the default beyond loopback), "
+                f"and nobody can sign in: set {TOKEN}, or {USER} and its password, or pass "
+                "--no-require-sign-in"
+            )
         every = check_seconds(sample_interval, "--sample-interval")
         # Minutes, not check_seconds's seconds: its message would say "s".
         if not (math.isfinite(history) and history > 0):
@@ -129,10 +170,18 @@ def console(
         places=Places(checkpoints, inbox_collection),
         credentials=credentials,
         host=host,
+        allowed_hosts=extra_hosts,
+        require_sign_in=require_sign_in,
+        secure_cookies=secure_cookies,
+        trusted_proxies=_listed(trusted_proxies),
         sample_every=every,
         samples_kept=keep,
     )
     run(_serve(settings, port, names))
+
+
+def _listed(option: str | None) -> tuple[str, ...]:
+    return tuple(item.strip() for item in (option or "").split(",") if item.strip())
 
 
 async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> None:
@@ -152,7 +201,8 @@ async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> N
                 for sig, handler in before.items():
                     signal.signal(sig, handler)
 
-    from mongo_outbox.cli.console.app import LOOPBACK, create_app
+    from mongo_outbox.cli.console.app import create_app
+    from mongo_outbox.cli.console.hosts import is_loopback
 
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
@@ -169,12 +219,17 @@ async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> N
                     for db in (conn.client[name] for name in databases)
                 ]
             app = create_app(conns, settings)
-            server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+            # The app believes the proxies it was told to (--trusted-proxies), and no other:
+            # uvicorn's own default would believe any process of this machine.
+            config = uvicorn.Config(
+                app, log_config=None, access_log=False, lifespan="on", proxy_headers=False
+            )
+            server = Server(config)
             mode = f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)"
             if settings.credentials.configured:
                 mode = ""
             say(f"console at http://{url_host(settings.host)}:{bound}/{mode}")
-            if settings.host not in LOOPBACK:
+            if not is_loopback(settings.host):
                 log.warning(
                     "console: listening on %s, beyond this machine, in plain HTTP: put a proxy "
                     "that terminates TLS in front of it (docs/console.md)",

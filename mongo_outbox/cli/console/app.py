@@ -6,12 +6,18 @@ It serves one outbox, or one per database (``--databases``, tenants): the page l
 one's backlog, and shows the details (chart, relays, parked events, inbox) of the one chosen
 with ``?db=``.
 
-Every POST passes three checks, in this order: the session's CSRF token (``auth.py``), then a
-signed-in session, then the action's own fields. Without configured credentials nobody can sign
-in, and the page says the console is read-only. Responses forbid framing (a hidden frame could
-make an operator click "requeue") and allow scripts and styles from the console only. What the
-page and the JSON show passes through the command line's ``scrub``, and the console's own
-secrets are replaced as well: no credential is ever rendered.
+Every request's ``Host`` must be an allowed name (``hosts.py``). Every POST passes three
+checks, in this order: the session's CSRF token (``auth.py``), then a signed-in session, then the
+action's own fields; a sign-in takes its place among the limited guesses (``limits.py``) before
+its answer is checked. With ``require_sign_in``, nothing is read for a visitor who is not signed
+in. Without configured credentials nobody can sign in, and the page says the console is
+read-only. Responses forbid framing (a hidden frame could make an operator click "requeue") and
+allow scripts and styles from the console only. The data a page or a JSON answer shows is
+redacted before it is rendered (``redaction.py``): no credential is ever shown.
+
+A page tells what it could not read: when MongoDB does not answer, the page says so on top and
+shows no number in place of those it could not read; each part read when the page was made
+carries its time, and its script marks it stale once the live numbers moved on.
 """
 
 from __future__ import annotations
@@ -24,34 +30,38 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlencode
 
 import jinja2
 from pymongo.errors import PyMongoError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mongo_outbox._relay.store.base import ParkedChoice
-from mongo_outbox.cli.common import Connection, Target, age, hide, one_line, scrub
+from mongo_outbox.cli.common import Connection, Target, age, hide, one_line
 from mongo_outbox.cli.console import data
 from mongo_outbox.cli.console.auth import COOKIE, SESSION_LIFETIME, Credentials, Session, Sessions
+from mongo_outbox.cli.console.hosts import HostCheck, allowed_hosts
+from mongo_outbox.cli.console.limits import OVERALL, PER_CLIENT, Rate, SignInLimit, retry_after
+from mongo_outbox.cli.console.redaction import redacted
 from mongo_outbox.errors import OutboxError
-from mongo_outbox.events import as_utc
+from mongo_outbox.events import as_utc, utc_now
 
 log = logging.getLogger("mongo_outbox.cli")
+T = TypeVar("T")
 
 HERE = Path(__file__).parent
 MAX_FORM = 64 * 1024
 """Bytes a form may have: a requeue of every shown event fits many times over."""
-SIGN_IN_PAUSE = 1.0
-"""Seconds a wrong sign-in waits before its answer, one at a time: guesses are slow."""
+READ_TIMEOUT = 10.0
+"""Seconds the reads of one page or one JSON answer may take: a MongoDB that stopped answering
+(a connection hung without a reset) shows as an outage, not as a page that never comes. A
+MongoDB that refuses connections fails sooner, at the client's server selection timeout (3 s)."""
 READ_ONLY = "the console is read-only: no credentials are configured"
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+SIGN_IN_TO_READ = "sign in to read this console"
 
 HEADERS = {
     "Content-Security-Policy": (
@@ -68,12 +78,22 @@ HEADERS = {
 @dataclass(frozen=True)
 class Settings:
     """What the console serves: the outbox (``target``), the collections beside it, who may
-    act, the host it listens on (for the Host check), and the chart's sampling."""
+    act, the host it listens on and the other names it answers to (``allowed_hosts``), whether
+    reading needs a sign-in, its cookies' ``Secure`` (always, or when a trusted proxy says the
+    request came over HTTPS), the proxies whose ``X-Forwarded-For`` and ``X-Forwarded-Proto``
+    it believes, the sign-in guesses it checks, and the chart's sampling."""
 
     target: Target
     places: data.Places
     credentials: Credentials
     host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    require_sign_in: bool = False
+    secure_cookies: bool = False
+    trusted_proxies: tuple[str, ...] = ()
+    guesses_per_client: Rate = PER_CLIENT
+    guesses_overall: Rate = OVERALL
+    read_timeout: float = READ_TIMEOUT
     sample_every: float = 5.0
     samples_kept: int = 180
 
@@ -87,28 +107,14 @@ class Refused(Exception):
         self.reason = reason
 
 
+class Unread(Exception):
+    """What a page or an answer needed could not be read from MongoDB; the message says why."""
+
+
 def create_app(conns: Sequence[Connection], settings: Settings) -> Starlette:
     """The console of the outboxes of ``conns`` (one per database). Its lifespan runs the
     chart's samplers."""
     return Console(conns, settings).app
-
-
-class LoopbackOnly:
-    """Refuses a request whose ``Host`` is not a loopback name. A site whose name was made to
-    resolve to 127.0.0.1 (DNS rebinding) would be of the console's origin and could read it;
-    the Host its requests carry gives it away."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if urlsplit(f"//{host}").hostname not in LOOPBACK:
-                refused = PlainTextResponse("this console answers to 127.0.0.1 only", 400)
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class Console:
@@ -117,7 +123,7 @@ class Console:
         self.settings = settings
         self.credentials = settings.credentials
         self.sessions = Sessions()
-        self._signing_in = asyncio.Lock()
+        self.guesses = SignInLimit(settings.guesses_per_client, settings.guesses_overall)
         self.samplers = {
             name: data.Sampler(conn, settings.sample_every, settings.samples_kept)
             for name, conn in self.conns.items()
@@ -135,6 +141,7 @@ class Console:
                 Route("/", self.page),
                 Route("/api/overview", self.overview_json),
                 Route("/api/history", self.history_json),
+                Route("/api/outboxes", self.outboxes_json),
                 Route("/login", self.login, methods=["POST"]),
                 Route("/logout", self.logout, methods=["POST"]),
                 Route("/parked/requeue", self.requeue_parked, methods=["POST"]),
@@ -143,8 +150,17 @@ class Console:
             ],
             lifespan=self._lifespan,
         )
-        if urlsplit(f"//{settings.host}").hostname in LOOPBACK or settings.host in LOOPBACK:
-            self.app.add_middleware(LoopbackOnly)
+        self.app.add_middleware(
+            HostCheck, allowed=allowed_hosts(settings.host, settings.allowed_hosts)
+        )
+        if settings.trusted_proxies:
+            # Outermost: the client's address and scheme are the proxy's word for them, for
+            # the sign-in limit, the logs and the cookies' Secure.
+            from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+            self.app.add_middleware(
+                ProxyHeadersMiddleware, trusted_hosts=list(settings.trusted_proxies)
+            )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -155,11 +171,14 @@ class Console:
 
     # -- rendering --------------------------------------------------------------------------
 
-    def _clean(self, text: str) -> str:
-        text = scrub(text)
-        for secret in self.credentials.secrets:
-            text = text.replace(secret, "***")
-        return text
+    def _shown(self, value: Any) -> Any:
+        """``value`` as it may be shown: every text in it redacted."""
+        return redacted(value, self.credentials.secrets)
+
+    def _cookie_secure(self, request: Request) -> bool:
+        # request.url.scheme is https only when a trusted proxy said so (X-Forwarded-Proto):
+        # the console itself speaks plain HTTP.
+        return self.settings.secure_cookies or request.url.scheme == "https"
 
     def _finish(
         self, request: Request, response: Response, session: Session | None, fresh: bool
@@ -173,21 +192,26 @@ class Console:
                 max_age=int(SESSION_LIFETIME),
                 httponly=True,
                 samesite="strict",
-                # Behind a proxy that terminates TLS (and says so), the cookie never travels
-                # in clear.
-                secure=request.url.scheme == "https",
+                secure=self._cookie_secure(request),
                 path="/",
             )
         return response
 
     def _json(self, request: Request, content: Any, status: int = 200) -> Response:
-        text = self._clean(json.dumps(content, default=str, ensure_ascii=False))
+        # Through JSON first, so that whatever json.dumps would turn into text (a time, an
+        # ObjectId) is text when it is redacted.
+        plain = json.loads(json.dumps(content, default=str, ensure_ascii=False))
+        text = json.dumps(self._shown(plain), ensure_ascii=False)
         response = Response(text, status, media_type="application/json")
         return self._finish(request, response, None, False)
 
     def _session(self, request: Request) -> tuple[Session, bool]:
-        found = self.sessions.get(request.cookies.get(COOKIE))
-        return (found, False) if found else (self.sessions.new(), True)
+        return self.sessions.of(request.cookies.get(COOKIE))
+
+    def _may_read(self, request: Request) -> bool:
+        if not self.settings.require_sign_in:
+            return True
+        return self.sessions.get(request.cookies.get(COOKIE)) is not None
 
     def _conn(self, name: str | None) -> Connection:
         """The chosen database's connection (the first one by default), else ``Refused``."""
@@ -197,8 +221,33 @@ class Console:
             raise Refused(404, "this console serves no such database")
         return self.conns[name]
 
+    async def _read(self, reads: Awaitable[T]) -> T:
+        """What ``reads`` read, within the read timeout, else ``Unread`` saying why.
+
+        A timeout of asyncio's, not PyMongo's: PyMongo's would also stretch its server
+        selection to the whole timeout, and a MongoDB that refuses connections would take
+        that long to show as down."""
+        try:
+            return await asyncio.wait_for(reads, self.settings.read_timeout)
+        except (OutboxError, PyMongoError) as problem:
+            raise Unread(one_line(problem)) from None
+        except asyncio.TimeoutError:
+            raise Unread(f"no answer within {self.settings.read_timeout:g} s") from None
+
+    def _render(self, name: str, **context: Any) -> str:
+        return self.templates.get_template(name).render(**context)
+
     async def page(self, request: Request) -> Response:
         session, fresh = self._session(request)
+        common = {
+            "csrf": session.csrf,
+            "configured": self.credentials.configured,
+            "token_login": self.credentials.token is not None,
+            "password_login": self.credentials.password is not None,
+        }
+        if not session.signed_in and self.settings.require_sign_in:
+            html = self._render("sign-in.html", **common)
+            return self._finish(request, HTMLResponse(html, 401), session, fresh)
         params = request.query_params
         types = [t for t in params.getlist("type") if t]
         aggregates = [a for a in params.getlist("aggregate") if a]
@@ -207,53 +256,89 @@ class Console:
         except Refused as refused:
             return self._refused(request, refused)
         target, places = self.settings.target, self.settings.places
-        try:
+        read_at = utc_now()
+
+        async def read() -> dict[str, Any]:
             outboxes = []
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
-                outboxes = [await data.overview(c, target, places) for c in self.conns.values()]
+                outboxes = [await data.backlog(c) for c in self.conns.values()]
             overview = await data.overview(conn, target, places)
-            parked = await data.parked(conn, types, aggregates)
+            choice = await data.parked(conn, types, aggregates)
             failed = await data.inbox_failures(conn, places)
-            error = None
-        except (OutboxError, PyMongoError) as problem:
-            outboxes, overview, failed, error = [], None, [], one_line(problem)
-            parked = ParkedChoice([], [], [])
+            return {
+                "outboxes": outboxes,
+                "overview": overview,
+                "parked": {
+                    "entries": [data.parked_row(entry) for entry in choice.entries],
+                    "total": len(choice.keys),
+                    "matching": len(choice.chosen),
+                    "types": sorted({str(key.type) for key in choice.keys}),
+                },
+                "failed": [data.failed_row(record) for record in failed],
+                "error": None,
+            }
+
+        try:
+            found = await self._read(read())
+        except Unread as problem:
+            # Nothing read, nothing shown: the parts it could not read are said to be unread,
+            # never shown as zeros.
+            found = {"outboxes": [], "overview": None, "parked": None, "failed": None}
+            found["error"] = str(problem)
         notice, session.notice = session.notice, None
-        html = self.templates.get_template("page.html").render(
+        shown = self._shown(
+            {
+                **found,
+                "db": conn.db.name,
+                "types": types,
+                "aggregates": aggregates,
+                "notice": notice,
+            }
+        )
+        error = found["error"]
+        html = self._render(
+            "page.html",
+            **common,
+            **shown,
             uri=self.shown_uri,
-            db=conn.db.name,
-            outboxes=outboxes,
-            overview=overview,
-            error=error,
-            parked=parked.entries,
-            parked_total=len(parked.keys),
-            parked_matching=len(parked.chosen),
-            parked_types=sorted({str(key.type) for key in parked.keys}),
-            types=types,
-            aggregates=aggregates,
-            failed=failed,
-            configured=self.credentials.configured,
-            token_login=self.credentials.token is not None,
-            password_login=self.credentials.password is not None,
+            read_at=read_at,
+            relays_signature=_signature(shown["overview"]),
             signed_in=session.signed_in,
-            csrf=session.csrf,
-            notice=notice,
             sample_every=self.settings.sample_every,
         )
-        response = HTMLResponse(self._clean(html), 503 if error else 200)
+        response = HTMLResponse(html, 503 if error else 200)
         return self._finish(request, response, session, fresh)
 
     async def overview_json(self, request: Request) -> Response:
+        if not self._may_read(request):
+            return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
         try:
             conn = self._conn(request.query_params.get("db"))
-            report = await data.overview(conn, self.settings.target, self.settings.places)
+            places = self.settings.places
+            report = await self._read(data.overview(conn, self.settings.target, places))
         except Refused as refused:
             return self._json(request, {"error": refused.reason}, refused.status)
-        except (OutboxError, PyMongoError) as problem:
-            return self._json(request, {"error": one_line(problem)}, 503)
+        except Unread as problem:
+            return self._json(request, {"error": str(problem)}, 503)
         return self._json(request, report)
 
+    async def outboxes_json(self, request: Request) -> Response:
+        """Each outbox's backlog: the table of ``--databases``, read at once."""
+        if not self._may_read(request):
+            return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
+
+        async def read() -> list[dict[str, Any]]:
+            return [await data.backlog(c) for c in self.conns.values()]
+
+        try:
+            rows = await self._read(read())
+        except Unread as problem:
+            return self._json(request, {"error": str(problem)}, 503)
+        return self._json(request, {"outboxes": rows})
+
     async def history_json(self, request: Request) -> Response:
+        if not self._may_read(request):
+            return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
         try:
             conn = self._conn(request.query_params.get("db"))
         except Refused as refused:
@@ -274,9 +359,10 @@ class Console:
         if kind not in ("application/x-www-form-urlencoded", ""):
             raise Refused(415, "send the form as application/x-www-form-urlencoded")
         fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
-        session = self.sessions.get(request.cookies.get(COOKIE))
-        if session is None:
+        cookie = request.cookies.get(COOKIE)
+        if not cookie:
             raise Refused(403, "no session: reload the page and try again")
+        session, _ = self.sessions.of(cookie)
         if not session.check(_field(fields, "csrf")):
             raise Refused(403, "the form's CSRF token is missing or wrong: reload the page")
         if signed_in and not self.credentials.configured:
@@ -285,17 +371,17 @@ class Console:
             raise Refused(401, "sign in to act")
         return session, fields
 
-    def _refused(self, request: Request, refused: Refused) -> Response:
+    def _refused(
+        self, request: Request, refused: Refused, headers: dict[str, str] | None = None
+    ) -> Response:
         client = request.client.host if request.client else "?"
+        reason = self._shown(refused.reason)
         log.warning(
-            "console: refused %s %s from %s: %s",
-            request.method,
-            request.url.path,
-            client,
-            refused.reason,
+            "console: refused %s %s from %s: %s", request.method, request.url.path, client, reason
         )
-        html = self.templates.get_template("refused.html").render(reason=refused.reason)
-        return self._finish(request, HTMLResponse(html, refused.status), None, False)
+        html = self._render("refused.html", reason=reason)
+        response = HTMLResponse(html, refused.status, headers=headers)
+        return self._finish(request, response, None, False)
 
     def _back(self, request: Request, fields: dict[str, list[str]]) -> Response:
         db = _field(fields, "db")
@@ -314,7 +400,7 @@ class Console:
             return self._refused(request, refused)
         except (OutboxError, PyMongoError) as problem:
             return self._refused(request, Refused(503, one_line(problem)))
-        log.info("console: %s", notice)
+        log.info("console: %s", self._shown(notice))
         session.notice = notice
         return self._back(request, fields)
 
@@ -323,18 +409,20 @@ class Console:
             session, fields = await self._form(request, signed_in=False)
             if not self.credentials.configured:
                 raise Refused(403, READ_ONLY)
+            # The guess takes its place before its answer is checked, with no await between
+            # the two: guesses sent at once are refused unchecked once the places are taken.
+            wait = self.guesses.take(request.client.host if request.client else "")
+            if wait:
+                refused = Refused(429, "too many sign-in attempts: try again later")
+                return self._refused(request, refused, {"Retry-After": retry_after(wait)})
             answers = (_field(fields, "token"), _field(fields, "user"), _field(fields, "password"))
             if not self.credentials.accept(*answers):
-                # Wrong answers wait their turn, one a second: guessing stays slow, and a queue
-                # of them cannot hold up a right one (checked before it, outside the queue).
-                async with self._signing_in:
-                    await asyncio.sleep(SIGN_IN_PAUSE)
                 raise Refused(401, "wrong credentials")
         except Refused as refused:
             return self._refused(request, refused)
         # A new id on signing in: an id someone planted before is worth nothing now.
         self.sessions.end(session)
-        signed = self.sessions.new(signed_in=True)
+        signed = self.sessions.sign_in()
         signed.notice = "signed in"
         response = self._back(request, fields)
         return self._finish(request, response, signed, True)
@@ -346,7 +434,13 @@ class Console:
             return self._refused(request, refused)
         self.sessions.end(session)
         response = self._back(request, fields)
-        response.delete_cookie(COOKIE, path="/")
+        response.delete_cookie(
+            COOKIE,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=self._cookie_secure(request),
+        )
         return response
 
     async def requeue_parked(self, request: Request) -> Response:
@@ -389,6 +483,24 @@ class Console:
             )
 
         return await self._act(request, action)
+
+
+def _signature(overview: dict[str, Any] | None) -> str:
+    """The relays and partitions shown, as one text: the page's script builds the same from
+    the live overview, and marks the relays stale when the two differ."""
+    if overview is None:
+        return ""
+    rows = ["|".join(_text(r["name"], r["state"], r["lease_holder"])) for r in overview["relays"]]
+    for group in overview["groups"]:
+        for p in group["partitions"]:
+            rows.append(
+                "|".join(_text(group["name"], p["partition"], p["state"], p["lease_holder"]))
+            )
+    return ";".join(rows)
+
+
+def _text(*values: Any) -> list[str]:
+    return ["" if value is None else str(value) for value in values]
 
 
 def _field(fields: dict[str, list[str]], name: str) -> str:

@@ -1,21 +1,25 @@
 """Who may act on the console: the credentials from the environment, the browser sessions and
 their CSRF tokens.
 
-Reading is open to whoever reaches the page (it listens on 127.0.0.1 unless told otherwise);
-requeueing needs a signed-in session. The credentials come only from the environment, never
-from an option, so they do not show in ``ps``: a token (``MONGO_OUTBOX_CONSOLE_TOKEN``), or a
-user and a password (``MONGO_OUTBOX_CONSOLE_USER`` and ``MONGO_OUTBOX_CONSOLE_PASSWORD``). With
+Reading is open to whoever reaches the page unless ``--require-sign-in`` (the default beyond
+loopback); requeueing needs a signed-in session. The credentials come only from the environment,
+never from an option, so they do not show in ``ps``: a token (``MONGO_OUTBOX_CONSOLE_TOKEN``), or
+a user and a password (``MONGO_OUTBOX_CONSOLE_USER`` and ``MONGO_OUTBOX_CONSOLE_PASSWORD``). With
 neither, nobody can sign in: there is no default that lets anyone act.
 
-Every visitor gets a session (a random id in an ``HttpOnly``, ``SameSite=Strict`` cookie) with a
-CSRF token of its own, which every form carries in a hidden field and every POST must return:
-another site can make a browser send the cookie, but cannot read the token. Signing in replaces
-the session id, so an id planted before cannot be signed in by its victim. Sessions live in the
-console's memory: a restart signs everyone out.
+Every visitor gets a random id in an ``HttpOnly``, ``SameSite=Strict`` cookie and a CSRF token of
+its own, which every form carries in a hidden field and every POST must return: another site
+can make a browser send the cookie, but cannot read the token. Only signed-in sessions are kept
+in memory; a visitor who is not signed in keeps nothing on the server (its token is an HMAC of
+its id under a key the console draws at start), so requests without a cookie, however many,
+cannot push a signed-in session out. Signing in gives a new id, so an id planted before cannot
+be signed in by its victim. A restart signs everyone out.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import secrets
 import time
@@ -31,10 +35,13 @@ COOKIE = "mongo_outbox_console"
 SESSION_LIFETIME = 8 * 3600.0
 """Seconds a session lasts from its creation, signed in or not."""
 MAX_SESSIONS = 10_000
-"""Sessions kept at most: a client that drops its cookie on every request cannot fill the
-memory, it only pushes out the oldest sessions."""
+"""Signed-in sessions kept at most, the oldest pushed out first. Only a sign-in makes one, and
+sign-ins are limited (``limits.py``): this bound is never reached by guessing."""
 MIN_SECRET = 12
-"""The shortest token or password accepted: a shorter one is a guess away."""
+"""The shortest token or password accepted, not counting whitespace: a shorter one is a guess
+away."""
+MAX_ID = 64
+"""The longest cookie value read as a visitor's id; a longer one gets a new id."""
 
 
 class CredentialsError(ValueError):
@@ -56,9 +63,14 @@ class Credentials:
         password = environ.get(PASSWORD) or None
         if (user is None) != (password is None):
             raise CredentialsError(f"set both {USER} and {PASSWORD}, or neither")
+        if user is not None and not user.strip():
+            raise CredentialsError(f"{USER} is blank")
         for name, secret in ((TOKEN, token), (PASSWORD, password)):
-            if secret is not None and len(secret) < MIN_SECRET:
-                raise CredentialsError(f"{name} must be at least {MIN_SECRET} characters long")
+            # Twelve spaces are twelve characters, and no secret.
+            if secret is not None and len(secret.strip()) < MIN_SECRET:
+                raise CredentialsError(
+                    f"{name} must be at least {MIN_SECRET} characters long, not counting whitespace"
+                )
         return cls(token, user, password)
 
     @property
@@ -86,24 +98,31 @@ def _same(given: str, expected: str) -> bool:
 
 @dataclass
 class Session:
+    """A visitor's session: signed in and kept by ``Sessions``, or a visitor's, kept nowhere."""
+
     id: str
     csrf: str
     signed_in: bool = False
     created: float = field(default_factory=time.monotonic)
     notice: str | None = None
-    """What the last action did, shown once on the next page."""
+    """What the last action did, shown once on the next page (signed-in sessions only)."""
 
     def check(self, token: str | None) -> bool:
         return token is not None and _same(token, self.csrf)
 
 
 class Sessions:
-    """The browser sessions, by id, oldest first."""
+    """The signed-in sessions, by id, oldest first, and the visitors' CSRF tokens."""
 
     def __init__(self) -> None:
         self._by_id: OrderedDict[str, Session] = OrderedDict()
+        self._key = secrets.token_bytes(32)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
 
     def get(self, session_id: str | None) -> Session | None:
+        """The signed-in session of this id, if it lives."""
         session = self._by_id.get(session_id or "")
         if session is None:
             return None
@@ -112,8 +131,24 @@ class Sessions:
             return None
         return session
 
-    def new(self, signed_in: bool = False) -> Session:
-        session = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), signed_in)
+    def of(self, cookie: str | None) -> tuple[Session, bool]:
+        """The session of a request's cookie, and whether it is new (its cookie to be set): the
+        signed-in session, else the visitor's of that id, else a visitor's of a new id. Nothing
+        is stored for a visitor."""
+        found = self.get(cookie)
+        if found is not None:
+            return found, False
+        fresh = not cookie or len(cookie) > MAX_ID
+        visitor = secrets.token_urlsafe(32) if fresh or cookie is None else cookie
+        return Session(visitor, self._visitor_csrf(visitor)), fresh
+
+    def _visitor_csrf(self, visitor: str) -> str:
+        mac = hmac.new(self._key, b"visitor:" + visitor.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+    def sign_in(self) -> Session:
+        """A new signed-in session, under a new id."""
+        session = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), signed_in=True)
         self._by_id[session.id] = session
         while len(self._by_id) > MAX_SESSIONS:
             self._by_id.popitem(last=False)

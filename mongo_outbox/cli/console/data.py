@@ -26,7 +26,7 @@ from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import ParkedChoice, choose_parked
-from mongo_outbox.cli.common import Connection, Target, one_line
+from mongo_outbox.cli.common import Connection, Target, ago, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
 from mongo_outbox.events import utc_now
@@ -77,6 +77,20 @@ async def overview(conn: Connection, target: Target, places: Places) -> dict[str
     return report
 
 
+async def backlog(conn: Connection) -> dict[str, Any]:
+    """One outbox's row of the ``--databases`` table: its backlog and parked count, as
+    ``status`` reads them."""
+    store = store_for(conn.outbox)
+    counts = await store.backlog()
+    oldest = ago(counts.oldest, utc_now())
+    return {
+        "database": conn.db.name,
+        "pending": counts.pending,
+        "oldest_pending_age_seconds": oldest.total_seconds() if oldest else None,
+        "parked": await store.parked_count(),
+    }
+
+
 async def _members(conn: Connection, places: Places, group: str) -> list[dict[str, Any]]:
     """The group's live members and the partitions each said it holds at its last beat, read
     as the group's own ``status()`` reads them."""
@@ -93,6 +107,29 @@ async def parked(
     """As ``parked list --type --aggregate``: any of the types, any of the aggregate ids; the
     first ``read`` of them read whole."""
     return await choose_parked(store_for(conn.outbox), types, aggregates, read)
+
+
+PARKED_FIELDS = (
+    "_id",
+    "type",
+    "aggregate_type",
+    "aggregate_id",
+    "sequence",
+    "attempts",
+    "last_error",
+)
+FAILED_FIELDS = ("consumer", "message_id", "event_type", "failed_at", "attempts", "last_error")
+
+
+def parked_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows of a parked entry: these fields only (not its payload), each
+    ``None`` when the entry has none."""
+    return {name: entry.get(name) for name in PARKED_FIELDS}
+
+
+def failed_row(record: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows of a failed inbox message."""
+    return {name: record.get(name) for name in FAILED_FIELDS}
 
 
 async def inbox_failures(conn: Connection, places: Places) -> list[dict[str, Any]]:

@@ -1,5 +1,9 @@
-// The console's live part: polls /api/history and /api/overview every sample interval and
-// redraws the chart (inline SVG) and the backlog numbers. No framework, nothing to build.
+// The console's live part: polls /api/history, /api/overview (and /api/outboxes for the table
+// of several databases) every sample interval, and updates the chart, the backlog numbers and
+// the table together, once all three answered. When one does not, it says so on top at once and
+// marks what it shows as stale, with its age, never as zeros. The parts the server rendered once
+// (relays, parked events, inbox failures) show when they were read, and are marked stale once
+// the live numbers say they changed since. No framework, nothing to build.
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -50,27 +54,145 @@ function draw(svg, samples) {
   svg.dataset.samples = String(samples.length);
 }
 
+const STALE = "stale";
+let lastGood = null;  // when everything live was last updated (ms), null before the first poll
+
+function clock(ms) {
+  return new Date(ms).toISOString().slice(11, 19) + " UTC";
+}
+
+function ago(ms) {
+  return age(Math.max(0, (Date.now() - ms) / 1000)) + " ago";
+}
+
+function set(id, text) {
+  const found = document.getElementById(id);
+  if (found) found.textContent = text;
+}
+
+// The relays and partitions as a text, built as the page builds its data-signature.
+function signature(overview) {
+  const rows = overview.relays.map((r) => [r.name, r.state, r.lease_holder ?? ""].join("|"));
+  for (const g of overview.groups) {
+    for (const p of g.partitions) rows.push([g.name, p.partition, p.state, p.lease_holder ?? ""].join("|"));
+  }
+  return rows.join(";");
+}
+
+async function fetchAll(paths) {
+  // Every answer, or the first problem: a status other than 200, or no answer at all.
+  const answers = await Promise.all(paths.map((path) =>
+    fetch(path, { credentials: "same-origin" }).then(async (r) => ({ status: r.status, body: await r.json().catch(() => null) }))));
+  const failed = answers.find((a) => a.status !== 200);
+  if (failed) {
+    const why = failed.body && failed.body.error ? failed.body.error : "status " + failed.status;
+    throw new Error(failed.status === 503 ? "MongoDB did not answer: " + why : why);
+  }
+  return answers.map((a) => a.body);
+}
+
+function showOutage(problem) {
+  const banner = document.getElementById("outage");
+  if (!banner) return;
+  const since = banner.dataset.since ? Number(banner.dataset.since) : Date.now();
+  banner.dataset.since = String(since);
+  const shown = lastGood === null ? Date.parse(document.body.dataset.readAt) : lastGood;
+  banner.replaceChildren();
+  const strong = document.createElement("strong");
+  strong.textContent = problem;
+  banner.append(strong, " (since " + clock(since) + "). The numbers below are from "
+    + clock(shown) + ", " + ago(shown) + ", and are not updated.");
+  banner.hidden = false;
+}
+
+function clearOutage() {
+  const banner = document.getElementById("outage");
+  if (!banner) return;
+  delete banner.dataset.since;
+  if (document.body.dataset.unread) {
+    // Loaded while MongoDB did not answer: the parts it could not read are not on the page.
+    banner.replaceChildren("MongoDB answers again: ");
+    const reload = document.createElement("a");
+    reload.href = window.location.href;
+    reload.textContent = "reload the page";
+    banner.append(reload, " to read what could not be read.");
+  } else {
+    banner.hidden = true;
+  }
+}
+
+function markLive(stale) {
+  const when = lastGood === null ? Date.parse(document.body.dataset.readAt) : lastGood;
+  for (const section of document.querySelectorAll("section.live")) {
+    section.classList.toggle(STALE, stale);
+    const caption = section.querySelector(".live-as-of");
+    if (caption) caption.textContent = stale
+      ? "stale: as of " + clock(when) + ", " + ago(when) + ", not updated since"
+      : "live: updated at " + clock(when);
+  }
+}
+
+function markReadOnce(overview) {
+  const readAt = Date.parse(document.body.dataset.readAt);
+  const failed = overview ? overview.inbox_failures.reduce((sum, f) => sum + f.failed, 0) : null;
+  const now = { parked: overview ? overview.parked : null, inbox: failed,
+                relays: overview ? signature(overview) : null };
+  for (const section of document.querySelectorAll("section.read-once")) {
+    const shown = section.id === "relays" ? section.dataset.signature : Number(section.dataset.total);
+    const changed = now[section.id] !== null && now[section.id] !== undefined && now[section.id] !== shown;
+    section.classList.toggle(STALE, changed);
+    const caption = section.querySelector(".as-of");
+    if (!caption) continue;
+    caption.replaceChildren("read at " + clock(readAt) + ", " + ago(readAt));
+    if (changed) {
+      const reload = document.createElement("a");
+      reload.href = window.location.href;
+      reload.textContent = "reload";
+      caption.append(" · stale: changed since (", reload, ")");
+    }
+  }
+}
+
+let lastOverview = null;
+
 async function poll() {
   const svg = document.getElementById("chart");
   const status = document.getElementById("chart-status");
+  const db = new URLSearchParams({ db: document.body.dataset.db || "" }).toString();
+  const paths = ["/api/history?" + db, "/api/overview?" + db];
+  const table = document.getElementById("outboxes");
+  if (table) paths.push("/api/outboxes");
   try {
-    const db = new URLSearchParams({ db: document.body.dataset.db || "" }).toString();
-    const [history, overview] = await Promise.all(
-      ["/api/history?" + db, "/api/overview?" + db].map((path) =>
-        fetch(path, { credentials: "same-origin" }).then((r) => r.json())),
-    );
+    const [history, overview, outboxes] = await fetchAll(paths);
     if (svg) draw(svg, history.samples);
     if (status) status.textContent = history.error ? "sampling failed: " + history.error
       : history.samples.length + " samples";
-    if (!overview.error) {
-      const set = (id, text) => { const e = document.getElementById(id); if (e) e.textContent = text; };
-      set("pending", String(overview.pending));
-      set("oldest", age(overview.oldest_pending_age_seconds));
-      set("parked-count", String(overview.parked));
+    set("pending", String(overview.pending));
+    set("oldest", age(overview.oldest_pending_age_seconds));
+    set("parked-count", String(overview.parked));
+    const card = document.getElementById("parked-count");
+    if (card) card.closest(".card").classList.toggle("bad", overview.parked > 0);
+    if (table) {
+      for (const o of outboxes.outboxes) {
+        const row = [...table.querySelectorAll("tr.outbox")].find((r) => r.dataset.database === o.database);
+        if (!row) continue;
+        row.querySelector(".pending").textContent = String(o.pending);
+        row.querySelector(".oldest").textContent = age(o.oldest_pending_age_seconds);
+        row.querySelector(".parked").textContent = String(o.parked);
+        row.querySelector(".parked").classList.toggle("bad", o.parked > 0);
+      }
     }
+    lastGood = Date.now();
+    lastOverview = overview;
+    clearOutage();
+    markLive(false);
   } catch (problem) {
-    if (status) status.textContent = "console unreachable";
+    const text = problem instanceof TypeError ? "the console does not answer" : problem.message;
+    showOutage(text);
+    markLive(true);
+    if (status) status.textContent = "not updated: " + text;
   }
+  markReadOnce(lastOverview);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
