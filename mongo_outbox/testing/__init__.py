@@ -28,7 +28,9 @@ Its transactions behave as MongoDB's (mongoeco's own commit rules are replaced, 
 ``TransientTransactionError``, so ``with_transaction`` retries), plain writes that wait for the
 transaction holding their document, and commits that apply exactly their own changes. So your
 tests may run transactions side by side. A transaction open longer than
-``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60) is aborted, as a server does.
+``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60; ``setParameter`` of
+``transactionLifetimeLimitSeconds`` changes it) is aborted, as a server does: its commit gets
+``NoSuchTransaction``.
 
 What the emulator cannot prove; run those tests against a real replica set (a
 ``mongod --replSet`` in Docker, or your CI's):

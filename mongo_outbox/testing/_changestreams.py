@@ -30,6 +30,7 @@ from mongo_outbox.testing._transactions import TransactionsOverWire
 
 FIRST_ID = 1_000_001  # far above mongoeco's own cursor ids
 DROPS = {"drop", "dropDatabase", "renameCollection"}
+PARAMETERS = {"getParameter", "setParameter"}
 SCRATCH = "__emulator"
 
 Reply = dict[str, Any]
@@ -121,6 +122,7 @@ class ChangeStreamsOverWire:
             (name == "aggregate" and _is_change_stream(body))
             or (name == "getMore" and _cursor_id(body["getMore"]) in self.cursors)
             or (name == "killCursors" and self._mine(body))
+            or name in PARAMETERS
         )
         if not mine:
             return self.mongoeco.prepare(body, **options)
@@ -151,6 +153,8 @@ class ChangeStreamsOverWire:
                 return self.open(context.db_name, command)
             if context.command_name == "getMore":
                 return await self.get_more(command)
+            if context.command_name in PARAMETERS:
+                return self.transactions.parameter(command)
             return self.kill(command)
         except EcoOperationFailure as error:
             code = server_error_code(error)
