@@ -32,6 +32,11 @@ tests may run transactions side by side. A transaction open longer than
 ``transactionLifetimeLimitSeconds`` changes it) is aborted, as a server does: its commit gets
 ``NoSuchTransaction``.
 
+It serves MongoDB's ``failCommand`` fail point (``configureFailPoint``, as a server started with
+``enableTestCommands``): error codes with the server's labels, closed connections, slow replies
+and write concern errors, on any command, commits, aborts and change streams' ``getMore``
+included, for every connection (``docs/testing.md``, "Fail points").
+
 What the emulator cannot prove; run those tests against a real replica set (a
 ``mongod --replSet`` in Docker, or your CI's):
 

@@ -472,6 +472,18 @@ class TransactionsOverWire:
         self._reap()
         return {"was": current, "ok": 1.0}
 
+    def kill_all_sessions(self) -> dict[str, Any]:
+        """``killAllSessions``: every open transaction is aborted, as a server does (drivers'
+        test runners send it before each spec test, for what an earlier test left open)."""
+        for key in list(self.running):
+            self._abandon(key)
+        for txn in list(self.rules.open.values()):
+            if txn.session.transaction_active:
+                txn.session.abort_transaction()
+            else:
+                self.rules._end(txn)
+        return {"ok": 1.0}
+
     def _abandon(self, key: str) -> None:
         self.running.pop(key, None)
         context = self.sessions._sessions.get(key)
