@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bson import Timestamp
+from bson import ObjectId, Timestamp
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
@@ -35,6 +35,9 @@ DROPS = {"drop", "dropDatabase", "renameCollection"}
 PARAMETERS = {"getParameter", "setParameter"}
 FAIL_POINTS = "configureFailPoint"
 KILL_ALL_SESSIONS = "killAllSessions"
+HELLOS = {"hello", "isMaster", "ismaster"}
+SET_NAME = "emulator"
+ELECTION = ObjectId("000000000000000000000001")  # one primary, never re-elected
 SCRATCH = "__emulator"
 
 Reply = dict[str, Any]
@@ -144,6 +147,7 @@ class ChangeStreamsOverWire:
         _numeric_ids.install(self.mongoeco.engine)
         _unique_keys.install(self.mongoeco.engine)
         self.failpoints = FailPoints()
+        self.me = f"127.0.0.1:{server.address.port}"
         self.cursors: dict[int, tuple[Any, str]] = {}
         self.ids = itertools.count(FIRST_ID)
         # mongoeco keeps history only while someone watches; a replica set keeps its oplog.
@@ -188,6 +192,8 @@ class ChangeStreamsOverWire:
             )
             if context.command_name in DROPS:
                 await self._absorb_the_lost_event()
+            if context.command_name in HELLOS and reply.get("ok"):
+                reply.update(self.replica_set_member())
         else:
             reply = await self.own(context)
         # A replica set member times every reply, an error too: a causally consistent session
@@ -195,6 +201,20 @@ class ChangeStreamsOverWire:
         if "operationTime" not in reply:
             reply["operationTime"] = self.cluster_time()
         return reply
+
+    def replica_set_member(self) -> Reply:
+        """What a single-node replica set's primary adds to its hello: a driver then runs
+        retryable writes, commit and abort retries and read preference rules as against
+        one. (mongoeco's hello, without setName, made it a standalone.)"""
+        return {
+            "setName": SET_NAME,
+            "setVersion": 1,
+            "hosts": [self.me],
+            "primary": self.me,
+            "me": self.me,
+            "secondary": False,
+            "electionId": ELECTION,
+        }
 
     async def faulted(self, context: Faulted) -> Reply:
         hit, body = context.hit, context.body

@@ -39,82 +39,10 @@ pytestmark = pytest.mark.conformance
 
 # Tests the emulator fails for a reason understood and outside what our tests rely on; strict
 # xfails on the emulator, so a fix shows up. Keyed "folder/file.json: test description".
-STANDALONE_HELLO = "the emulator's hello reports a standalone (no setName), so PyMongo "
 EMULATOR_DIFFERENCES: dict[str, str] = {
     "transactions/commit.json: write concern error on commit": (
         "mongoeco accepts any write concern: commitTransaction with w: 10 on one node succeeds "
         "where a server answers UnsatisfiableWriteConcern (100)"
-    ),
-    **{
-        f"transactions/read-pref.json: {mode} readPreference": (
-            STANDALONE_HELLO + "sends every read as primary (Server Selection: no read "
-            "preference to a standalone) and never raises 'read preference in a transaction "
-            "must be primary'"
-        )
-        for mode in ("secondary", "primaryPreferred", "nearest")
-    },
-    **{
-        f"transactions/run-command.json: {name}": (
-            STANDALONE_HELLO + "sends every read as primary and never raises 'read preference "
-            "in a transaction must be primary'"
-        )
-        for name in (
-            "run command fails with explicit secondary read preference",
-            "run command fails with secondary read preference from transaction options",
-        )
-    },
-    **{
-        key: (
-            STANDALONE_HELLO + "makes no commit or abort retryable (retryable writes need a "
-            "replica set member): it retries neither after a retriable error or a closed "
-            "connection, nor labels their network errors RetryableWriteError"
-        )
-        for key in (
-            *(
-                f"transactions/retryable-{kind}-errorLabels.json: {kind}Transaction succeeds "
-                f"after {error}"
-                for kind in ("commit", "abort")
-                for error in (
-                    "HostNotFound",
-                    "HostUnreachable",
-                    "InterruptedAtShutdown",
-                    "InterruptedDueToReplStateChange",
-                    "NetworkTimeout",
-                    "NotPrimaryNoSecondaryOk",
-                    "NotPrimaryOrSecondary",
-                    "NotWritablePrimary",
-                    "PrimarySteppedDown",
-                    "ShutdownInProgress",
-                    "SocketException",
-                    "WriteConcernError InterruptedAtShutdown",
-                    "WriteConcernError InterruptedDueToReplStateChange",
-                    "WriteConcernError PrimarySteppedDown",
-                    "WriteConcernError ShutdownInProgress",
-                )
-            ),
-            "transactions/retryable-commit-errorLabels.json: commitTransaction retries once "
-            "with RetryableWriteError from server",
-            "transactions/retryable-abort-errorLabels.json: abortTransaction only retries once "
-            "with RetryableWriteError from server",
-            "transactions/retryable-abort.json: abortTransaction only performs a single retry",
-            "transactions/retryable-abort.json: abortTransaction succeeds after connection error",
-            "transactions/retryable-commit.json: commitTransaction applies majority write "
-            "concern on retries",
-            "transactions/retryable-commit.json: commitTransaction fails after two errors",
-            "transactions/retryable-commit.json: commitTransaction succeeds after connection error",
-            "transactions/error-labels-errorLabels.json: add RetryableWriteError and "
-            "UnknownTransactionCommitResult labels to retryable commit errors",
-            "transactions/error-labels-errorLabels.json: add RetryableWriteError and "
-            "UnknownTransactionCommitResult labels to writeConcernError ShutdownInProgress",
-            "transactions/error-labels.json: add RetryableWriteError and "
-            "UnknownTransactionCommitResult labels to connection errors",
-            "transactions/error-labels-blockConnection.json: add RetryableWriteError and "
-            "UnknownTransactionCommitResult labels to connection errors",
-        )
-    },
-    "transactions/retryable-writes.json: increment txnNumber": (
-        STANDALONE_HELLO + "does not make writes outside a transaction retryable (no txnNumber "
-        "on them): retryable writes need a replica set member or mongos"
     ),
 }
 
@@ -183,15 +111,6 @@ def server(mongo: MongoServer) -> Server:
     else:
         topology = "single"
     note = ""
-    if mongo.kind == "emulator" and topology == "single":
-        # mongoeco's hello has no setName, so a driver sees a standalone; but the emulator runs
-        # multi-document transactions (and change streams, through our shim), which only a
-        # replica set does, and it stands in for one throughout the suite.
-        topology = "replicaset"
-        note = (
-            "the emulator's hello reports a standalone (no setName); it is evaluated as the "
-            "single-node replica set it stands in for"
-        )
     NOTES.add(
         f"server: {mongo.description}, version {'.'.join(map(str, version))}, "
         f"evaluated as topology {topology}" + (f": {note}" if note else "")

@@ -403,6 +403,29 @@ async def test_a_closed_connection_at_commit_commits_once_under_with_transaction
     assert await entered(app) == before + 1  # the commit was hit
 
 
+async def test_a_closed_connection_at_commit_is_retried_by_the_driver_itself(
+    app: AsyncMongoClient[Any], mongo: MongoServer, db: Any
+) -> None:
+    """A replica set primary's commit is retryable: the driver sends it again on a new
+    connection, and the caller never sees the closed one."""
+    before = await entered(app)
+    retrying: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, appName=name_of(app), serverSelectionTimeoutMS=SELECTION
+    )
+    await set_fail_point(
+        app, {"times": 1}, failCommands=["commitTransaction"], closeConnection=True
+    )
+    try:
+        async with retrying.start_session() as session:
+            await session.start_transaction()
+            await retrying[db.name].c.insert_one({"_id": 1}, session=session)
+            await session.commit_transaction()
+    finally:
+        await retrying.close()
+    assert await db.c.distinct("_id") == [1]
+    assert await entered(app) == before + 1
+
+
 async def test_an_error_on_abort_is_swallowed_by_the_driver_and_nothing_commits(
     app: AsyncMongoClient[Any], db: Any
 ) -> None:

@@ -414,3 +414,16 @@ async def test_with_transaction_past_the_lifetime_runs_the_transaction_again(
         await session.with_transaction(slow_first_time)
     assert attempts == 2
     assert await db.c.find().to_list() == [{"_id": "once", "attempt": 2}]
+
+
+async def test_the_server_says_it_is_a_replica_set_primary(client: AsyncMongoClient[Any]) -> None:
+    """What a driver reads to run retryable writes, commit retries and the read-preference rules
+    of transactions; the emulator says it as a single-node replica set does."""
+    hello = await client.admin.command("hello")
+    assert hello["isWritablePrimary"] is True
+    assert hello["setName"]
+    assert hello["primary"] == hello["me"] and hello["me"] in hello["hosts"]
+    assert hello["logicalSessionTimeoutMinutes"] > 0
+    (server,) = client.topology_description.server_descriptions().values()
+    assert server.server_type_name == "RSPrimary"
+    assert server.retryable_writes_supported
