@@ -7,6 +7,11 @@ streams: cursor ids, ``postBatchResumeToken``, ``maxTimeMS`` as the await time, 
 286/260/43, and an ``operationTime`` on every reply. So a ``pymongo.AsyncMongoClient`` in
 *another process* can ``watch()``, be SIGKILLed and resume.
 
+Every command passes through it, so it is also where the emulator answers as a replica set
+member: the ``failCommand`` fail point first (``_failpoints``), the transaction rules
+(``_transactions``, with ``getParameter``/``setParameter`` of the transaction lifetime and
+``killAllSessions``), and a ``hello`` with a replica set's fields.
+
 mongoeco offers no public hook for any of this: ``Internals`` is the one place that reaches into
 its server, executor, change hub and cursors, and the only code here typed ``Any``.
 """
