@@ -211,9 +211,8 @@ class Inbox:
                 hello = await admin.command("hello")
             except OperationFailure:  # servers before 4.4.2 only know the legacy name
                 hello = await admin.command("isMaster")
-            # Only replica set members and mongos run transactions. A server that emulates
-            # transactions while reporting itself standalone (the mongoeco emulator) gets the
-            # leased mode unless told otherwise: ``transactional=True``.
+            # Only replica set members and mongos run transactions (mongo_outbox.testing's
+            # emulator reports itself a single-node replica set).
             self.transactional = "setName" in hello or hello.get("msg") == "isdbgrid"
         return self.transactional
 

@@ -63,8 +63,9 @@ BROKER_NAMES = frozenset(
 )
 
 # - `testground`: a test of the test MongoDB itself, through plain PyMongo and no library code:
-#   every test under tests/conformance (MongoDB's spec tests) and TESTGROUND_MODULES.
-TESTGROUND_MODULES = frozenset({"test_transaction_semantics.py"})
+#   every test under tests/conformance (MongoDB's spec tests) and TESTGROUND_MODULES (the
+#   emulator's transactions and its fail points).
+TESTGROUND_MODULES = frozenset({"test_transaction_semantics.py", "test_fail_points.py"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks

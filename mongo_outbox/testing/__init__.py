@@ -28,7 +28,14 @@ Its transactions behave as MongoDB's (mongoeco's own commit rules are replaced, 
 ``TransientTransactionError``, so ``with_transaction`` retries), plain writes that wait for the
 transaction holding their document, and commits that apply exactly their own changes. So your
 tests may run transactions side by side. A transaction open longer than
-``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60) is aborted, as a server does.
+``MONGOECO_TRANSACTION_LIFETIME`` seconds (default 60; ``setParameter`` of
+``transactionLifetimeLimitSeconds`` changes it) is aborted, as a server does: its commit gets
+``NoSuchTransaction``.
+
+It serves MongoDB's ``failCommand`` fail point (``configureFailPoint``, as a server started with
+``enableTestCommands``): error codes with the server's labels, closed connections, slow replies
+and write concern errors, on any command, commits, aborts and change streams' ``getMore``
+included, for every connection (``docs/testing.md``, "Fail points").
 
 What the emulator cannot prove; run those tests against a real replica set (a
 ``mongod --replSet`` in Docker, or your CI's):
@@ -36,7 +43,9 @@ What the emulator cannot prove; run those tests against a real replica set (a
 - A multi-document plain write that waited for a transaction runs again from its start (MongoDB
   resumes where it waited): a non-idempotent ``update_many`` beside open transactions may change
   some documents twice, and an ``insert_many`` reports duplicate keys for its own documents.
-- It reports itself standalone, so ``Inbox(transactional=None)`` picks the leased mode.
+- It reports itself a single-node replica set (``setName`` "emulator", itself its only host,
+  primary for ever): there is no election, no secondary, no rollback, and a retryable write
+  that a driver sends again after a network error is run again (a server runs it once).
 - Its change streams are its own: a replica set's oplog, elections and a real
   ``ChangeStreamHistoryLost`` are not exercised.
 

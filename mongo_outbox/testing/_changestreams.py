@@ -7,12 +7,18 @@ streams: cursor ids, ``postBatchResumeToken``, ``maxTimeMS`` as the await time, 
 286/260/43, and an ``operationTime`` on every reply. So a ``pymongo.AsyncMongoClient`` in
 *another process* can ``watch()``, be SIGKILLed and resume.
 
+Every command passes through it, so it is also where the emulator answers as a replica set
+member: the ``failCommand`` fail point first (``_failpoints``), the transaction rules
+(``_transactions``, with ``getParameter``/``setParameter`` of the transaction lifetime and
+``killAllSessions``), and a ``hello`` with a replica set's fields.
+
 mongoeco offers no public hook for any of this: ``Internals`` is the one place that reaches into
 its server, executor, change hub and cursors, and the only code here typed ``Any``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -20,16 +26,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bson import Timestamp
+from bson import ObjectId, Timestamp
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
 from mongo_outbox.testing import _numeric_ids, _unique_keys
+from mongo_outbox.testing._failpoints import FailPoints, Hit
 from mongo_outbox.testing._server_codes import CURSOR_NOT_FOUND, server_error_code
 from mongo_outbox.testing._transactions import TransactionsOverWire
 
 FIRST_ID = 1_000_001  # far above mongoeco's own cursor ids
 DROPS = {"drop", "dropDatabase", "renameCollection"}
+PARAMETERS = {"getParameter", "setParameter"}
+FAIL_POINTS = "configureFailPoint"
+KILL_ALL_SESSIONS = "killAllSessions"
+HELLOS = {"hello", "isMaster", "ismaster"}
+SET_NAME = "emulator"
+ELECTION = ObjectId("000000000000000000000001")  # one primary, never re-elected
 SCRATCH = "__emulator"
 
 Reply = dict[str, Any]
@@ -42,6 +55,16 @@ class OwnCommand:
     db_name: str
     command_name: str
     command_document: dict[str, Any]
+
+
+@dataclass
+class Faulted:
+    """A command the fail point hit: what it does to it comes first, the command (if it runs
+    at all) after."""
+
+    hit: Hit
+    body: dict[str, Any]
+    options: dict[str, Any]
 
 
 @dataclass
@@ -63,6 +86,29 @@ class Internals:
         self.executor: Any = inside._executor
         self.forward: Callable[[Any], Awaitable[Reply]] = self.executor.execute_prepared
         self.prepare: Callable[..., Any] = self.executor._build_request_context
+        self.dispatch: Callable[..., Awaitable[bytes | None]] = inside._dispatch_wire_request
+        self.hanging_up: set[int] = set()  # connection ids to close instead of replying
+        inside._dispatch_wire_request = self._dispatch_or_hang_up
+
+    async def _dispatch_or_hang_up(self, header: Any, payload: bytes, *, connection: Any) -> Any:
+        response = await self.dispatch(header, payload, connection=connection)
+        if connection.connection_id in self.hanging_up:
+            self.hanging_up.discard(connection.connection_id)
+            # mongoeco's connection loop takes a reset as the peer gone: it closes the socket
+            # and sends nothing, as a server that hangs up.
+            raise ConnectionResetError("closed by the failCommand fail point")
+        return response
+
+    def hang_up(self, connection: Any) -> None:
+        """Close ``connection`` once its command returns, without a reply."""
+        self.hanging_up.add(connection.connection_id)
+
+    @staticmethod
+    def app_name(connection: Any) -> str | None:
+        """The appName the client gave in its handshake on ``connection``."""
+        metadata = getattr(connection, "client_metadata", None) or {}
+        name = (metadata.get("application") or {}).get("name")
+        return name if isinstance(name, str) else None
 
     def intercept(
         self, build: Callable[..., Any], execute: Callable[[Any], Awaitable[Reply]]
@@ -105,12 +151,21 @@ class ChangeStreamsOverWire:
         self.transactions = TransactionsOverWire(self.mongoeco.engine, self.mongoeco.sessions)
         _numeric_ids.install(self.mongoeco.engine)
         _unique_keys.install(self.mongoeco.engine)
+        self.failpoints = FailPoints()
+        self.me = f"127.0.0.1:{server.address.port}"
         self.cursors: dict[int, tuple[Any, str]] = {}
         self.ids = itertools.count(FIRST_ID)
         # mongoeco keeps history only while someone watches; a replica set keeps its oplog.
         self.oplog = self.mongoeco.client.watch([{"$match": {"_never": True}}])
 
     def build(self, body: dict[str, Any], **options: Any) -> Any:
+        # The fail point first, as a server evaluates it before the command's session.
+        hit = self.failpoints.hit(body, self.mongoeco.app_name(options.get("connection")))
+        if hit is not None:
+            return Faulted(hit, body, options)
+        return self._build(body, **options)
+
+    def _build(self, body: dict[str, Any], **options: Any) -> Any:
         # Before mongoeco sees it: mongoeco would run a dead transaction's command outside it.
         refusal = self.transactions.refuse(body)
         if refusal is not None:
@@ -121,6 +176,8 @@ class ChangeStreamsOverWire:
             (name == "aggregate" and _is_change_stream(body))
             or (name == "getMore" and _cursor_id(body["getMore"]) in self.cursors)
             or (name == "killCursors" and self._mine(body))
+            or name in PARAMETERS
+            or name in (FAIL_POINTS, KILL_ALL_SESSIONS)
         )
         if not mine:
             return self.mongoeco.prepare(body, **options)
@@ -129,7 +186,9 @@ class ChangeStreamsOverWire:
         return OwnCommand(options.get("db_name") or body["$db"], name, body)
 
     async def execute(self, context: Any) -> Reply:
-        if isinstance(context, Refused):
+        if isinstance(context, Faulted):
+            reply = await self.faulted(context)
+        elif isinstance(context, Refused):
             reply = context.reply
         elif not isinstance(context, OwnCommand):
             # mongoeco turns its errors into replies; the rules turn conflicts into a server's
@@ -138,11 +197,48 @@ class ChangeStreamsOverWire:
             )
             if context.command_name in DROPS:
                 await self._absorb_the_lost_event()
+            if context.command_name in HELLOS and reply.get("ok"):
+                reply.update(self.replica_set_member())
         else:
             reply = await self.own(context)
-        if reply.get("ok") and "operationTime" not in reply:
+        # A replica set member times every reply, an error too: a causally consistent session
+        # reads after it (its next transaction's first read concern has afterClusterTime).
+        if "operationTime" not in reply:
             reply["operationTime"] = self.cluster_time()
         return reply
+
+    def replica_set_member(self) -> Reply:
+        """What a single-node replica set's primary adds to its hello: a driver then runs
+        retryable writes, commit and abort retries and read preference rules as against
+        one. (mongoeco's hello, without setName, made it a standalone.)"""
+        return {
+            "setName": SET_NAME,
+            "setVersion": 1,
+            "hosts": [self.me],
+            "primary": self.me,
+            "me": self.me,
+            "secondary": False,
+            "electionId": ELECTION,
+        }
+
+    async def faulted(self, context: Faulted) -> Reply:
+        hit, body = context.hit, context.body
+        if hit.block_ms:
+            await asyncio.sleep(hit.block_ms / 1000)
+        if hit.close_connection:
+            self.mongoeco.hang_up(context.options.get("connection"))
+            return {"ok": 0.0, "errmsg": "never sent: the connection is closed"}
+        if hit.error_code is not None:
+            return hit.error_reply(body, change_stream=self._change_stream_command(body))
+        reply = await self.execute(self._build(body, **context.options))
+        if hit.write_concern_error is not None and reply.get("ok"):
+            hit.add_write_concern_error(body, reply)
+        return reply
+
+    def _change_stream_command(self, body: dict[str, Any]) -> bool:
+        if "getMore" in body:
+            return _cursor_id(body["getMore"]) in self.cursors
+        return "aggregate" in body and _is_change_stream(body)
 
     async def own(self, context: OwnCommand) -> Reply:
         command = context.command_document
@@ -151,6 +247,12 @@ class ChangeStreamsOverWire:
                 return self.open(context.db_name, command)
             if context.command_name == "getMore":
                 return await self.get_more(command)
+            if context.command_name in PARAMETERS:
+                return self.transactions.parameter(command)
+            if context.command_name == KILL_ALL_SESSIONS:
+                return self.transactions.kill_all_sessions()
+            if context.command_name == FAIL_POINTS:
+                return self.failpoints.configure(command)
             return self.kill(command)
         except EcoOperationFailure as error:
             code = server_error_code(error)

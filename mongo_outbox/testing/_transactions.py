@@ -16,8 +16,12 @@ conflict and commit rules and keeps mongoeco's snapshots:
 - **A commit applies exactly its own changes** to the live data (documents and index entries),
   and its change events, once, in commit order. An aborted transaction leaves nothing.
 - **Transaction numbers are checked** the way a server does: a command of a transaction that
-  was aborted (by a conflict, or because it outlived ``TRANSACTION_LIFETIME``) gets
-  ``NoSuchTransaction`` (251), never runs outside the transaction.
+  was aborted (by a conflict, or because it outlived its lifetime) gets
+  ``NoSuchTransaction`` (251) with ``TransientTransactionError``, its commit included, and never
+  runs outside the transaction.
+- **The lifetime is the server's ``transactionLifetimeLimitSeconds``**:
+  ``MONGOECO_TRANSACTION_LIFETIME`` at start (60 s by default), changed at run time by
+  ``setParameter`` and read by ``getParameter``, as on a server.
 - **A failed command ends its transaction**, as on a server: after a duplicate key (or any
   other error) inside a transaction, its next command gets ``NoSuchTransaction``. A command a
   server does not run in a transaction (``count``, ``listCollections``...) is refused with
@@ -62,6 +66,13 @@ TRANSIENT = "TransientTransactionError"
 # A server aborts a transaction that stays open longer than transactionLifetimeLimitSeconds
 # (60 s by default); a client SIGKILLed mid-transaction would otherwise hold its documents forever.
 TRANSACTION_LIFETIME = float(os.environ.get("MONGOECO_TRANSACTION_LIFETIME", "60"))
+LIFETIME_PARAMETER = "transactionLifetimeLimitSeconds"
+BAD_VALUE = 2
+INVALID_OPTIONS = 72
+# What a driver adds to any command, beside its name and arguments.
+GENERIC_FIELDS = frozenset(
+    {"lsid", "comment", "$db", "$clusterTime", "$readPreference", "apiVersion"}
+)
 CONFLICT_MARK = "[emulator: conflict with transaction"
 WAIT_MARK = "[emulator: waits for transaction "
 
@@ -96,6 +107,7 @@ class Transactions:
         self.changed_at: dict[Token, int] = {}  # kept only while a transaction is open
         self.applying = False  # a commit or a TTL purge: live writes nobody may refuse
         self.where: dict[int, tuple[Any, str, str, Txn | None]] = {}
+        self.lifetime = TRANSACTION_LIFETIME  # seconds; setParameter changes it
         self._patch()
 
     # -- the engine's hooks --------------------------------------------------------------
@@ -368,7 +380,7 @@ class Transactions:
             self._end(txn)
 
     def expired(self, now: float, lifetimes: float = 1.0) -> list[Txn]:
-        limit = TRANSACTION_LIFETIME * lifetimes
+        limit = self.lifetime * lifetimes
         return [txn for txn in self.open.values() if now - txn.started > limit]
 
 
@@ -407,7 +419,16 @@ class TransactionsOverWire:
                 return _not_in_transaction(name)
             self.running[key] = number
             return None
+        # Expired transactions first: one reaped now is refused below, never let through.
+        self._reap()
         if self.running.get(key) == number:
+            if self._doomed(key):
+                # Aborted by the server (it outlived its lifetime): its commands and its commit
+                # are refused, as MongoDB's NoSuchTransaction, so the caller retries it whole.
+                self._abandon(key)
+                return _transient(
+                    NO_SUCH_TRANSACTION, f"Transaction with txnNumber {number} has been aborted."
+                )
             if name in ALLOWED_IN_TRANSACTION:
                 return None
             self._abandon(key)
@@ -417,6 +438,51 @@ class TransactionsOverWire:
         return _transient(
             NO_SUCH_TRANSACTION, f"Transaction with txnNumber {number} has been aborted."
         )
+
+    def _doomed(self, key: str) -> bool:
+        context = self.sessions._sessions.get(key)
+        txn = None if context is None else self.rules.open.get(context.session.session_id)
+        return txn is not None and txn.doomed
+
+    def parameter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A server's answer to ``getParameter`` or ``setParameter``, for the one parameter the
+        emulator has: the transaction lifetime."""
+        name = next(iter(body))
+        asked = [key for key in body if key != name and key not in GENERIC_FIELDS]
+        if asked != [LIFETIME_PARAMETER]:
+            return {
+                "ok": 0.0,
+                "code": INVALID_OPTIONS,
+                "codeName": "InvalidOptions",
+                "errmsg": f"the emulator's only parameter is {LIFETIME_PARAMETER}, not {asked}",
+            }
+        current = _whole(self.rules.lifetime)
+        if name == "getParameter":
+            return {LIFETIME_PARAMETER: current, "ok": 1.0}
+        value = body[LIFETIME_PARAMETER]
+        seconds = getattr(value, "value", value)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 1:
+            return {
+                "ok": 0.0,
+                "code": BAD_VALUE,
+                "codeName": "BadValue",
+                "errmsg": f"{LIFETIME_PARAMETER} must be at least 1, got {value!r}",
+            }
+        self.rules.lifetime = float(seconds)
+        self._reap()
+        return {"was": current, "ok": 1.0}
+
+    def kill_all_sessions(self) -> dict[str, Any]:
+        """``killAllSessions``: every open transaction is aborted, as a server does (drivers'
+        test runners send it before each spec test, for what an earlier test left open)."""
+        for key in list(self.running):
+            self._abandon(key)
+        for txn in list(self.rules.open.values()):
+            if txn.session.transaction_active:
+                txn.session.abort_transaction()
+            else:
+                self.rules._end(txn)
+        return {"ok": 1.0}
 
     def _abandon(self, key: str) -> None:
         self.running.pop(key, None)
@@ -445,7 +511,7 @@ class TransactionsOverWire:
             number = int(text.split(WAIT_MARK, 1)[1].split("]", 1)[0])
             holder = self.rules.by_number.get(number)
             if holder is not None:
-                remaining = TRANSACTION_LIFETIME - (time.monotonic() - holder.started)
+                remaining = self.rules.lifetime - (time.monotonic() - holder.started)
                 try:
                     await asyncio.wait_for(holder.ended.wait(), max(remaining, 0) + 0.05)
                 except TimeoutError:
@@ -517,6 +583,10 @@ def _not_in_transaction(name: str) -> dict[str, Any]:
         "codeName": "OperationNotSupportedInTransaction",
         "errmsg": f"Cannot run '{name}' in a multi-document transaction.",
     }
+
+
+def _whole(seconds: float) -> int | float:
+    return int(seconds) if seconds == int(seconds) else seconds
 
 
 def _error_text(reply: dict[str, Any]) -> str:

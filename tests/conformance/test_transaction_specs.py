@@ -6,7 +6,8 @@ tests (mongodb/specifications, ``transactions`` and ``transactions-convenient-ap
 format) say what a driver and server do together; running them here through PyMongo checks the
 server half. The files are fetched from PyMongo's sdist at test time (``specs.py``), run by our
 own runner (``unified.py``), and each test not run is skipped with its reason: what the server
-cannot meet (``runOnRequirements``), what needs fail points, what the runner does not implement,
+cannot meet (``runOnRequirements``), fail points on a server without test commands, what the
+runner does not implement,
 and the known differences of the emulator (``EMULATOR_DIFFERENCES``, each explained). The end of
 the run prints the tally and every skip; ``CONFORMANCE_REPORT=path`` writes it to a file too.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.errors import OperationFailure
 
 from tests.conformance.specs import NOTES, SpecsUnavailable, spec_files
 from tests.conformance.unified import (
@@ -37,33 +39,10 @@ pytestmark = pytest.mark.conformance
 
 # Tests the emulator fails for a reason understood and outside what our tests rely on; strict
 # xfails on the emulator, so a fix shows up. Keyed "folder/file.json: test description".
-STANDALONE_HELLO = "the emulator's hello reports a standalone (no setName), so PyMongo "
 EMULATOR_DIFFERENCES: dict[str, str] = {
     "transactions/commit.json: write concern error on commit": (
         "mongoeco accepts any write concern: commitTransaction with w: 10 on one node succeeds "
         "where a server answers UnsatisfiableWriteConcern (100)"
-    ),
-    **{
-        f"transactions/read-pref.json: {mode} readPreference": (
-            STANDALONE_HELLO + "sends every read as primary (Server Selection: no read "
-            "preference to a standalone) and never raises 'read preference in a transaction "
-            "must be primary'"
-        )
-        for mode in ("secondary", "primaryPreferred", "nearest")
-    },
-    **{
-        f"transactions/run-command.json: {name}": (
-            STANDALONE_HELLO + "sends every read as primary and never raises 'read preference "
-            "in a transaction must be primary'"
-        )
-        for name in (
-            "run command fails with explicit secondary read preference",
-            "run command fails with secondary read preference from transaction options",
-        )
-    },
-    "transactions/retryable-writes.json: increment txnNumber": (
-        STANDALONE_HELLO + "does not make writes outside a transaction retryable (no txnNumber "
-        "on them): retryable writes need a replica set member or mongos"
     ),
 }
 
@@ -89,6 +68,7 @@ class Server:
     topology: str  # "single" | "replicaset" | "sharded" | "load-balanced"
     kind: str  # the suite's MongoServer.kind: "replica-set" | "emulator"
     auth: bool
+    fail_points: bool  # whether configureFailPoint works (a server needs enableTestCommands)
     note: str = ""
 
 
@@ -115,6 +95,11 @@ def server(mongo: MongoServer) -> Server:
         hello = client.admin.command("hello")
         build = client.admin.command("buildInfo")
         is_load_balanced = client.options.load_balanced
+        try:
+            client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+            fail_points = True
+        except OperationFailure:
+            fail_points = False
     version = tuple(int(part) for part in build["versionArray"][:3])
     auth = "@" in mongo.uri.split("://", 1)[-1].split("/", 1)[0]
     if is_load_balanced:
@@ -126,20 +111,11 @@ def server(mongo: MongoServer) -> Server:
     else:
         topology = "single"
     note = ""
-    if mongo.kind == "emulator" and topology == "single":
-        # mongoeco's hello has no setName, so a driver sees a standalone; but the emulator runs
-        # multi-document transactions (and change streams, through our shim), which only a
-        # replica set does, and it stands in for one throughout the suite.
-        topology = "replicaset"
-        note = (
-            "the emulator's hello reports a standalone (no setName); it is evaluated as the "
-            "single-node replica set it stands in for"
-        )
     NOTES.add(
         f"server: {mongo.description}, version {'.'.join(map(str, version))}, "
         f"evaluated as topology {topology}" + (f": {note}" if note else "")
     )
-    return Server(version, topology, mongo.kind, auth, note)
+    return Server(version, topology, mongo.kind, auth, fail_points, note)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,9 +178,22 @@ def skip_reason(case: Case, server: Server) -> str | None:
     if unmet:
         return f"runOnRequirements (test): {unmet}"
     names = {operation["name"] for operation in operations_of(case.test)}
-    if names & {"failPoint", "targetedFailPoint"}:
-        return "needs fail points (configureFailPoint)"
+    if "failPoint" in names and not server.fail_points:
+        return "needs fail points: the server refuses configureFailPoint (enableTestCommands=1)"
     return None
+
+
+INTERRUPTED = 11601
+
+
+def _kill_all_sessions(client: MongoClient[Any]) -> None:
+    """As the unified format asks before each test on a replica set: a transaction an earlier
+    test left open (its session lost with a closed connection) would hold its documents."""
+    try:
+        client.admin.command({"killAllSessions": []})
+    except OperationFailure as error:
+        if error.code != INTERRUPTED:  # a server may interrupt the command that kills them
+            raise
 
 
 @pytest.mark.parametrize("case", _cases())
@@ -224,6 +213,7 @@ def test_spec(
     drop_spec_databases.update(entry["databaseName"] for entry in case.spec.get("initialData", []))
     entities = Entities(mongo.uri)
     with MongoClient(mongo.uri) as internal:
+        _kill_all_sessions(internal)
         runner = Runner(entities, internal)
         try:
             entities.create(case.spec.get("createEntities", []))
@@ -237,4 +227,5 @@ def test_spec(
         except Unsupported as error:
             pytest.skip(f"runner: {error} not implemented")
         finally:
+            runner.disable_fail_points()  # first: a fail point could refuse the sessions' end
             entities.close()

@@ -7,8 +7,10 @@ collections' final contents (``outcome``). This runner covers what the transacti
 convenient-API files use, through PyPI's synchronous ``pymongo.MongoClient``, against any server.
 
 What it does not do it says: ``Unsupported`` names the operation or feature, and the suite skips
-the test with that reason rather than pass it half-checked. Fail points (``failPoint``,
-``targetedFailPoint``) are such a feature: they need the server's ``configureFailPoint``.
+the test with that reason rather than pass it half-checked. ``failPoint`` runs the server's
+``configureFailPoint`` through the test's client and turns it off after the test
+(``Runner.disable_fail_points``); ``targetedFailPoint`` (a fail point on the mongos a session is
+pinned to) is not implemented.
 """
 
 from __future__ import annotations
@@ -287,6 +289,8 @@ def _write_concern(spec: dict[str, Any]) -> WriteConcern:
     spec = dict(spec)
     if "wtimeoutMS" in spec:
         spec["wtimeout"] = spec.pop("wtimeoutMS")
+    if "journal" in spec:
+        spec["j"] = spec.pop("journal")
     return WriteConcern(**spec)
 
 
@@ -362,6 +366,7 @@ class Runner:
         self.entities = entities
         self.internal = internal  # an unobserved client, for initialData, outcome and asserts
         self.matcher = Matcher(entities)
+        self.fail_points: list[str] = []  # the fail points a test set, to turn off after it
 
     # -- data
 
@@ -691,7 +696,15 @@ class Runner:
     # -- test runner operations
 
     def _runner_failPoint(self, arguments: dict[str, Any]) -> None:
-        raise Unsupported("failPoint (configureFailPoint)")
+        command = arguments["failPoint"]
+        self.fail_points.append(command["configureFailPoint"])
+        self.entities.get(arguments["client"]).admin.command(command)
+
+    def disable_fail_points(self) -> None:
+        """Turn off every fail point the test set: they are server-wide and outlive it."""
+        for name in self.fail_points:
+            self.internal.admin.command({"configureFailPoint": name, "mode": "off"})
+        self.fail_points.clear()
 
     def _runner_targetedFailPoint(self, arguments: dict[str, Any]) -> None:
         raise Unsupported("targetedFailPoint (configureFailPoint on a pinned mongos)")

@@ -171,6 +171,7 @@ def test_a_transaction_past_its_lifetime_is_aborted_and_none_of_its_writes_lands
             # Its own command comes first: refused, not run outside it.
             with pytest.raises(OperationFailure) as refused:
                 orders.insert_one({"_id": "b"}, session=session)
+            assert refused.value.code == 251  # NoSuchTransaction, as a server answers
             assert refused.value.has_error_label("TransientTransactionError")
             orders.update_one({"_id": 1}, {"$inc": {"n": 10}})  # does not wait for it
             with pytest.raises(OperationFailure) as commit:

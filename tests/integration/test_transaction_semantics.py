@@ -11,8 +11,10 @@ relies on this, so it is proved here first, with outcomes a real replica set giv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -360,3 +362,68 @@ async def test_a_renamed_collection_keeps_its_conflicts(
         assert raised.value.code == WRITE_CONFLICT and is_transient(raised.value)
         await session.abort_transaction()
     assert await db.after.find_one({"_id": 1}) == {"_id": 1, "n": 1}
+
+
+@contextlib.asynccontextmanager
+async def transaction_lifetime(client: AsyncMongoClient[Any], seconds: int) -> AsyncIterator[None]:
+    """The server's transactionLifetimeLimitSeconds lowered for the block, then put back.
+
+    It is server-wide: another client's transaction open longer than ``seconds`` meanwhile is
+    aborted too (and retried, if it runs under ``with_transaction``)."""
+    name = "transactionLifetimeLimitSeconds"
+    before = (await client.admin.command({"getParameter": 1, name: 1}))[name]
+    await client.admin.command({"setParameter": 1, name: seconds})
+    try:
+        yield
+    finally:
+        await client.admin.command({"setParameter": 1, name: before})
+
+
+# A server's reaper runs every max(1 s, half the lifetime): a 1 s lifetime ends a transaction
+# within 2 s of its start.
+SHORT_LIFETIME = 1
+PAST_IT = 2.5
+
+
+async def test_a_commit_after_the_transaction_lifetime_is_refused_and_writes_nothing(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    async with transaction_lifetime(client, SHORT_LIFETIME), client.start_session() as session:
+        await session.start_transaction()
+        await db.c.insert_one({"_id": "late"}, session=session)
+        await asyncio.sleep(PAST_IT)
+        with pytest.raises(OperationFailure) as refused:
+            await session.commit_transaction()
+    assert refused.value.code == NO_SUCH_TRANSACTION and is_transient(refused.value)
+    assert await db.c.count_documents({}) == 0
+
+
+async def test_with_transaction_past_the_lifetime_runs_the_transaction_again(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    attempts = 0
+
+    async def slow_first_time(session: Any) -> None:
+        nonlocal attempts
+        attempts += 1
+        await db.c.insert_one({"_id": "once", "attempt": attempts}, session=session)
+        if attempts == 1:
+            await asyncio.sleep(PAST_IT)
+
+    async with transaction_lifetime(client, SHORT_LIFETIME), client.start_session() as session:
+        await session.with_transaction(slow_first_time)
+    assert attempts == 2
+    assert await db.c.find().to_list() == [{"_id": "once", "attempt": 2}]
+
+
+async def test_the_server_says_it_is_a_replica_set_primary(client: AsyncMongoClient[Any]) -> None:
+    """What a driver reads to run retryable writes, commit retries and the read-preference rules
+    of transactions; the emulator says it as a single-node replica set does."""
+    hello = await client.admin.command("hello")
+    assert hello["isWritablePrimary"] is True
+    assert hello["setName"]
+    assert hello["primary"] == hello["me"] and hello["me"] in hello["hosts"]
+    assert hello["logicalSessionTimeoutMinutes"] > 0
+    (server,) = client.topology_description.server_descriptions().values()
+    assert server.server_type_name == "RSPrimary"
+    assert server.retryable_writes_supported
