@@ -489,8 +489,11 @@ class _Signals:
                 self.received.append(received)
                 self.starting.cancel()
             return
+        # Whatever the relay is doing, a signal ends a linger that follows: one that came while
+        # a failed relay still closed its connections (/healthz said "failed" already) was
+        # taken as a stop, and the linger then waited its whole --metrics-linger.
+        self.lingering.set()
         if task.done():
-            self.lingering.set()
             return
         if self.received:
             log.warning("relay %s: %s again: cancelling", self.name, received.name)

@@ -34,6 +34,27 @@ async def until(
         await asyncio.sleep(every)
 
 
+async def drained(
+    left: Callable[[], Awaitable[int]],
+    stalled: float = 20,
+    every: float = 0.05,
+    explain: Callable[[], Awaitable[str]] | None = None,
+) -> None:
+    """Return once ``left()`` is 0; fail the test once it has not gone down for ``stalled``
+    seconds. A backlog drains at the machine's pace: a fixed deadline fails a loaded machine
+    that is making progress, where a stall is what a lost or stuck entry looks like."""
+    loop = asyncio.get_running_loop()
+    fewest, since = await left(), loop.time()
+    while fewest:
+        await asyncio.sleep(every)
+        now = await left()
+        if now < fewest:
+            fewest, since = now, loop.time()
+        elif loop.time() - since > stalled:
+            told = f":\n{await explain()}" if explain is not None else ""
+            raise AssertionError(f"{now} left, none less for {stalled:g} s{told}")
+
+
 async def eventually(attempt: Callable[[], Awaitable[Any]], seconds: float = 30) -> Any:
     """``attempt()``'s result once it stops raising a broker outage; fails after ``seconds``."""
     deadline = time.monotonic() + seconds
