@@ -6,27 +6,14 @@ It is a mapping of the Event, not a second envelope: the publishers write it whe
 (its ``ce-`` headers or ``cloudEvents_`` properties, or the structured content type), so no
 consumer setting is needed. The library needs no CloudEvents SDK for any of it.
 
-=================  ==========================================================================
-attribute          from the Event
-=================  ==========================================================================
-``id``             ``id``
-``source``         ``CloudEvents.source``: a URI reference naming the producer
-``specversion``    ``1.0``
-``type``           ``type``
-``time``           ``occurred_at`` (RFC 3339, UTC, milliseconds)
-``subject``        ``aggregate_id``, as text (an integer id is read back as its text)
-``datacontenttype````application/json``: the data is the payload, a JSON object
-``aggregatetype``  extension: ``aggregate_type``
-``sequence``       extension (integer): ``sequence``
-``eventversion``   extension (integer): ``version``, the payload's shape (1 when absent)
-``correlationid``  extension: ``correlation_id``
-``causationid``    extension: ``causation_id``
-``traceparent``,   the distributed-tracing extension: the event's ``traceparent`` and
-``tracestate``     ``tracestate`` headers
-=================  ==========================================================================
-
-The event's other headers travel as message headers beside the attributes, as without
-CloudEvents. A CloudEvent read from a message is identified in the inbox by its ``source`` and
+The mapping (docs/cloudevents.md has it as a table): ``id``, ``type`` and ``time`` are the
+event's ``id``, ``type`` and ``occurred_at``; ``source`` is ``CloudEvents.source``, a URI
+reference naming the producer; ``subject`` is the aggregate id, as text; the data is the
+payload, ``datacontenttype`` ``application/json``; the extensions ``aggregatetype``,
+``sequence``, ``eventversion`` (the payload's version), ``correlationid`` and ``causationid``
+carry the other fields, and ``traceparent`` and ``tracestate`` the trace context (the
+distributed-tracing extension). The event's other headers travel as message headers beside the
+attributes. A CloudEvent read from a message is identified in the inbox by its ``source`` and
 ``id`` (the pair the specification makes unique), whatever ``source`` the consumer was given.
 """
 

@@ -15,7 +15,7 @@ from cloudevents.core.bindings import amqp, http
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
-from mongo_outbox import Event, Inbox, inbox_guard
+from mongo_outbox import Event, Inbox, InvalidEventError, inbox_guard
 from mongo_outbox.cloudevents import CloudEvents, read_cloudevent
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq
 from mongo_outbox.guard import Guarded
@@ -257,3 +257,25 @@ async def test_inbox_guard_handles_an_sdk_event_once_in_process(db: Any) -> None
     assert seen == [("e-1", "invoice.paid")]
     record = await db.inbox.find_one()
     assert (record["source"], record["message_id"]) == ("/billing", "e-1")
+
+
+async def test_an_event_whose_header_reads_as_an_attribute_is_refused_before_it_is_sent(
+    nats_stream: str, amqp_connection: Any, unique: str
+) -> None:
+    event = Event(type="placed", headers={"ce-source": "/elsewhere"})
+    nats_publisher = await NatsPublisher.connect(
+        NATS_URL, subject=f"{nats_stream}.{{type}}", cloudevents=CloudEvents(SOURCE)
+    )
+    rabbit_publisher = await RabbitMQPublisher.connect(
+        RABBITMQ_URL, exchange=unique, cloudevents=CloudEvents(SOURCE, "structured")
+    )
+    try:
+        for publisher in (nats_publisher, rabbit_publisher):
+            with pytest.raises(InvalidEventError, match="'ce-source' would read as a CloudEvents"):
+                await publisher.publish(event)
+    finally:
+        await nats_publisher.aclose()
+        await rabbit_publisher.aclose()
+        channel = await amqp_connection.channel()
+        await channel.exchange_delete(unique)
+        await channel.close()
