@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
@@ -343,17 +343,36 @@ def _payload(data: Any, event_id: str | None) -> Any:
     return data
 
 
+# RFC 3339's date-time: any number of fraction digits (Go writes nanoseconds), "Z" or an offset.
+# Parsed here rather than by datetime.fromisoformat, which on Python 3.10 takes 3 or 6 digits only.
+_RFC3339 = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+)
+
+
 def _parse_time(value: str, event_id: str | None) -> datetime:
+    match = _RFC3339.fullmatch(value)
     try:
-        at = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        at = None
-    if at is None or at.tzinfo is None:
+        if match is None:
+            raise ValueError(value)
+        year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
+        micro = int((match[7] or "0")[:6].ljust(6, "0"))
+        offset = timedelta(0)
+        if match[9]:
+            offset = timedelta(hours=int(match[10]), minutes=int(match[11]))
+            offset = -offset if match[9] == "-" else offset
+        # RFC 3339 allows a leap second (:60); datetime has none, so it is the next second's start.
+        leap = second == 60
+        at = datetime(
+            year, month, day, hour, minute, 59 if leap else second, micro, timezone(offset)
+        )
+        return at + timedelta(seconds=1) if leap else at
+    except (ValueError, OverflowError):
         raise InvalidEventError(
             f"CloudEvent {event_id}: time {value!r} is not an RFC 3339 timestamp",
             event_id=event_id,
-        )
-    return at
+        ) from None
 
 
 def _headers(headers: Mapping[str, Any]) -> dict[str, str]:

@@ -238,3 +238,29 @@ def test_an_event_header_that_reads_as_an_attribute_is_refused() -> None:
     event = Event(type="placed", headers={"ce-id": "other"})
     with pytest.raises(InvalidEventError, match="would read as a CloudEvents attribute"):
         message_of(event, CloudEvents(SOURCE), "ce-", dict(event.headers))
+
+
+@pytest.mark.parametrize(
+    ("time", "at"),
+    [
+        ("2026-01-02T03:04:05.123456789Z", datetime(2026, 1, 2, 3, 4, 5, 123000, timezone.utc)),
+        ("2026-01-02t03:04:05.5z", datetime(2026, 1, 2, 3, 4, 5, 500000, timezone.utc)),
+        ("2026-01-02T05:04:05+02:00", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)),
+        ("2026-01-02T03:04:05-00:30", datetime(2026, 1, 2, 3, 34, 5, tzinfo=timezone.utc)),
+        ("2016-12-31T23:59:60Z", datetime(2017, 1, 1, tzinfo=timezone.utc)),
+    ],
+)
+def test_rfc3339_times_of_other_producers_read_the_same_on_every_python(
+    time: str, at: datetime
+) -> None:
+    attributes = attributes_of(Event(type="placed"), SOURCE) | {"time": time}
+    assert read_cloudevent(attributes, {}).event.occurred_at == at
+
+
+@pytest.mark.parametrize(
+    "time", ["2026-13-01T00:00:00Z", "2026-01-02T03:04:05", "2026-01-02", "2026-01-02T03:04Z"]
+)
+def test_a_time_that_is_no_rfc3339_timestamp_is_refused(time: str) -> None:
+    attributes = attributes_of(Event(type="placed"), SOURCE) | {"time": time}
+    with pytest.raises(InvalidEventError, match="is not an RFC 3339 timestamp"):
+        read_cloudevent(attributes, {})
