@@ -1,4 +1,4 @@
-"""CloudEvents on the real NATS JetStream and RabbitMQ, checked with the official SDK
+"""CloudEvents on the real NATS JetStream, RabbitMQ and Redis, checked with the official SDK
 (``cloudevents`` from PyPI), which no one here wrote: it reads what the publishers send as valid
 events with the same attributes and data, and the events it writes are handled once by the
 consumers' inbox guard, identified by their ``source`` and ``id``."""
@@ -6,6 +6,7 @@ consumers' inbox guard, identified by their ``source`` and ``id``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,13 +15,14 @@ import pytest
 from cloudevents.core.bindings import amqp, http
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
+from redis.asyncio import Redis
 
 from mongo_outbox import Event, Inbox, InvalidEventError, inbox_guard
 from mongo_outbox.cloudevents import CloudEvents, read_cloudevent
-from mongo_outbox.consumers import consume_nats, consume_rabbitmq
+from mongo_outbox.consumers import consume_nats, consume_rabbitmq, consume_redis
 from mongo_outbox.guard import Guarded
-from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from tests.support.servers import NATS_URL, RABBITMQ_URL
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, RedisStreamsPublisher
+from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from tests.support.waiting import until
 
 SOURCE = "https://shop.example.com/orders"
@@ -279,3 +281,60 @@ async def test_an_event_whose_header_reads_as_an_attribute_is_refused_before_it_
         channel = await amqp_connection.channel()
         await channel.exchange_delete(unique)
         await channel.close()
+
+
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+async def test_redis_entries_read_as_the_same_cloudevents_in_the_sdk(
+    unique: str, mode: str
+) -> None:
+    events = _events()
+    publisher = await RedisStreamsPublisher.connect(
+        REDIS_URL, stream=unique, cloudevents=CloudEvents(SOURCE, mode)
+    )
+    try:
+        for event in events:
+            await publisher.publish(event)
+        entries = await publisher.redis.xrange(unique)
+    finally:
+        await publisher.redis.delete(unique)
+        await publisher.aclose()
+    for (_, fields), event in zip(entries, events, strict=True):
+        # Redis has no binding: the entry's headers field holds what NATS headers would.
+        headers = json.loads(fields[b"headers"])
+        message = http.HTTPMessage(headers, fields[b"body"])
+        if mode == "binary":
+            read = http.from_binary(message, JSONFormat())
+        else:
+            assert headers["content-type"] == "application/cloudevents+json"
+            read = http.from_structured(message, JSONFormat())
+        _check(read, event)
+        assert fields[b"event-id"].decode() == event.id
+
+
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+async def test_sdk_events_on_redis_are_handled_once_by_source_and_id(
+    db: Any, unique: str, mode: str
+) -> None:
+    redis = Redis.from_url(REDIS_URL)
+    bill, seen = _billing(db, "billing")
+
+    async def deliveries() -> int:
+        sent = 0
+        for ce in _sdk_events():
+            encode = http.to_binary if mode == "binary" else http.to_structured
+            message = encode(ce, JSONFormat())
+            fields = {"headers": json.dumps(message.headers), "body": message.body}
+            for _ in range(2):
+                await redis.xadd(unique, fields)
+                sent += 1
+        return sent
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(consume_redis(redis, unique, "billing", bill, stop=stop))
+    try:
+        await _effects_once(db, seen, deliveries)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await redis.delete(unique)
+        await redis.aclose()
