@@ -29,7 +29,12 @@ from urllib.parse import urlsplit
 import pydantic_core
 
 from mongo_outbox.errors import ConfigurationError, InvalidEventError
-from mongo_outbox.events import RESERVED_HEADER_PREFIXES, RESERVED_HEADERS, Event
+from mongo_outbox.events import (
+    _HEADER_NAME,
+    RESERVED_HEADER_PREFIXES,
+    RESERVED_HEADERS,
+    Event,
+)
 from mongo_outbox.tracing import TRACE_HEADERS
 
 __all__ = [
@@ -263,10 +268,12 @@ def read_cloudevent(
             f"{', '.join(missing)}",
             event_id=event_id,
         )
+    # Only the attributes the mapping reads must be text; another producer's extensions may be
+    # of any CloudEvents type (an AMQP boolean, an integer) and are handed on as they came.
     text = {
         name: _attribute_text(name, value, event_id)
         for name, value in attributes.items()
-        if value is not None
+        if value is not None and name in _MAPPED
     }
     if text["specversion"] != SPECVERSION:
         raise InvalidEventError(
@@ -377,12 +384,18 @@ def _parse_time(value: str, event_id: str | None) -> datetime:
 
 def _headers(headers: Mapping[str, Any]) -> dict[str, str]:
     """The message headers that are the event's own: text, not the broker's, the publisher's
-    or a CloudEvents attribute."""
+    or a CloudEvents attribute. A header an Event cannot hold (a name that is no token, one
+    given twice in another case, a value with a control character) is left out rather than
+    making another producer's whole message unreadable."""
     own: dict[str, str] = {}
+    seen: set[str] = set()
     for name, value in headers.items():
         folded = name.lower()
         if (
-            folded in RESERVED_HEADERS
+            not isinstance(name, str)
+            or not _HEADER_NAME.fullmatch(name)
+            or folded in seen
+            or folded in RESERVED_HEADERS
             or folded.startswith(RESERVED_HEADER_PREFIXES)
             or folded.startswith(BINARY_PREFIXES)
             or folded.startswith("x-")  # RabbitMQ's and the retry queues' bookkeeping
@@ -391,8 +404,9 @@ def _headers(headers: Mapping[str, Any]) -> dict[str, str]:
             continue
         if isinstance(value, bytes):
             value = value.decode(errors="replace")
-        if isinstance(value, str) and value == value.strip() and value.isprintable():
+        if isinstance(value, str) and value == value.strip(" \t") and value.isprintable():
             own[name] = value
+            seen.add(folded)
     return own
 
 

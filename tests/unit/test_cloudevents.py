@@ -264,3 +264,33 @@ def test_a_time_that_is_no_rfc3339_timestamp_is_refused(time: str) -> None:
     attributes = attributes_of(Event(type="placed"), SOURCE) | {"time": time}
     with pytest.raises(InvalidEventError, match="is not an RFC 3339 timestamp"):
         read_cloudevent(attributes, {})
+
+
+def test_another_producers_typed_extensions_are_handed_on_as_they_came() -> None:
+    ce = _sdk_event(sampled=True, retries=3)
+    message = amqp.to_binary(ce, JSONFormat())
+    assert message.application_properties["cloudEvents_sampled"] is True  # an AMQP boolean
+    received = read_binary(
+        message.application_properties,
+        message.application_data,
+        content_type=message.properties["content-type"],
+    )
+    assert received.extensions == {"region": "eu", "sampled": True, "retries": 3}
+
+
+def test_headers_an_event_cannot_hold_are_left_out_not_fatal() -> None:
+    headers = {
+        "ce-specversion": "1.0",
+        "ce-id": "e-1",
+        "ce-source": "/billing",
+        "ce-type": "paid",
+        "Tenant": "acme",
+        "tenant": "other",  # the same name in another case
+        "my header": "x",  # no token
+        "bell": "\x07",
+        "x-delivery-count": 2,  # the broker's
+        "outbox-retries": 1,  # no text
+        "Nats-Msg-Id": "e-1",
+    }
+    received = read_binary(headers, b"{}", content_type="application/json")
+    assert received.event.headers == {"Tenant": "acme"}
