@@ -33,6 +33,7 @@ REFERENCE = {
     "testing": "mongo_outbox.testing",
     "settings": "mongo_outbox.settings",
     "metrics": "mongo_outbox.metrics",
+    "cloudevents": "mongo_outbox.cloudevents",
 }
 NEEDS = (
     "mkdocs",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import click
 
 from mongo_outbox.brokers import BROKERS
 from mongo_outbox.cli.common import Failure, hide, one_line, option
+from mongo_outbox.cloudevents import CloudEvents
 from mongo_outbox.errors import ConfigurationError, InvalidEventError
 from mongo_outbox.events import Event
 from mongo_outbox.publishers import Publisher
@@ -50,6 +52,8 @@ class Broker(abc.ABC):
     """The option of the template the destination is rendered from."""
     url: str
     naming: str
+    cloudevents: CloudEvents | None
+    """Publish CloudEvents (``--cloudevents-source``), or the Event's own JSON."""
 
     @classmethod
     @abc.abstractmethod
@@ -102,13 +106,14 @@ class Nats(Broker):
     naming_flag: ClassVar[str] = "--subject"
     url: str
     naming: str
+    cloudevents: CloudEvents | None = None
 
     @classmethod
     def given(cls, url: str, values: dict[str, Any]) -> Broker:
         return cls(url, values["subject"] or SUBJECT)
 
     def describe(self) -> str:
-        return f"NATS {hide(self.url)}, subject {self.naming}"
+        return f"NATS {hide(self.url)}, subject {self.naming}{_as_cloudevents(self)}"
 
     def render(self, sample: Event) -> str:
         from mongo_outbox.brokers.nats.publisher import subject_of
@@ -121,7 +126,9 @@ class Nats(Broker):
         from mongo_outbox.brokers.nats.publisher import NatsPublisher
 
         await _probe_nats(self.url)
-        nats = await NatsPublisher.connect(self.url, subject=self.naming)
+        nats = await NatsPublisher.connect(
+            self.url, subject=self.naming, cloudevents=self.cloudevents
+        )
         try:
             await _warn_without_stream(nats, self.check(sample), waits)
         except BaseException:
@@ -170,6 +177,7 @@ class RabbitMQ(Broker):
     declare: bool = True
     """Declare the exchange (the default one, or --declare-exchange), or require it."""
     max_message_size: int | None = None
+    cloudevents: CloudEvents | None = None
 
     @classmethod
     def given(cls, url: str, values: dict[str, Any]) -> Broker:
@@ -186,7 +194,10 @@ class RabbitMQ(Broker):
         )
 
     def describe(self) -> str:
-        return f"RabbitMQ {hide(self.url)}, exchange {self.exchange}, routing key {self.naming}"
+        return (
+            f"RabbitMQ {hide(self.url)}, exchange {self.exchange}, routing key {self.naming}"
+            f"{_as_cloudevents(self)}"
+        )
 
     def render(self, sample: Event) -> str:
         from mongo_outbox.brokers.rabbitmq.publisher import routing_key_of
@@ -203,6 +214,7 @@ class RabbitMQ(Broker):
                 routing_key=self.naming,
                 declare=self.declare,
                 max_message_size=self.max_message_size,
+                cloudevents=self.cloudevents,
             )
         except ConfigurationError as error:
             raise Failure(
@@ -213,6 +225,44 @@ class RabbitMQ(Broker):
 
 COMMAND_LINE: dict[str, type[Broker]] = {broker.name: broker for broker in (Nats, RabbitMQ)}
 """The brokers the publishing commands take, in the order ``--help`` lists them."""
+
+
+def _as_cloudevents(broker: Broker) -> str:
+    ce = broker.cloudevents
+    return "" if ce is None else f", as CloudEvents ({ce.mode} mode, source {ce.source})"
+
+
+# Options of every broker: how the events are written, not where they go.
+_CLOUDEVENTS_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--cloudevents-source",
+        {
+            "metavar": "URI",
+            "help": "Publish CloudEvents 1.0 with this source, a URI reference naming the "
+            "producer (docs/cloudevents.md) [default: the Event's own JSON].",
+        },
+    ),
+    (
+        "--cloudevents-mode",
+        {
+            "type": click.Choice(["binary", "structured"]),
+            "help": "With --cloudevents-source: the attributes as headers and the payload as "
+            "the body (binary), or one application/cloudevents+json document [default: binary].",
+        },
+    ),
+)
+
+
+def _cloudevents(source: str | None, mode: str | None) -> CloudEvents | None:
+    if source is None:
+        if mode is not None:
+            raise Failure("--cloudevents-mode needs --cloudevents-source")
+        return None
+    try:
+        return CloudEvents(source, "structured" if mode == "structured" else "binary")
+    except ConfigurationError as error:
+        # The option is what the user gave: named as they know it, not as the library's setting.
+        raise Failure(str(error).replace("CloudEvents.source", "--cloudevents-source", 1)) from None
 
 
 async def _probe_nats(url: str) -> None:
@@ -288,6 +338,7 @@ def _with_broker_options(function: F, *, optional: bool) -> F:
     @functools.wraps(function)
     def command(**given: Any) -> Any:
         urls = {name: given.pop(name) for name in COMMAND_LINE}
+        cloudevents = _cloudevents(given.pop("cloudevents_source"), given.pop("cloudevents_mode"))
         values = {
             name: {_parameter(flag): given.pop(_parameter(flag)) for flag, _ in broker.options}
             for name, broker in COMMAND_LINE.items()
@@ -304,9 +355,15 @@ def _with_broker_options(function: F, *, optional: bool) -> F:
             if other is not broker and any(values[other.name].values()):
                 raise Failure(f"{_listed(other)} for --{other.name}; use {broker.naming_flag}")
         hide(urls[broker.name])
-        return function(broker=broker.given(urls[broker.name], values[broker.name]), **given)
+        chosen_broker = broker.given(urls[broker.name], values[broker.name])
+        if cloudevents is not None:
+            chosen_broker = dataclasses.replace(chosen_broker, cloudevents=cloudevents)  # type: ignore[type-var]
+        return function(broker=chosen_broker, **given)
 
-    # Applied last to first, so that --help lists them in COMMAND_LINE's order.
+    # Applied last to first, so that --help lists them in COMMAND_LINE's order, then the
+    # options of every broker.
+    for flag, settings in reversed(_CLOUDEVENTS_OPTIONS):
+        command = option(flag, **settings)(command)
     for broker in reversed(COMMAND_LINE.values()):
         for flag, settings in reversed(broker.options):
             command = option(flag, **settings)(command)

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox import cloudevents
 from mongo_outbox.errors import (
     ConfigurationError,
     InvalidEventError,
@@ -107,6 +108,35 @@ def decode(message_id: object, body: bytes) -> Event | str:
         return f"message {message_id} is not an Event: {describe(error)}"
 
 
+def decode_delivery(delivery: Delivery, source: str | None) -> tuple[Event, str, str | None] | str:
+    """The delivery's Event, message id and inbox source, or why it cannot be handled at all.
+
+    A CloudEvent (by its headers or content type, ``mongo_outbox.cloudevents``) is identified
+    by its own ``source`` and ``id``, which the specification makes unique across producers;
+    any other message by its broker message id and the consumer's ``source``."""
+    content_type = getattr(delivery, "content_type", None)
+    if content_type is None:
+        content_type = next(
+            (v for k, v in delivery.headers.items() if k.lower() == "content-type"), None
+        )
+    if not isinstance(content_type, str):
+        content_type = None
+    if cloudevents.is_cloudevent(delivery.headers, content_type):
+        try:
+            received = cloudevents.read_message(
+                delivery.headers, delivery.body, content_type=content_type
+            )
+            check_message_id(received.source, what="CloudEvent source")
+            check_message_id(received.id, what="CloudEvent id")
+        except (InvalidEventError, MessageIdentityError) as error:
+            return f"message {delivery.message_id} is not a usable CloudEvent: {error}"
+        return received.event, received.id, received.source
+    event = decode(delivery.message_id, delivery.body)
+    if isinstance(event, str):
+        return event
+    return event, str(delivery.message_id), source
+
+
 def check_source(source: str | None, setting: str) -> None:
     if source is not None and (not isinstance(source, str) or len(source) > MAX_ID_LENGTH):
         raise ConfigurationError(
@@ -152,16 +182,16 @@ async def settle(
 ) -> Outcome | None:
     """Run ``guarded`` on the delivery and settle it with the broker; the outcome, or ``None``
     for a message rejected before it reached the handler. ``hold`` retries in the process."""
-    event = decode(delivery.message_id, delivery.body)
-    if isinstance(event, str):
-        log.error("rejecting message: %s", event)
+    decoded = decode_delivery(delivery, source)
+    if isinstance(decoded, str):
+        log.error("rejecting message: %s", decoded)
         try:
             if rejected is not None:
-                await rejected(delivery.body, event)
+                await rejected(delivery.body, decoded)
         finally:
             await delivery.reject()  # whatever the callback did: never redelivered for ever
         return None
-    message_id = str(delivery.message_id)
+    event, message_id, source = decoded
     while True:
         if stop.is_set():
             # Not started, or held for a retry: the broker has it again at once.

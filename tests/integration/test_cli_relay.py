@@ -329,3 +329,35 @@ async def test_a_signal_while_the_relay_connects_stops_it_cleanly(
     else:
         assert ran.code == 0, ran.output
         assert f"relay starting: {stop.name} received before it started: stopped" in ran.err
+
+
+async def test_the_relay_publishes_cloudevents_the_sdk_reads(
+    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str
+) -> None:
+    from cloudevents.core.bindings import http
+    from cloudevents.core.formats.json import JSONFormat
+
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    event = Event(type="placed", payload={"total": 12})
+    await outbox.save_with_events(None, db.orders, {"_id": "o-1"}, [event])
+    ran = await cli(
+        "relay",
+        "--drain",
+        f"--uri={mongo.uri}",
+        f"--db={db.name}",
+        f"--nats={NATS_URL}",
+        f"--subject={nats_stream}.{{type}}",
+        "--cloudevents-source=urn:example:orders",
+        "--cloudevents-mode=structured",
+    )
+    assert ran.code == 0, ran.output
+    subscription = await nats_client.jetstream().pull_subscribe(f"{nats_stream}.>", durable="c")
+    [message] = await subscription.fetch(1, timeout=5)
+    read = http.from_structured(http.HTTPMessage(dict(message.headers), message.data), JSONFormat())
+    assert (read.get_id(), read.get_source(), read.get_subject()) == (
+        event.id,
+        "urn:example:orders",
+        "o-1",
+    )
+    assert read.get_data() == {"total": 12}

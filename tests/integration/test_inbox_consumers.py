@@ -115,6 +115,7 @@ class FakeRabbitMQMessage:
         self.message_id: str | None = None
         self.body = body
         self.headers: dict[str, object] = {}
+        self.content_type = "application/json"
         self.settled: list[str] = []
 
     async def reject(self, requeue: bool = False) -> None:

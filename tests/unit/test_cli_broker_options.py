@@ -18,6 +18,7 @@ from mongo_outbox.cli.brokers import (
     broker_options,
     optional_broker_options,
 )
+from mongo_outbox.cloudevents import CloudEvents
 
 
 @click.command()
@@ -40,6 +41,8 @@ def test_the_options_are_listed_broker_by_broker_in_the_table_s_order() -> None:
         "--routing-key",
         "--declare-exchange",
         "--max-message-size",
+        "--cloudevents-source",
+        "--cloudevents-mode",
     ]
     assert list(COMMAND_LINE) == ["nats", "rabbitmq"]
 
@@ -121,3 +124,39 @@ def test_a_command_that_may_run_without_a_broker_gets_none_and_one_broker_at_mos
     assert named.exit_code == 0 and named.output.startswith("Nats(")
     two = CliRunner().invoke(maybe_publish, ["--nats", "nats://a", "--rabbitmq", "amqp://b"])
     assert two.exit_code == 1 and "name one broker" in two.output
+
+
+def test_either_broker_publishes_cloudevents_when_given_a_source() -> None:
+    binary = run("--nats", "nats://a", "--cloudevents-source", "/orders")
+    assert binary.output.strip() == repr(
+        Nats("nats://a", "events.{aggregate_type}.{type}", CloudEvents("/orders"))
+    )
+    structured = run(
+        "--rabbitmq",
+        "amqp://b",
+        "--cloudevents-source",
+        "urn:x",
+        "--cloudevents-mode",
+        "structured",
+    )
+    assert structured.output.strip() == repr(
+        RabbitMQ("amqp://b", "{type}", "events", cloudevents=CloudEvents("urn:x", "structured"))
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--cloudevents-mode", "binary"), "--cloudevents-mode needs --cloudevents-source"),
+        (
+            ("--cloudevents-source", "not a uri"),
+            "--cloudevents-source 'not a uri' is not a URI reference (RFC 3986)",
+        ),
+    ],
+)
+def test_cloudevents_options_that_cannot_apply_are_refused(
+    args: tuple[str, ...], message: str
+) -> None:
+    ran = run("--nats", "nats://a", *args)
+    assert ran.exit_code == 1 and message in ran.output
+    assert run("--nats", "nats://a", "--cloudevents-mode", "json").exit_code == 2

@@ -208,3 +208,21 @@ def test_each_lease_is_named_by_whose_it_is_and_each_setting_has_one_name() -> N
     settings = mongo_outbox.RelaySettings()
     assert not hasattr(settings, "timeout") and not hasattr(settings, "lease")
     assert (settings.publish_timeout, settings.claim_lease) == (10.0, 30.0)
+
+
+def test_the_cloudevents_front_is_its_all() -> None:
+    import mongo_outbox.cloudevents
+
+    assert set(mongo_outbox.cloudevents.__all__) == {
+        "CONTENT_TYPE",
+        "CloudEvents",
+        "Received",
+        "attributes_of",
+        "read_binary",
+        "read_cloudevent",
+        "read_message",
+        "read_structured",
+        "structured_of",
+    }
+    for name in mongo_outbox.cloudevents.__all__:
+        assert getattr(mongo_outbox.cloudevents, name) is not None

@@ -101,6 +101,7 @@ class _Delivery:
             self.headers = raw.headers or {}
             self.message_id = raw.message_id
             self.body = raw.body
+            self.content_type = raw.content_type  # a CloudEvent's mode (consumers.base)
             delivered = self.headers.get("x-delivery-count", 0)  # none on a first delivery
         else:
             # FastStream's Redis subscribers deliver a dict, its batch subscribers a list.

@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from mongo_outbox.brokers import BROKERS
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -64,6 +65,10 @@ _KINDS = {
 }
 
 
+# Each protocol binding's prefix of a binary-mode attribute header.
+_CE_PREFIXES = {"RabbitMQ": "cloudEvents_", "NATS": "ce-", "Redis": "ce-", "Kafka": "ce_"}
+
+
 def _kind(broker: object) -> str:
     for klass in type(broker).__mro__:
         for package, kind in _KINDS.items():
@@ -92,6 +97,10 @@ class FastStreamPublisher:
         stream: NATS only, and required there: the JetStream stream the subjects belong to (a
             plain NATS publish is never confirmed).
         timeout: seconds (or a ``timedelta``) to wait for each confirmation.
+        cloudevents: publish CloudEvents 1.0 (``mongo_outbox.cloudevents``): binary mode puts
+            the attributes in headers under each binding's prefix (Kafka ``ce_``, NATS ``ce-``,
+            RabbitMQ the AMQP binding's ``cloudEvents_``, Redis ``ce-``) and the payload in the
+            body; structured mode sends one ``application/cloudevents+json`` document.
     """
 
     def __init__(
@@ -102,8 +111,10 @@ class FastStreamPublisher:
         exchange: str | None = None,
         stream: str | None = None,
         timeout: Duration = 5.0,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
         self.kind = _kind(broker)
+        self.cloudevents = check_option(cloudevents, "FastStreamPublisher.cloudevents")
         if exchange is not None and self.kind != "RabbitMQ":
             raise ConfigurationError(
                 f"FastStreamPublisher.exchange is for RabbitMQ, not {self.kind}",
@@ -134,16 +145,23 @@ class FastStreamPublisher:
             destination = render(self.destination, event)
         if not destination:
             raise InvalidEventError(f"empty destination for event {event.id}", event_id=event.id)
-        body = event.model_dump_json().encode()
         headers = message_headers(event)
-        headers["content-type"] = "application/json"
+        content_type = "application/json"
+        if self.cloudevents is None:
+            body = event.model_dump_json().encode()
+        else:
+            headers, content_type, body = message_of(
+                event, self.cloudevents, _CE_PREFIXES[self.kind], headers
+            )
+        # Kafka's binding (and NATS's, read case-insensitively) put datacontenttype here.
+        headers["content-type"] = content_type
         options: dict[str, Any] = {"correlation_id": event.correlation_id or event.id}
         if self.kind == "RabbitMQ":
             options.update(
                 routing_key=destination,
                 exchange=self.exchange,
                 message_id=event.id,
-                content_type="application/json",
+                content_type=content_type,
                 message_type=event.type,
                 # AMQP's timestamp is unsigned (pamqp fails on an earlier one); the body
                 # carries occurred_at whole anyway.

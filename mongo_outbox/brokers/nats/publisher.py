@@ -8,6 +8,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
     BrokerFullError,
     BrokerUnavailableError,
@@ -89,6 +90,10 @@ class NatsPublisher:
             ``"events.{aggregate_type}.{type}"``.
         timeout: seconds (or a ``timedelta``) to wait for each ack before raising
             ``BrokerUnavailableError``.
+        cloudevents: publish CloudEvents 1.0 (``mongo_outbox.cloudevents``): in binary mode
+            the attributes as ``ce-`` headers and the payload as the body (``Content-Type:
+            application/json``), in structured mode one ``application/cloudevents+json``
+            document; ``None`` (the default), the Event's own JSON.
     """
 
     def __init__(
@@ -97,8 +102,10 @@ class NatsPublisher:
         *,
         subject: Naming = "events.{aggregate_type}.{type}",
         timeout: Duration = 5.0,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
         self.js = js
+        self.cloudevents = check_option(cloudevents, "NatsPublisher.cloudevents")
         self.subject = check_naming(subject, "NatsPublisher.subject")
         self.timeout = check_seconds(timeout, "NatsPublisher.timeout")
         self.closed = False
@@ -114,6 +121,7 @@ class NatsPublisher:
         *,
         subject: Naming = "events.{aggregate_type}.{type}",
         timeout: Duration = 5.0,
+        cloudevents: CloudEvents | None = None,
     ) -> NatsPublisher:
         """Open a connection of its own, which ``aclose`` drains and closes.
 
@@ -122,7 +130,9 @@ class NatsPublisher:
         ``ConnectionError`` is raised. Logs and errors show ``url`` without its credentials.
         """
         wait = check_seconds(timeout, "NatsPublisher.timeout")
-        check_naming(subject, "NatsPublisher.subject")  # before a connection that would outlive it
+        # Before a connection that would outlive them.
+        check_naming(subject, "NatsPublisher.subject")
+        check_option(cloudevents, "NatsPublisher.cloudevents")
         shown = redact_url(url)
 
         async def log_error(error: Exception) -> None:
@@ -143,7 +153,7 @@ class NatsPublisher:
         except (nats.errors.Error, OSError) as error:
             # The client's own text does not carry the URL; the chained error stays.
             raise ConnectionError(f"NATS at {shown}: {describe(error)}") from error
-        publisher = cls(nc.jetstream(), subject=subject, timeout=wait)
+        publisher = cls(nc.jetstream(), subject=subject, timeout=wait, cloudevents=cloudevents)
         publisher.connection = nc
         return publisher
 
@@ -175,11 +185,9 @@ class NatsPublisher:
     def _message(self, event: Event, limit: int) -> tuple[str, bytes, dict[str, str], bytes]:
         """The subject, body, headers and header block of ``event``'s message;
         ``InvalidEventError`` if NATS cannot carry it."""
-        headers = message_headers(event)
-        headers["Nats-Msg-Id"] = event.id
-        headers["Content-Type"] = "application/json"
         subject = self._subject(event)
-        body = event.model_dump_json().encode()
+        headers, body = self._content(event)
+        headers["Nats-Msg-Id"] = event.id
         block = header_block(headers)
         # Refused here, as the event's own fault: the server would close the whole connection
         # for a message over max_payload, and JetStream refuses a header block over 64 kB.
@@ -196,6 +204,17 @@ class NatsPublisher:
                 event_id=event.id,
             )
         return subject, body, headers, block
+
+    def _content(self, event: Event) -> tuple[dict[str, str], bytes]:
+        ce = self.cloudevents
+        if ce is None:
+            headers = message_headers(event)
+            headers["Content-Type"] = "application/json"
+            return headers, event.model_dump_json().encode()
+        # The NATS binding: ce- headers, and datacontenttype as the Content-Type header.
+        headers, content_type, body = message_of(event, ce, "ce-", message_headers(event))
+        headers["Content-Type"] = content_type
+        return headers, body
 
     async def publish(self, event: Event) -> None:
         [error] = await self.publish_many([event])

@@ -114,6 +114,7 @@ class Encoder:
         body_size: int,
         *,
         headers: dict[str, str],
+        content_type: str = "application/json",
         message_id: str,
         message_type: str,
         timestamp: datetime,
@@ -124,7 +125,7 @@ class Encoder:
         (pamqp fails on it), and the body carries ``occurred_at`` whole anyway."""
         seconds = timestamp.timestamp()
         flags = _CONTENT_TYPE | _DELIVERY_MODE | _PRIORITY | _MESSAGE_ID
-        parts = [b"", _JSON]
+        parts = [b"", _JSON if content_type == "application/json" else _short(content_type)]
         if headers:
             flags |= _HEADERS
             parts.append(self.table(headers))

@@ -64,6 +64,7 @@ class _Delivery:
         self.message_id: object = message.message_id
         self.body = message.body
         self.headers: Mapping[str, Any] = message.headers or {}
+        self.content_type = message.content_type  # a CloudEvent's mode (consumers.base)
         # A first delivery carries no count: 0 (with a limit of 0 it is the last).
         delivered = self.headers.get("x-delivery-count", 0)
         self.last = (

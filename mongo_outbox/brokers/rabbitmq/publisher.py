@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
     BrokerFullError,
     BrokerUnavailableError,
@@ -98,6 +99,11 @@ class RabbitMQPublisher:
         max_message_size: the broker's ``max_message_size`` in bytes; by default its
             version's default (RabbitMQ 4: 16 MiB, 3: 128 MiB). A longer message raises
             ``InvalidEventError`` before it is sent.
+        cloudevents: publish CloudEvents 1.0 (``mongo_outbox.cloudevents``): in binary mode
+            the attributes as ``cloudEvents_`` headers (the AMQP binding's application
+            properties) and the payload as the body, content type ``application/json``; in
+            structured mode one ``application/cloudevents+json`` document; ``None`` (the
+            default), the Event's own JSON.
     """
 
     def __init__(
@@ -107,8 +113,10 @@ class RabbitMQPublisher:
         routing_key: Naming = "{type}",
         timeout: Duration = 5.0,
         max_message_size: int | None = None,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
         self.exchange = exchange
+        self.cloudevents = check_option(cloudevents, "RabbitMQPublisher.cloudevents")
         self.routing_key = check_naming(routing_key, "RabbitMQPublisher.routing_key", empty=True)
         self.timeout = check_seconds(timeout, "RabbitMQPublisher.timeout")
         self.max_message_size = _checked_size(max_message_size)
@@ -130,6 +138,7 @@ class RabbitMQPublisher:
         timeout: Duration = 5.0,
         declare: bool = True,
         max_message_size: int | None = None,
+        cloudevents: CloudEvents | None = None,
     ) -> RabbitMQPublisher:
         """Open a connection of its own and declare ``exchange`` as a durable topic exchange;
         with ``declare=False`` the exchange must exist already (a misspelled name is refused
@@ -141,6 +150,7 @@ class RabbitMQPublisher:
         # Before a connection exists that would outlive a refusal.
         check_naming(routing_key, "RabbitMQPublisher.routing_key", empty=True)
         _checked_size(max_message_size)
+        check_option(cloudevents, "RabbitMQPublisher.cloudevents")
         connection = aio_pika.RobustConnection(make_url(url))
         try:
             # The outer bound is for Python 3.10, whose asyncio.TimeoutError aio-pika does not
@@ -179,7 +189,11 @@ class RabbitMQPublisher:
             await connection.close()
             raise
         publisher = cls(
-            declared, routing_key=routing_key, timeout=wait, max_message_size=max_message_size
+            declared,
+            routing_key=routing_key,
+            timeout=wait,
+            max_message_size=max_message_size,
+            cloudevents=cloudevents,
         )
         publisher.connection = connection
         return publisher
@@ -290,7 +304,16 @@ class RabbitMQPublisher:
                     f"header name {name[:40]!r}... is longer than AMQP's {_FIELD_NAME_BYTES}",
                     event_id=event.id,
                 )
-        body = event.model_dump_json().encode()
+        headers = message_headers(event)
+        content_type = "application/json"
+        if self.cloudevents is None:
+            body = event.model_dump_json().encode()
+        else:
+            # The AMQP binding's application properties are AMQP 0-9-1 headers on RabbitMQ;
+            # cloudEvents_ rather than cloudEvents:, which JMS cannot name (the binding's advice).
+            headers, content_type, body = message_of(
+                event, self.cloudevents, "cloudEvents_", headers
+            )
         limit = self.max_message_size or window.message_max
         if len(body) > limit:
             # Sent, the broker would close the channel (PRECONDITION_FAILED), failing every
@@ -304,7 +327,8 @@ class RabbitMQPublisher:
         header = self._encoder.content_header(
             number,
             len(body),
-            headers=message_headers(event),
+            headers=headers,
+            content_type=content_type,
             message_id=event.id,
             message_type=event.type,
             timestamp=event.occurred_at,

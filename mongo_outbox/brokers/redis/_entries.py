@@ -26,7 +26,7 @@ from typing import Any
 import redis.exceptions
 
 from mongo_outbox.brokers.redis.errors import is_outage
-from mongo_outbox.consumers.base import decode
+from mongo_outbox.consumers.base import decode_delivery
 from mongo_outbox.errors import ConfigurationError
 
 log = logging.getLogger("mongo_outbox.brokers.redis.consumer")  # the logger users configure
@@ -154,8 +154,8 @@ class PendingEntry:
             entries.settled(self)
 
     async def reject(self) -> None:
-        # settle() refuses an entry for the reason decode() gives; the dead letter says it.
-        reason = decode(self.message_id, self.body)
+        # settle() refuses an entry for the reason decode_delivery() gives: the dead letter's.
+        reason = decode_delivery(self, None)
         await self.dead_letter(reason if isinstance(reason, str) else "rejected")
 
     async def dead_letter(self, reason: str) -> None:

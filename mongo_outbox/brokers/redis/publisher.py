@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -112,6 +113,12 @@ class RedisStreamsPublisher:
             trims. See docs/redis.md before lowering it.
         timeout: seconds (or a ``timedelta``) a publish may take before it raises
             ``BrokerUnavailableError``.
+        cloudevents: write CloudEvents 1.0 (``mongo_outbox.cloudevents``). Redis has no
+            CloudEvents binding, so an entry keeps its fields and its ``headers`` field holds
+            what a NATS message's headers would: in binary mode the attributes as ``ce-``
+            headers and ``content-type: application/json``, the payload as ``body``; in
+            structured mode ``content-type: application/cloudevents+json`` and the document as
+            ``body``. ``None`` (the default), the Event's own JSON.
     """
 
     def __init__(
@@ -121,8 +128,12 @@ class RedisStreamsPublisher:
         stream: Naming = "events:{aggregate_type}",
         maxlen: int | None = DEFAULT_MAXLEN,
         timeout: Duration = 5.0,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
-        self.redis: Any = client  # redis-py types its commands as "awaitable or not": untyped here
+        self.redis: Any = client
+        self.cloudevents = check_option(
+            cloudevents, "RedisStreamsPublisher.cloudevents"
+        )  # redis-py types its commands as "awaitable or not": untyped here
         self.stream = check_naming(stream, "RedisStreamsPublisher.stream")
         self.maxlen = _checked_maxlen(maxlen)
         self.timeout = check_seconds(timeout, "RedisStreamsPublisher.timeout")
@@ -146,6 +157,7 @@ class RedisStreamsPublisher:
         stream: Naming = "events:{aggregate_type}",
         maxlen: int | None = DEFAULT_MAXLEN,
         timeout: Duration = 5.0,
+        cloudevents: CloudEvents | None = None,
     ) -> RedisStreamsPublisher:
         """Open a client of its own (which ``aclose`` closes) and check that Redis answers.
 
@@ -154,6 +166,7 @@ class RedisStreamsPublisher:
         wait = check_seconds(timeout, "RedisStreamsPublisher.timeout")
         check_naming(stream, "RedisStreamsPublisher.stream")  # before a client is opened
         _checked_maxlen(maxlen)
+        check_option(cloudevents, "RedisStreamsPublisher.cloudevents")
         try:
             # A blocking pool: a publish waits for a free connection (up to the timeout) rather
             # than failing as an outage when many are in flight.
@@ -174,24 +187,38 @@ class RedisStreamsPublisher:
         except (redis.exceptions.RedisError, OSError, asyncio.TimeoutError) as error:
             await client.aclose()
             raise ConnectionError(f"Redis at {redact_url(url)}: {describe(error)}") from error
-        publisher = cls(client, stream=stream, maxlen=maxlen, timeout=wait)
+        publisher = cls(client, stream=stream, maxlen=maxlen, timeout=wait, cloudevents=cloudevents)
         publisher.owned = True
         return publisher
 
     def stream_for(self, event: Event) -> str:
         return stream_of(self.stream, event)
 
-    def _xadd(self, target: Any, event: Event, stream: str) -> Any:
+    def _fields(self, event: Event) -> dict[str, str]:
+        """The entry's fields; ``InvalidEventError`` for an event CloudEvents cannot carry."""
+        if self.cloudevents is None:
+            return entry_of(event)
+        fields = entry_of(event)
+        headers, content_type, body = message_of(
+            event, self.cloudevents, "ce-", message_headers(event)
+        )
+        headers["content-type"] = content_type
+        fields["headers"] = json.dumps(headers, separators=(",", ":"))
+        fields["body"] = body.decode()
+        return fields
+
+    def _xadd(self, target: Any, stream: str, fields: dict[str, str]) -> Any:
         trim = {} if self.maxlen is None else {"maxlen": self.maxlen, "approximate": True}
-        return target.xadd(stream, entry_of(event), **trim)
+        return target.xadd(stream, fields, **trim)
 
     async def publish(self, event: Event) -> None:
         if self.closed:
             raise closed_error(self, event)
         stream = self.stream_for(event)
+        fields = self._fields(event)
         try:
             await client_call(
-                self._xadd(self.redis, event, stream),
+                self._xadd(self.redis, stream, fields),
                 self.timeout,
                 lambda reason: self._failed(event, reason),
             )
@@ -212,10 +239,11 @@ class RedisStreamsPublisher:
                 continue
             try:
                 stream = self.stream_for(event)
+                fields = self._fields(event)
             except (InvalidEventError, NamingFailed) as error:
                 results[index] = error
                 continue
-            self._xadd(pipeline, event, stream)
+            self._xadd(pipeline, stream, fields)
             sent.append((index, stream))
         if not sent:
             return results
