@@ -293,3 +293,46 @@ async def test_the_sign_out_cookie_is_http_only_and_a_token_of_spaces_is_refused
         "mongo-outbox: MONGO_OUTBOX_CONSOLE_TOKEN must be at least 12 characters long, not "
         "counting whitespace"
     )
+
+
+@pytest.mark.usefixtures("forget_secrets")
+async def test_the_page_tells_no_one_which_guess_holds_a_secret(
+    client: Any, mongo: MongoServer, db: Any
+) -> None:
+    # Redacting the request's own filter told a reader which of thousands of guesses in one
+    # query held the token (it came back as ***), with no limit and no log line.
+    from mongo_outbox.cli.common import Target
+
+    await park(db)
+    uri = mongo.uri.replace("mongodb://", "mongodb://console:s3cret-pw@", 1)
+    where = Target(uri, db.name, "collection", (), "outbox")
+    guesses = ["s3cret-pw"] + [f"guess-{n}" for n in range(200)]
+    async with in_process(client, db, mongo, credentials=SIGNED, target=where) as http:
+        await sign_in(http)
+        page = (await http.get("/", params={"aggregate": guesses, "type": "s3cret-pw"})).text
+    # The request's own words come back as sent; only the URI read from the settings is hidden.
+    assert page.count("***") == page.count("mongodb://console:***@")
+    assert 'value="s3cret-pw"' in page
+
+
+async def test_a_form_larger_than_the_limit_is_refused_as_it_arrives(
+    client: Any, mongo: MongoServer, db: Any
+) -> None:
+    from mongo_outbox.cli.console.app import MAX_FORM
+
+    sent = 0
+
+    async def endless() -> Any:
+        # A chunked body (no Content-Length) that never ends: read whole before its check,
+        # it grew the console's memory without bound.
+        nonlocal sent
+        while sent < 100 * MAX_FORM:
+            sent += 4096
+            yield b"x" * 4096
+
+    async with in_process(client, db, mongo, credentials=SIGNED) as http:
+        declared = await http.post("/login", content=b"x", headers={"content-length": "999999"})
+        assert declared.status_code in (400, 413)
+        answer = await http.post("/login", content=endless())
+        assert answer.status_code == 413
+    assert sent < 100 * MAX_FORM  # refused before the end of the body
