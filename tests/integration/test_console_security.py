@@ -110,7 +110,7 @@ async def test_the_host_is_checked_wherever_the_console_listens(
 async def test_the_command_on_another_loopback_address_checks_the_host_against_its_list(
     mongo: MongoServer, db: Any
 ) -> None:
-    listening = ("--host=127.0.0.2", "--allowed-host=console.example")
+    listening = ("--host=127.0.0.2", "--allowed-host=console.example", "--no-require-sign-in")
     async with served(mongo, db, *listening) as (_, url):
         assert url.startswith("http://127.0.0.2:")
         async with httpx.AsyncClient() as http:
@@ -209,6 +209,11 @@ async def test_beyond_loopback_the_command_shows_nothing_before_a_sign_in(
     where = [f"--uri={mongo.uri}", f"--db={db.name}", "--port=0", "--host=0.0.0.0"]
     open_to_all = await cli("console", *where)
     assert open_to_all.code == 1 and "--no-require-sign-in" in open_to_all.err
+    # On loopback behind a proxy (a name it answers to, or proxies it believes), the same.
+    loopback = [*where[:-1], "--host=127.0.0.1"]
+    for proxied in ("--allowed-host=console.example", "--trusted-proxies=127.0.0.1"):
+        behind = await cli("console", *loopback, proxied)
+        assert behind.code == 1 and "--no-require-sign-in" in behind.err, proxied
     env = {"MONGO_OUTBOX_CONSOLE_TOKEN": TOKEN}
     async with served(mongo, db, "--host=0.0.0.0", env=env) as (_, url):
         port = url.rsplit(":", 1)[1]

@@ -131,8 +131,9 @@ def console(
 
     Signing in needs MONGO_OUTBOX_CONSOLE_TOKEN, or MONGO_OUTBOX_CONSOLE_USER and
     MONGO_OUTBOX_CONSOLE_PASSWORD, in the environment (never on the command line); without
-    them the console is read-only. Beyond loopback, reading needs a sign-in too
-    (--no-require-sign-in for an open page behind a proxy that authenticates).
+    them the console is read-only. Beyond loopback, or behind a proxy (--allowed-host,
+    --trusted-proxies), reading needs a sign-in too (--no-require-sign-in for an open page
+    behind a proxy that authenticates).
     """
     check_extra()
     from mongo_outbox.cli.console.app import Settings
@@ -145,16 +146,18 @@ def console(
     from mongo_outbox.cli.console.hosts import allowed_hosts, is_loopback
 
     if require_sign_in is None:
-        require_sign_in = not is_loopback(host)
+        # A proxy in front (a name it answers to, or proxies it believes) serves the page beyond
+        # this machine as surely as a public address does: loopback alone is no closed door.
+        require_sign_in = not is_loopback(host) or bool(allowed_host) or bool(trusted_proxies)
     try:
         credentials = Credentials.from_env(os.environ)
         extra_hosts = _listed(allowed_host)
         allowed_hosts(host, extra_hosts)  # a name that is none fails here, in one line
         if require_sign_in and not credentials.configured:
             raise CredentialsError(
-                f"reading needs a sign-in (--require-sign-in, the default beyond loopback), "
-                f"and nobody can sign in: set {TOKEN}, or {USER} and its password, or pass "
-                "--no-require-sign-in"
+                "reading needs a sign-in (--require-sign-in, the default beyond loopback or "
+                f"behind a proxy), and nobody can sign in: set {TOKEN}, or {USER} and its "
+                "password, or pass --no-require-sign-in"
             )
         every = check_seconds(sample_interval, "--sample-interval")
         # Minutes, not check_seconds's seconds: its message would say "s".
