@@ -45,6 +45,16 @@ _RESUMABLE_CODES = frozenset(
         13436,  # NotPrimaryOrSecondary
     }
 )
+# No change-stream rule resumes on these, yet a retry fixes them: an operation killed (killOp,
+# killSessions, a server's own interruption) or a conflict. They ended the relay for good.
+_TRANSIENT_CODES = frozenset(
+    {
+        112,  # WriteConflict
+        11601,  # Interrupted
+    }
+)
+# The server's word that the same command may succeed if sent again.
+_RETRY_LABELS = ("TransientTransactionError", "RetryableWriteError")
 ENDS_STREAM = frozenset({"invalidate", "drop", "rename", "dropDatabase"})
 
 Triage = Literal["resume", "recover", "fatal"]
@@ -53,11 +63,14 @@ Triage = Literal["resume", "recover", "fatal"]
 def triage(error: BaseException) -> Triage:
     """What a change-stream error calls for: ``resume`` from the token (after a backoff),
     ``recover`` (the token is unusable: sweep, then watch from a fresh cluster time), or
-    ``fatal`` (no retry can fix it, e.g. not authorized or not a replica set)."""
+    ``fatal`` (no retry can fix it, e.g. not authorized or not a replica set). An interrupted
+    operation, a conflict, or an error the server labels for a retry is resumed too."""
     if isinstance(error, OperationFailure):
         if error.code in _RECOVER_CODES:
             return "recover"
         if error.has_error_label("ResumableChangeStreamError") or error.code in _RESUMABLE_CODES:
+            return "resume"
+        if error.code in _TRANSIENT_CODES or any(map(error.has_error_label, _RETRY_LABELS)):
             return "resume"
         return "fatal"
     if isinstance(error, ConnectionFailure):  # network errors, NotWritablePrimary, timeouts

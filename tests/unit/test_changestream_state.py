@@ -36,6 +36,19 @@ from mongo_outbox.changestream.source import database_of
             "resume",
         ),
         (OperationFailure("not primary (pre-4.4 server, no label)", code=10107), "resume"),
+        (OperationFailure("interrupted by killOp, no label", code=11601), "resume"),
+        (
+            OperationFailure(
+                "write conflict", code=112, details={"errorLabels": ["TransientTransactionError"]}
+            ),
+            "resume",
+        ),
+        (
+            OperationFailure(
+                "labelled for a retry", code=9, details={"errorLabels": ["RetryableWriteError"]}
+            ),
+            "resume",
+        ),
         (CursorNotFound("cursor id not found", code=43), "resume"),
         (AutoReconnect("connection reset"), "resume"),
         (NetworkTimeout("timed out"), "resume"),
