@@ -146,12 +146,15 @@ def check_option(value: object, setting: str) -> CloudEvents | None:
 
 
 def message_of(
-    event: Event, config: CloudEvents, prefix: str, headers: dict[str, str]
+    event: Event, config: CloudEvents | None, prefix: str, headers: dict[str, str]
 ) -> tuple[dict[str, str], str, bytes]:
     """The headers, content type and body of ``event``'s message as ``config`` says, given the
     headers a publisher sends without CloudEvents (``headers``: the event's own and the routing
-    ones, which stay: an ordered consumer keys on ``aggregate-id``). Binary mode adds the
-    attributes under ``prefix`` and moves the trace context into them."""
+    ones, which stay: an ordered consumer keys on ``aggregate-id``). Without ``config``, the
+    event's own JSON; binary mode adds the attributes under ``prefix`` and moves the trace
+    context into them."""
+    if config is None:
+        return headers, "application/json", event.model_dump_json().encode()
     check_headers(event)
     if config.mode == "structured":
         return headers, CONTENT_TYPE, structured_of(event, config.source)

@@ -145,14 +145,9 @@ class FastStreamPublisher:
             destination = render(self.destination, event)
         if not destination:
             raise InvalidEventError(f"empty destination for event {event.id}", event_id=event.id)
-        headers = message_headers(event)
-        content_type = "application/json"
-        if self.cloudevents is None:
-            body = event.model_dump_json().encode()
-        else:
-            headers, content_type, body = message_of(
-                event, self.cloudevents, _CE_PREFIXES[self.kind], headers
-            )
+        headers, content_type, body = message_of(
+            event, self.cloudevents, _CE_PREFIXES[self.kind], message_headers(event)
+        )
         # Kafka's binding (and NATS's, read case-insensitively) put datacontenttype here.
         headers["content-type"] = content_type
         options: dict[str, Any] = {"correlation_id": event.correlation_id or event.id}

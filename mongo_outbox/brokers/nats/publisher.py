@@ -206,13 +206,10 @@ class NatsPublisher:
         return subject, body, headers, block
 
     def _content(self, event: Event) -> tuple[dict[str, str], bytes]:
-        ce = self.cloudevents
-        if ce is None:
-            headers = message_headers(event)
-            headers["Content-Type"] = "application/json"
-            return headers, event.model_dump_json().encode()
         # The NATS binding: ce- headers, and datacontenttype as the Content-Type header.
-        headers, content_type, body = message_of(event, ce, "ce-", message_headers(event))
+        headers, content_type, body = message_of(
+            event, self.cloudevents, "ce-", message_headers(event)
+        )
         headers["Content-Type"] = content_type
         return headers, body
 

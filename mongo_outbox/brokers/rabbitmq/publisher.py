@@ -304,16 +304,11 @@ class RabbitMQPublisher:
                     f"header name {name[:40]!r}... is longer than AMQP's {_FIELD_NAME_BYTES}",
                     event_id=event.id,
                 )
-        headers = message_headers(event)
-        content_type = "application/json"
-        if self.cloudevents is None:
-            body = event.model_dump_json().encode()
-        else:
-            # The AMQP binding's application properties are AMQP 0-9-1 headers on RabbitMQ;
-            # cloudEvents_ rather than cloudEvents:, which JMS cannot name (the binding's advice).
-            headers, content_type, body = message_of(
-                event, self.cloudevents, "cloudEvents_", headers
-            )
+        # The AMQP binding's application properties are AMQP 0-9-1 headers on RabbitMQ;
+        # cloudEvents_ rather than cloudEvents:, which JMS cannot name (the binding's advice).
+        headers, content_type, body = message_of(
+            event, self.cloudevents, "cloudEvents_", message_headers(event)
+        )
         limit = self.max_message_size or window.message_max
         if len(body) > limit:
             # Sent, the broker would close the channel (PRECONDITION_FAILED), failing every
