@@ -8,7 +8,7 @@ OLDEST ?= $(shell for p in python3.10 "$$(pyenv root 2>/dev/null)/versions/3.10"
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-fast test-oldest coverage test-replset demo bench docs lint typecheck check clean
+.PHONY: test test-fast test-oldest coverage test-replset demo bench faults docs lint typecheck check clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.13 not found (set PYTHON=...)" >&2; exit 1; }
@@ -29,7 +29,7 @@ test: $(BIN)/.installed
 # The fast tier a developer runs every few minutes (docs/testing.md, "Tiers"): the unit tests and
 # the tests against the emulator alone, without brokers, crash subprocesses, randomized model
 # checks or the tests that wait seconds by design. One emulator serves the run, as in `make test`.
-FAST ?= not broker and not crash and not model and not slow
+FAST ?= not broker and not crash and not model and not slow and not faults
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PARALLEL) -m '$(FAST)' $(PYTEST_ARGS)
 
@@ -80,6 +80,11 @@ demo: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run
+
+# The fault matrix (tests/integration/test_fault_matrix.py): each command the library sends under
+# each of MongoDB's fault classes, printed as a table with its counts (docs/failures.md).
+faults: $(BIN)/.installed
+	$(BIN)/python -m tests.faults $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml) from docs/ into site/. --strict fails the build on any
 # warning: a broken link or #anchor, or a docstring the API reference cannot parse. The docs

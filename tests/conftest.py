@@ -64,8 +64,10 @@ BROKER_NAMES = frozenset(
 
 # - `testground`: a test of the test MongoDB itself, through plain PyMongo and no library code:
 #   every test under tests/conformance (MongoDB's spec tests) and TESTGROUND_MODULES (the
-#   emulator's transactions and its fail points).
-TESTGROUND_MODULES = frozenset({"test_transaction_semantics.py", "test_fail_points.py"})
+#   emulator's transactions, its fail points and its change events).
+TESTGROUND_MODULES = frozenset(
+    {"test_transaction_semantics.py", "test_fail_points.py", "test_changestream_events.py"}
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks

@@ -10,7 +10,8 @@ hit does, in the server's order (``CommandHelpers::evaluateFailCommandFailPoint`
 - ``errorCode``: the reply is ``{ok: 0, code, codeName, errmsg, errorLabels}``, the command not
   run; without ``errorLabels`` the labels are the ones a server adds to that code there
   (``TransientTransactionError`` in a transaction, ``RetryableWriteError`` on a retryable
-  write, a commit or an abort, ``ResumableChangeStreamError`` on a change stream's command);
+  write, a commit or an abort; never ``ResumableChangeStreamError``: the fail point hits
+  before the server knows the command is a change stream's);
 - ``writeConcernError`` alone: the write is applied, and its reply (ok: 1) carries that
   ``writeConcernError``; it hits only commands that take a write concern.
 
@@ -19,6 +20,11 @@ hit does, in the server's order (``CommandHelpers::evaluateFailCommandFailPoint`
 ``{activationProbability: p}``. A command that does not match (another name, another
 ``appName``) neither counts nor is skipped. The reply to ``configureFailPoint`` has ``count``,
 the times the fail point was hit so far. ``configureFailPoint`` itself is never hit.
+
+``failGetMoreAfterCursorCheckout`` (``data.errorCode``, the same modes) fails a change
+stream's ``getMore`` once its cursor is found: the error then carries the server's
+``ResumableChangeStreamError`` for the codes a stream resumes after, as MongoDB's does. (A
+driver resumes after that label alone, or a network or "not primary" error.)
 
 The emulator evaluates it before anything else of the command (the transaction checks
 included), so a commit hit by an error is still pending and a retried commit runs it.
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAIL_COMMAND = "failCommand"
+AFTER_CURSOR_CHECKOUT = "failGetMoreAfterCursorCheckout"
 BAD_VALUE = 2
 FAIL_POINT_SET_FAILED = 9998  # FailPointSetFailed, a fail point other than failCommand
 
@@ -105,7 +112,9 @@ TRANSIENT_IN_TRANSACTION = frozenset(
 )
 NO_SUCH_TRANSACTION = 251
 # A change stream's aggregate or getMore that failed with these can be resumed.
-RESUMABLE = RETRIABLE | {133, 234}  # FailedToSatisfyReadPreference, RetryChangeStream
+# (isResumableChangeStreamError: the retriable ones, FailedToSatisfyReadPreference,
+# RetryChangeStream, and the stale shard versions StaleShardVersion, StaleEpoch, StaleConfig.)
+RESUMABLE = RETRIABLE | {133, 234, 63, 150, 13388}
 ENDS_TRANSACTION = frozenset({"commitTransaction", "abortTransaction"})
 # The commands that take a write concern: a writeConcernError alone hits only these.
 WRITES = frozenset(
@@ -126,6 +135,7 @@ class Hit:
     error_code: int | None
     error_labels: list[str] | None  # None: the labels a server would add
     write_concern_error: dict[str, Any] | None
+    in_cursor: bool = False  # failGetMoreAfterCursorCheckout: the getMore found its cursor
 
     def error_reply(self, body: dict[str, Any], change_stream: bool) -> dict[str, Any]:
         assert self.error_code is not None
@@ -191,7 +201,8 @@ class FailPoints:
     """The server's ``failCommand`` fail point: configured by ``configureFailPoint``, consulted
     for every other command."""
 
-    def __init__(self, chance: random.Random | None = None) -> None:
+    def __init__(self, chance: random.Random | None = None, name: str = FAIL_COMMAND) -> None:
+        self.name = name
         self.data: dict[str, Any] | None = None  # None: off
         self.mode: str = "off"  # "alwaysOn" | "times" | "skip" | "activationProbability"
         self.value: float = 0
@@ -200,11 +211,12 @@ class FailPoints:
 
     def configure(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("configureFailPoint")
-        if name != FAIL_COMMAND:
+        if name != self.name:
             return _refusal(
                 FAIL_POINT_SET_FAILED,
                 "FailPointSetFailed",
-                f"the emulator has only the {FAIL_COMMAND} fail point, not {name!r}",
+                f"the emulator has only the {FAIL_COMMAND} and {AFTER_CURSOR_CHECKOUT} fail "
+                f"points, not {name!r}",
             )
         mode = body.get("mode")
         data = body.get("data")
@@ -239,7 +251,8 @@ class FailPoints:
         if data is None:
             return None
         name = _command_name(body)
-        if name == "configureFailPoint" or name not in (data.get("failCommands") or ()):
+        hits = data.get("failCommands") if self.name == FAIL_COMMAND else ["getMore"]
+        if name == "configureFailPoint" or name not in (hits or ()):
             return None
         if "appName" in data and data["appName"] != app_name:
             return None
@@ -262,6 +275,7 @@ class FailPoints:
             error_code=None if close or code is None else int(code),
             error_labels=None if labels is None else [str(label) for label in labels],
             write_concern_error=dict(wce) if only_wce and wce is not None else None,
+            in_cursor=self.name == AFTER_CURSOR_CHECKOUT,
         )
 
     def _fires(self) -> bool:

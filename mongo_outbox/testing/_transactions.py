@@ -39,10 +39,12 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
+from mongoeco.core.collation import normalize_collation, string_equality_key
 from mongoeco.engines._memory_collection import MemoryCollection
 from mongoeco.engines.virtual_indexes import document_in_virtual_index
 from mongoeco.errors import OperationFailure
@@ -92,6 +94,8 @@ class Txn:
     writes: dict[tuple[str, str], dict[Any, None]] = field(default_factory=dict)
     doomed: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    lsid: Any = None  # the driver's session and transaction number, for its change events
+    txn_number: int = 0
 
 
 class Transactions:
@@ -108,6 +112,8 @@ class Transactions:
         self.applying = False  # a commit or a TTL purge: live writes nobody may refuse
         self.where: dict[int, tuple[Any, str, str, Txn | None]] = {}
         self.lifetime = TRANSACTION_LIFETIME  # seconds; setParameter changes it
+        # Told the tokens of each commit's change events, and the transaction.
+        self.on_commit: Callable[[int, int, Txn], None] = lambda first, last, txn: None
         self._patch()
 
     # -- the engine's hooks --------------------------------------------------------------
@@ -213,8 +219,24 @@ class Transactions:
                 continue
             if not document_in_virtual_index(document, index):
                 continue
-            for key in self.engine._index_keys(document, index.fields):
+            for key in self._unique_keys(document, index):
                 self._touch(("key", db_name, coll_name, index.name, key), owner)
+
+    def _unique_keys(self, document: Any, index: Any) -> set[tuple[Any, ...]]:
+        """The keys ``document`` takes in a unique index: equal under the index's collation
+        where it has one (strength 2 makes "B" and "b" one key), BSON-equal otherwise."""
+        collation = normalize_collation(index.collation)
+        if collation is None:
+            return set(self.engine._unique_index_keys(document, index.fields))
+        return {
+            tuple(
+                ("collated", string_equality_key(value, collation))
+                if isinstance(value, str)
+                else self.engine._index_equality_key(value)
+                for value in values
+            )
+            for values in self.engine._unique_index_values(document, index.fields)
+        }
 
     def _touch(self, token: Token, owner: Txn | None) -> None:
         if self.applying:
@@ -310,6 +332,7 @@ class Transactions:
         engine = self.engine
         state = txn.state
         namespaces = set(state.touched_namespaces) | set(txn.writes)
+        first = engine._commit_sequence + 1
         self.applying = True
         try:
             with engine._publication_scope(engine._storage, touched_namespaces=namespaces):
@@ -323,6 +346,8 @@ class Transactions:
                 engine._publication_stack[-1].changes.extend(state.pending_changes)
         finally:
             self.applying = False
+        if engine._commit_sequence >= first:
+            self.on_commit(first, engine._commit_sequence, txn)
         self.clock += 1
         for token in txn.held:
             self.changed_at[token] = self.clock
@@ -389,7 +414,7 @@ class TransactionsOverWire:
     reply a server sends, and makes a write outside a transaction wait for the one holding
     its document."""
 
-    def __init__(self, engine: Any, sessions: Any) -> None:
+    def __init__(self, engine: Any, sessions: Any, client: Any) -> None:
         found = version("mongoeco")
         if found != PINNED:
             raise RuntimeError(
@@ -398,6 +423,7 @@ class TransactionsOverWire:
             )
         self.rules = Transactions(engine)
         self.sessions = sessions  # mongoeco's WireSessionStore
+        self.client = client  # mongoeco's in-process client: reads of the live data
         self.running: dict[str, int] = {}  # wire session key -> its open transaction's number
         self.committed: dict[str, int] = {}
 
@@ -493,6 +519,10 @@ class TransactionsOverWire:
     async def run(self, body: dict[str, Any], execute: Any) -> dict[str, Any]:
         self._reap()
         in_transaction = body.get("autocommit") is False and "lsid" in body
+        if not in_transaction:
+            await self._wait_before_writing(body)
+        elif next(iter(body), "") == "commitTransaction":
+            self._name_transaction(body)
         while True:
             try:
                 reply: dict[str, Any] = await execute()
@@ -511,11 +541,83 @@ class TransactionsOverWire:
             number = int(text.split(WAIT_MARK, 1)[1].split("]", 1)[0])
             holder = self.rules.by_number.get(number)
             if holder is not None:
-                remaining = self.rules.lifetime - (time.monotonic() - holder.started)
-                try:
-                    await asyncio.wait_for(holder.ended.wait(), max(remaining, 0) + 0.05)
-                except TimeoutError:
-                    self._reap()
+                await self._wait_for(holder)
+
+    def _name_transaction(self, body: dict[str, Any]) -> None:
+        """Give the transaction its driver's lsid and number: its change events carry them."""
+        context = self.sessions._sessions.get(wire_session_key(body["lsid"]))
+        txn = None if context is None else self.rules.open.get(context.session.session_id)
+        if txn is not None:
+            txn.lsid = body["lsid"]
+            txn.txn_number = _number(body)
+
+    async def _wait_before_writing(self, body: dict[str, Any]) -> None:
+        """Wait until no transaction holds a document a plain update or delete will write.
+
+        mongoeco writes a multi-document statement's documents one by one, and one held by a
+        transaction stops it halfway: run again, it counted only what was left (``delete_many``
+        2 of 4) and changed the first ones twice. MongoDB waits at the held document and goes
+        on; waiting before the first write gives the same outcome and counts."""
+        name = next(iter(body), "")
+        if name == "createIndexes":
+            await self._wait_for_writers(body)
+            return
+        statements = body.get({"update": "updates", "delete": "deletes"}.get(name, ""))
+        if not isinstance(statements, list) or not isinstance(body.get(name), str):
+            return
+        db_name, coll_name = str(body.get("$db")), body[name]
+        while True:
+            held = self._held_documents(db_name, coll_name)
+            if not held:
+                return
+            ids = list(held)
+            collection = self.client[db_name][coll_name]
+            holder = None
+            for statement in statements:
+                query = {"$and": [statement.get("q") or {}, {"_id": {"$in": ids}}]}
+                found = await collection.find_one(query, {"_id": 1})
+                if found is not None:
+                    holder = held[found["_id"]]
+                    break
+            if holder is None:
+                return
+            await self._wait_for(holder)
+
+    async def _wait_for_writers(self, body: dict[str, Any]) -> None:
+        """A unique index's build waits for the transactions writing its collection, as on
+        MongoDB, whose build takes the collection to itself: built beside one, mongoeco
+        checked only the live documents and the commit then added a duplicate."""
+        if not any(index.get("unique") for index in body.get("indexes") or []):
+            return
+        namespace = (str(body.get("$db")), body["createIndexes"])
+        while True:
+            writer = next(
+                (txn for txn in self.rules.open.values()
+                 if not txn.doomed and namespace in txn.writes),
+                None,
+            )  # fmt: skip
+            if writer is None:
+                return
+            await self._wait_for(writer)
+
+    def _held_documents(self, db_name: str, coll_name: str) -> dict[Any, Txn]:
+        """The ``_id`` of each live document of a namespace that a transaction holds."""
+        live = self.rules.engine._storage.get(db_name, {}).get(coll_name)
+        held: dict[Any, Txn] = {}
+        if live is None:
+            return held
+        for token, txn in self.rules.holders.items():
+            if token[0] == "doc" and token[1:3] == (db_name, coll_name) and token[3] in live:
+                document = self.rules.engine._borrow_storage_document(live[token[3]])
+                held[document["_id"]] = txn
+        return held
+
+    async def _wait_for(self, holder: Txn) -> None:
+        remaining = self.rules.lifetime - (time.monotonic() - holder.started)
+        try:
+            await asyncio.wait_for(holder.ended.wait(), max(remaining, 0) + 0.05)
+        except TimeoutError:
+            self._reap()
 
     def _after_transaction_command(
         self, body: dict[str, Any], reply: dict[str, Any], text: str

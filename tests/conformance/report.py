@@ -17,12 +17,13 @@ import pytest
 
 from tests.conformance.specs import NOTES
 
+SUITES = {"transactions-convenient-api": "transactions"}
 OUTCOMES: dict[str, tuple[str, str]] = {}  # test key -> (outcome, reason)
 SECONDS = [0.0]  # setup, call and teardown of every spec test
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "test_transaction_specs.py::test_spec[" not in report.nodeid:
+    if "_specs.py::test_spec[" not in report.nodeid:
         return
     key = report.nodeid.split("[", 1)[1].rsplit("]", 1)[0]
     SECONDS[0] += report.duration
@@ -38,14 +39,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def report_lines() -> list[str]:
-    tally: dict[str, int] = defaultdict(int)
-    for outcome, _ in OUTCOMES.values():
-        tally[outcome] += 1
+    # One line per suite: the transactions files together, the others each by their folder.
+    tallies: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for key, (outcome, _) in OUTCOMES.items():
+        folder = key.split("/", 1)[0]
+        tallies[SUITES.get(folder, folder)][outcome] += 1
     lines = [
-        "MongoDB transactions specification tests: "
+        f"MongoDB {suite} specification tests: "
         + ", ".join(f"{count} {outcome}" for outcome, count in sorted(tally.items()))
-        + f" ({SECONDS[0]:.1f} s)",
+        + f" of {sum(tally.values())}"
+        for suite, tally in sorted(tallies.items())
     ]
+    lines.append(f"(all spec tests: {SECONDS[0]:.1f} s)")
     lines += [f"note: {note}" for note in sorted(NOTES)]
     by_file: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
     for key, (outcome, reason) in sorted(OUTCOMES.items()):

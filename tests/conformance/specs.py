@@ -1,10 +1,11 @@
-"""MongoDB's specification tests for transactions, fetched at test time, never committed.
+"""MongoDB's specification tests, fetched at test time, never committed.
 
-The unified-format JSON files of mongodb/specifications (``source/transactions/tests/unified``
-and ``source/transactions-convenient-api/tests/unified``) ship in PyPI's PyMongo sdist under
-``test/``. The sdist of the PyMongo version installed here is downloaded once per machine with
-pip and its two folders are extracted to ``~/.cache/mongo-outbox-specs/<version>``
-(``$XDG_CACHE_HOME`` is honoured); ``MONGO_OUTBOX_SPECS_DIR`` points at another cache.
+The unified-format JSON files of mongodb/specifications (``transactions``,
+``transactions-convenient-api``, ``change-streams`` and ``retryable-writes``) ship in PyPI's
+PyMongo sdist under ``test/``. The sdist of the PyMongo version installed here is downloaded once
+per machine with pip and those folders are extracted to ``~/.cache/mongo-outbox-specs/<version>``
+(``$XDG_CACHE_HOME`` is honoured); ``MONGO_OUTBOX_SPECS_DIR`` points at another cache. A cache
+that lacks one of them (made before it was added) is fetched again.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from pathlib import Path
 FOLDERS = {
     "test/transactions/unified": "transactions",
     "test/transactions-convenient-api/unified": "transactions-convenient-api",
+    "test/change_streams/unified": "change-streams",
+    "test/retryable_writes/unified": "retryable-writes",
 }
+TRANSACTIONS = ("transactions", "transactions-convenient-api")
 DOWNLOAD_TIMEOUT = 300.0
 # What the report says about this run besides outcomes (the server under test, and how its
 # topology was evaluated); filled by the test module, printed by conftest.py.
@@ -41,13 +45,19 @@ def cache_dir(pymongo_version: str) -> Path:
     return base / "mongo-outbox-specs" / pymongo_version
 
 
-def spec_files() -> list[Path]:
-    """Every spec file, downloaded and cached on first use; raises ``SpecsUnavailable``."""
+def _complete(cache: Path) -> bool:
+    folders = (cache / name for name in FOLDERS.values())
+    return (cache / ".complete").exists() and all(folder.is_dir() for folder in folders)
+
+
+def spec_files(folders: tuple[str, ...] = TRANSACTIONS) -> list[Path]:
+    """The spec files of ``folders``, downloaded and cached on first use; raises
+    ``SpecsUnavailable``."""
     pymongo_version = version("pymongo")
     cache = cache_dir(pymongo_version)
-    if not (cache / ".complete").exists():
+    if not _complete(cache):
         _download(pymongo_version, cache)
-    files = sorted(path for name in FOLDERS.values() for path in (cache / name).glob("*.json"))
+    files = sorted(path for name in folders for path in (cache / name).glob("*.json"))
     if not files:
         raise SpecsUnavailable(f"no spec files in {cache}")
     return files
@@ -93,7 +103,7 @@ def _download(pymongo_version: str, cache: Path) -> None:
             raise SpecsUnavailable(f"{sdists[0].name} has none of {sorted(FOLDERS)}")
         (staged / ".complete").write_text(sdists[0].name + "\n")
         # Another process may have cached them meanwhile: either copy is the same.
-        if not (cache / ".complete").exists():
+        if not _complete(cache):
             shutil.rmtree(cache, ignore_errors=True)
             try:
                 staged.rename(cache)

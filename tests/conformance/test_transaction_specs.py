@@ -24,7 +24,7 @@ import pytest
 from pymongo import MongoClient
 from pymongo.errors import OperationFailure
 
-from tests.conformance.specs import NOTES, SpecsUnavailable, spec_files
+from tests.conformance.specs import NOTES, TRANSACTIONS, SpecsUnavailable, spec_files
 from tests.conformance.unified import (
     SCHEMA_VERSION,
     Entities,
@@ -72,12 +72,13 @@ class Server:
     note: str = ""
 
 
-def _cases() -> list[Any]:
+def cases(folders: tuple[str, ...] = TRANSACTIONS) -> list[Any]:
+    """One pytest parameter per test of the spec files of ``folders``."""
     try:
-        files = spec_files()
+        files = spec_files(folders)
     except SpecsUnavailable as error:
         if os.environ.get("CI") == "true":
-            raise RuntimeError(f"the transactions spec tests are unavailable: {error}") from error
+            raise RuntimeError(f"the {folders} spec tests are unavailable: {error}") from error
         reason = f"spec files unavailable (outside CI, so skipped): {error}"
         return [pytest.param(None, id="unavailable", marks=pytest.mark.skip(reason=reason))]
     cases = []
@@ -196,7 +197,7 @@ def _kill_all_sessions(client: MongoClient[Any]) -> None:
             raise
 
 
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", cases())
 def test_spec(
     case: Case,
     mongo: MongoServer,
@@ -204,11 +205,24 @@ def test_spec(
     drop_spec_databases: set[str],
     request: pytest.FixtureRequest,
 ) -> None:
+    run_case(case, mongo, server, drop_spec_databases, request, EMULATOR_DIFFERENCES)
+
+
+def run_case(
+    case: Case,
+    mongo: MongoServer,
+    server: Server,
+    drop_spec_databases: set[str],
+    request: pytest.FixtureRequest,
+    differences: dict[str, str],
+) -> None:
+    """Run one spec test, skipped with its reason where it cannot run, a strict xfail where
+    ``differences`` explains why the emulator fails it."""
     reason = skip_reason(case, server)
     if reason is not None:
         pytest.skip(reason)
-    if server.kind == "emulator" and case.key in EMULATOR_DIFFERENCES:
-        reason = f"emulator: {EMULATOR_DIFFERENCES[case.key]}"
+    if server.kind == "emulator" and case.key in differences:
+        reason = f"emulator: {differences[case.key]}"
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
     drop_spec_databases.update(entry["databaseName"] for entry in case.spec.get("initialData", []))
     entities = Entities(mongo.uri)

@@ -16,6 +16,7 @@ pinned to) is not implemented.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,6 +26,7 @@ from bson import Decimal128, Int64, ObjectId, Regex, Timestamp, json_util
 from bson.binary import Binary
 from bson.codec_options import CodecOptions
 from pymongo import MongoClient, ReadPreference, ReturnDocument, monitoring
+from pymongo.change_stream import ChangeStream
 from pymongo.client_session import ClientSession, TransactionOptions
 from pymongo.collection import Collection
 from pymongo.database import Database
@@ -351,6 +353,23 @@ ARGUMENTS = {
 }
 
 
+# createChangeStream's arguments, as watch() names them.
+WATCH_ARGUMENTS = {
+    "pipeline": "pipeline",
+    "batchSize": "batch_size",
+    "fullDocument": "full_document",
+    "fullDocumentBeforeChange": "full_document_before_change",
+    "resumeAfter": "resume_after",
+    "startAfter": "start_after",
+    "startAtOperationTime": "start_at_operation_time",
+    "showExpandedEvents": "show_expanded_events",
+    "comment": "comment",
+    "maxAwaitTimeMS": "max_await_time_ms",
+    "session": "session",
+}
+ITERATION_LIMIT = 10.0  # seconds iterateUntilDocumentOrError waits for a change
+
+
 @dataclass
 class Outcome:
     """What one operation returned or raised."""
@@ -435,7 +454,8 @@ class Runner:
         target = self.entities.get(target_name)
         # Not hasattr(): a Database answers any attribute with a Collection of that name.
         kind = (
-            "session" if isinstance(target, ClientSession)
+            "changeStream" if isinstance(target, ChangeStream)
+            else "session" if isinstance(target, ClientSession)
             else "client" if isinstance(target, MongoClient)
             else "collection" if isinstance(target, Collection)
             else "database" if isinstance(target, Database)
@@ -658,6 +678,54 @@ class Runner:
         keys = list(arguments.pop("keys").items())
         return collection.create_index(keys, session=session, **arguments)
 
+    def _collection_dropIndex(self, collection: Any, arguments: dict[str, Any]) -> Any:
+        session = arguments.pop("session", None)
+        collection.drop_index(arguments.pop("name"), session=session, **arguments)
+
+    def _collection_rename(self, collection: Any, arguments: dict[str, Any]) -> Any:
+        session = arguments.pop("session", None)
+        to = arguments.pop("to")
+        drop_target = arguments.pop("dropTarget", False)
+        if arguments:
+            raise Unsupported(f"rename arguments {sorted(arguments)}")
+        collection.rename(to, dropTarget=drop_target, session=session)
+
+    # -- change streams
+
+    def _watch(self, target: Any, arguments: dict[str, Any]) -> Any:
+        kwargs: dict[str, Any] = {}
+        for key, value in arguments.items():
+            if key not in WATCH_ARGUMENTS:
+                raise Unsupported(f"createChangeStream argument {key}")
+            kwargs[WATCH_ARGUMENTS[key]] = value
+        return target.watch(**kwargs)
+
+    _client_createChangeStream = _watch
+    _database_createChangeStream = _watch
+    _collection_createChangeStream = _watch
+
+    def _changeStream_iterateUntilDocumentOrError(
+        self, stream: ChangeStream[Any], arguments: dict[str, Any]
+    ) -> Any:
+        # As next() does, one getMore after another; but bounded, so a stream that never
+        # sends what the test waits for fails the test instead of hanging the run.
+        deadline = time.monotonic() + ITERATION_LIMIT
+        while time.monotonic() < deadline:
+            change = stream.try_next()
+            if change is not None:
+                return change
+            if not stream.alive:
+                raise Mismatch("the change stream ended without a document or an error")
+        raise Mismatch(f"no change event within {ITERATION_LIMIT} s")
+
+    def _changeStream_iterateOnce(
+        self, stream: ChangeStream[Any], arguments: dict[str, Any]
+    ) -> Any:
+        return stream.try_next()
+
+    def _changeStream_close(self, stream: ChangeStream[Any], arguments: dict[str, Any]) -> Any:
+        stream.close()
+
     # -- session operations
 
     def _session_startTransaction(self, session: ClientSession, arguments: dict[str, Any]) -> Any:
@@ -697,8 +765,10 @@ class Runner:
 
     def _runner_failPoint(self, arguments: dict[str, Any]) -> None:
         command = arguments["failPoint"]
-        self.fail_points.append(command["configureFailPoint"])
         self.entities.get(arguments["client"]).admin.command(command)
+        # Only once set: turning off a fail point the server refused raises again, in the
+        # test's cleanup, before its clients are closed (they were left to the collector).
+        self.fail_points.append(command["configureFailPoint"])
 
     def disable_fail_points(self) -> None:
         """Turn off every fail point the test set: they are server-wide and outlive it."""

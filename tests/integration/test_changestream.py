@@ -717,7 +717,11 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
     chance = random.Random(7)
     committed: list[str] = []
     aborted: list[str] = []
-    options: dict[str, Any] = {"max_wait": 0.01, "leader_lease": 0.3, "claim_lease": 0.5}
+    # Leases of seconds for every relay: the emulator runs on this test's loop, which stalls for
+    # up to 2 s on a loaded machine, and a 0.3 s lease was lost in every stall, so a crashing
+    # relay could go 10 s without being active once (CI under stress-ng). Each crash then waits
+    # up to a lease for the last one's to run out.
+    options: dict[str, Any] = {"max_wait": 0.01, "leader_lease": 3.0, "claim_lease": 3.0}
     options |= {"publish_timeout": 0.2, "sweep_interval": 0.3, "batch_size": 7}
     kills_after_confirm = 0
     # The first and last relays only have to run: leases of seconds, so that a slow moment of
@@ -894,7 +898,7 @@ async def test_embedded_mode_follows_a_server_stream(db: Any) -> None:
 
 
 async def test_dropped_outbox_collection_recovers(db: Any, outbox: Outbox) -> None:
-    """An invalidate from the server: the watched collection is dropped and created again."""
+    """A drop event from the server: the watched collection is dropped and created again."""
     publisher = MemoryPublisher()
     r = ChangeStreamRelay(
         outbox, publisher, name="orders-relay", settings=RelaySettings(backoff=FAST)

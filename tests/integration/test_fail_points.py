@@ -11,6 +11,7 @@ afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -179,6 +180,67 @@ async def test_a_write_concern_error_comes_after_the_write_is_applied(
         await app[db.name].c.insert_one({"_id": 1})
     assert failed.value.code == WRITE_CONCERN_FAILED
     assert await db.c.count_documents({}) == 1  # applied all the same
+
+
+SHUTDOWN_IN_PROGRESS = 91  # retriable: the server labels it RetryableWriteError
+
+
+@pytest.mark.parametrize("operation", ["insert", "inc", "find_one_and_update"])
+async def test_a_retried_write_the_server_applied_is_answered_from_its_record(
+    fail_points: None, mongo: MongoServer, db: Any, operation: str
+) -> None:
+    """The first try is applied and its reply says to retry (a write concern error with a
+    retriable code, as a lost reply makes the driver retry): the retry, with the same
+    txnNumber, is answered from the server's record of the first, not applied again."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, appName=f"fp-{uuid.uuid4().hex[:8]}", serverSelectionTimeoutMS=SELECTION
+    )
+    try:
+        await db.c.insert_one({"_id": 0, "n": 0})
+        wce = {"code": SHUTDOWN_IN_PROGRESS, "errmsg": "shutting down"}
+        hits = await entered(client)
+        await set_fail_point(
+            client, {"times": 1}, failCommands=["insert", "update", "findAndModify"],
+            writeConcernError=wce,
+        )  # fmt: skip
+        mine = client[db.name].c
+        if operation == "insert":
+            await mine.insert_one({"_id": 1})  # no DuplicateKeyError from its own retry
+        elif operation == "inc":
+            assert (await mine.update_one({"_id": 0}, {"$inc": {"n": 1}})).modified_count == 1
+        else:
+            before = await mine.find_one_and_update({"_id": 0}, {"$inc": {"n": 1}})
+            assert before == {"_id": 0, "n": 0}  # the first try's answer
+        assert await entered(client) == hits + 1  # so the write was retried
+        assert await db.c.count_documents({}) == (2 if operation == "insert" else 1)
+        assert (await db.c.find_one({"_id": 0}))["n"] == (0 if operation == "insert" else 1)
+    finally:
+        await client.admin.command(OFF)
+        await client.close()
+
+
+async def test_a_write_whose_reply_was_lost_is_applied_once_though_the_driver_retries_it(
+    fail_points: None, mongo: MongoServer, db: Any
+) -> None:
+    """The reply comes after the client's socket timeout (a network error to the driver): it
+    retries at once while the first try still waits, and the server applies the write once."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri,
+        appName=f"fp-{uuid.uuid4().hex[:8]}",
+        serverSelectionTimeoutMS=SELECTION,
+        socketTimeoutMS=200,
+    )
+    try:
+        await db.c.insert_one({"_id": 0, "n": 0})
+        await set_fail_point(
+            client, {"times": 1}, failCommands=["update"], blockConnection=True, blockTimeMS=500
+        )
+        await client[db.name].c.update_one({"_id": 0}, {"$inc": {"n": 1}})
+        await asyncio.sleep(0.5)  # the first try's block ends: it finds the retry's record
+        assert (await db.c.find_one({"_id": 0}))["n"] == 1
+    finally:
+        await client.admin.command(OFF)
+        await client.close()
 
 
 async def test_a_write_concern_error_alone_leaves_reads_alone_and_they_do_not_count(
@@ -489,3 +551,46 @@ async def test_a_closed_connection_on_get_more_resumes_the_change_stream(
         await db.c.insert_one({"_id": 1})
         assert (await next_change(stream))["documentKey"] == {"_id": 1}
     assert await entered(app) == before + 1
+
+
+HOST_UNREACHABLE = 6  # resumable, and no "not primary" or network error to the driver
+AFTER_CHECKOUT = "failGetMoreAfterCursorCheckout"
+
+
+async def test_a_get_more_failing_after_its_cursor_is_found_is_labelled_resumable_and_resumes(
+    app: AsyncMongoClient[Any], db: Any
+) -> None:
+    collection = app[db.name].c
+    off = {"configureFailPoint": AFTER_CHECKOUT, "mode": "off"}
+    before = (await app.admin.command(off))["count"]  # hits since the server started
+    async with await collection.watch(max_await_time_ms=100) as stream:
+        await db.c.insert_one({"_id": 1})
+        assert (await next_change(stream))["documentKey"] == {"_id": 1}
+        await app.admin.command(
+            {
+                "configureFailPoint": AFTER_CHECKOUT,
+                "mode": {"times": 1},
+                "data": {"errorCode": HOST_UNREACHABLE},
+            }
+        )
+        try:
+            await db.c.insert_one({"_id": 2})
+            assert (await next_change(stream))["documentKey"] == {"_id": 2}
+        finally:
+            after = (await app.admin.command(off))["count"]
+    assert after == before + 1  # hit, and the stream resumed after it
+
+
+async def test_a_fail_command_error_on_get_more_is_not_labelled_resumable(
+    app: AsyncMongoClient[Any], db: Any
+) -> None:
+    # failCommand hits before the server knows the getMore is a change stream's: no
+    # ResumableChangeStreamError, so a driver does not resume after HostUnreachable.
+    async with await app[db.name].c.watch(max_await_time_ms=100) as stream:
+        await set_fail_point(
+            app, {"times": 1}, failCommands=["getMore"], errorCode=HOST_UNREACHABLE
+        )
+        with pytest.raises(OperationFailure) as failed:
+            await next_change(stream)
+    assert failed.value.code == HOST_UNREACHABLE
+    assert not failed.value.has_error_label("ResumableChangeStreamError")

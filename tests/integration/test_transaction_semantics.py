@@ -427,3 +427,78 @@ async def test_the_server_says_it_is_a_replica_set_primary(client: AsyncMongoCli
     (server,) = client.topology_description.server_descriptions().values()
     assert server.server_type_name == "RSPrimary"
     assert server.retryable_writes_supported
+
+
+@pytest.mark.parametrize("held", [0, 2, 3])
+async def test_plain_writes_that_waited_on_a_transaction_count_every_document_once(
+    client: AsyncMongoClient[Any], db: Any, held: int
+) -> None:
+    """A multi-document write that meets a document a transaction holds waits, then goes on:
+    its counts are of the whole write, the documents before the wait included (the outbox's
+    embedded claim reads ``modified_count``)."""
+    await db.c.insert_many([{"_id": n, "n": 0} for n in range(5)])
+    await db.d.insert_many([{"_id": n} for n in range(4)])
+
+    async def waiting_on(write: Any, collection: Any) -> Any:
+        async with client.start_session() as session:
+            await session.start_transaction()
+            await collection.update_one({"_id": held}, {"$set": {"by": "txn"}}, session=session)
+            plain = asyncio.create_task(write)
+            done, _ = await asyncio.wait({plain}, timeout=0.3)
+            assert not done, "a plain write went past a transaction holding its document"
+            await session.commit_transaction()
+        return await plain
+
+    updated = await waiting_on(db.c.update_many({}, {"$set": {"n": 1}}), db.c)
+    assert (updated.matched_count, updated.modified_count) == (5, 5)
+    assert await db.c.count_documents({"n": 1}) == 5
+    deleted = await waiting_on(db.d.delete_many({}), db.d)
+    assert deleted.deleted_count == 4
+    assert await db.d.count_documents({}) == 0
+
+
+async def test_a_unique_index_with_a_collation_conflicts_on_keys_its_collation_calls_equal(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    # Strength 2 ignores case: "B" and "b" are one key, plain or in transactions.
+    caseless = {"locale": "en", "strength": 2}
+    await db.names.create_index("name", unique=True, collation=caseless)
+    await db.names.insert_one({"_id": 1, "name": "A"})
+    with pytest.raises(DuplicateKeyError):
+        await db.names.insert_one({"_id": 2, "name": "a"})
+    first, second = client.start_session(), client.start_session()
+    await first.start_transaction()
+    await second.start_transaction()
+    await db.names.insert_one({"_id": 3, "name": "B"}, session=first)
+    with pytest.raises(OperationFailure) as raised:
+        await db.names.insert_one({"_id": 4, "name": "b"}, session=second)
+    assert raised.value.code == WRITE_CONFLICT and is_transient(raised.value)
+    await second.abort_transaction()
+    await first.commit_transaction()
+    with pytest.raises(DuplicateKeyError):
+        await db.names.insert_one({"_id": 5, "name": "b"})
+    for session in (first, second):
+        await session.end_session()
+    assert await db.names.find().sort("_id").to_list() == [
+        {"_id": 1, "name": "A"},
+        {"_id": 3, "name": "B"},
+    ]
+
+
+async def test_a_unique_index_built_beside_an_open_transaction_waits_for_its_commit(
+    client: AsyncMongoClient[Any], db: Any
+) -> None:
+    # The build needs the collection to itself: it starts once the transaction commits, then
+    # finds the duplicate that commit made.
+    await db.keys.insert_one({"_id": 1, "key": "k"})
+    async with client.start_session() as session:
+        await session.start_transaction()
+        await db.keys.insert_one({"_id": 2, "key": "k"}, session=session)
+        build = asyncio.create_task(db.keys.create_index("key", unique=True))
+        done, _ = await asyncio.wait({build}, timeout=0.5)
+        assert not done, "a unique index was built beside a transaction writing its collection"
+        await session.commit_transaction()
+    with pytest.raises(DuplicateKeyError):
+        await build
+    assert await db.keys.count_documents({}) == 2
+    assert "key_1" not in await db.keys.index_information()
