@@ -22,14 +22,16 @@ import logging
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
+from pymongo.errors import NetworkTimeout, PyMongoError, ServerSelectionTimeoutError
 
 from mongo_outbox import metrics
+from mongo_outbox._driver import answered
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
 from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
+    ChangeBatch,
     ChangeSource,
     ChangeStream,
     WatchSource,
@@ -211,7 +213,9 @@ class ChangeStreamRelay(Lifecycle):
         a lease this relay may hold, for RELEASE_WAIT)."""
         renewing = self.checkpoint.fence is not None
         self._may_hold = True  # until the server's answer says otherwise
-        attempt = asyncio.ensure_future(self.checkpoint.acquire())
+        # Bounded: a hung connection must not hold the relay for ever (nor, taken again after
+        # an error, keep it from resuming while its lease runs out).
+        attempt = asyncio.ensure_future(self._rounds.answered(self.checkpoint.acquire()))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -228,6 +232,11 @@ class ChangeStreamRelay(Lifecycle):
             held = attempt.result()
         except ServerSelectionTimeoutError:
             self._may_hold = renewing  # no server was chosen: nothing was sent
+            raise
+        except NetworkTimeout:
+            # No answer within the bound: it may have taken the lease, unless no server was
+            # chosen to send it to.
+            self._may_hold = renewing or self._writable()
             raise
         self._may_hold = held
         return held
@@ -313,7 +322,9 @@ class ChangeStreamRelay(Lifecycle):
         loop = asyncio.get_running_loop()
         self._saved_at = float("-inf")
         swept = self._opened_by_sweep
-        stream = await self._open((await self.checkpoint.load()).get("token"))
+        stream = await self._open(
+            (await self._rounds.answered(self.checkpoint.load())).get("token")
+        )
         self._following_since = None
         # The token after the last batch handled, and whether it passed changes since the last
         # save: batches close as soon as the stream runs dry, so under a trickle they hold one
@@ -331,9 +342,7 @@ class ChangeStreamRelay(Lifecycle):
             while not self._stopping.is_set():
                 self._check_lease()
                 try:
-                    batch = await self._unless_stopped(
-                        stream.next_batch(self.settings.batch_size, self.max_wait)
-                    )
+                    batch = await self._unless_stopped(self._next_batch(stream))
                 except PyMongoError as error:
                     self._fail_unless_recoverable(error)
                     await _close(stream)
@@ -362,7 +371,7 @@ class ChangeStreamRelay(Lifecycle):
                 since = now - self._saved_at
                 quiet_due = since >= self.leader_lease.total_seconds() / 3
                 if token is not None and ((changed and since >= self.max_wait) or quiet_due):
-                    await self.checkpoint.save(token)
+                    await self._rounds.answered(self.checkpoint.save(token))
                     self._saved_at, token, changed = now, None, False
                 if await self._rounds.probe():
                     self._sweep_due = 0.0  # a waiting entry was made due: see if the broker is back
@@ -475,6 +484,13 @@ class ChangeStreamRelay(Lifecycle):
         if due is not None:
             wait = min(max((due - utc_now()).total_seconds(), 1.0), self.sweep_interval)
         self._sweep_due = asyncio.get_running_loop().time() + wait
+
+    async def _next_batch(self, stream: ChangeStream) -> ChangeBatch:
+        """The stream's next batch, bounded as a round's commands are (beyond the batch's own
+        ``max_wait``): a getMore on a connection hung without a reset waited for ever, while the
+        lease's heartbeat, on another connection, kept the lease from any other relay."""
+        batch = stream.next_batch(self.settings.batch_size, self.max_wait)
+        return await answered(batch, self._rounds.command_wait + self.max_wait)
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None if ``stop()`` came first: a command waiting for a server

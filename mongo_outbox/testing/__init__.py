@@ -44,8 +44,9 @@ What the emulator cannot prove; run those tests against a real replica set (a
   resumes where it waited): a non-idempotent ``update_many`` beside open transactions may change
   some documents twice, and an ``insert_many`` reports duplicate keys for its own documents.
 - It reports itself a single-node replica set (``setName`` "emulator", itself its only host,
-  primary for ever): there is no election, no secondary, no rollback, and a retryable write
-  that a driver sends again after a network error is run again (a server runs it once).
+  primary for ever): there is no election, no secondary, no rollback. A retryable write sent
+  again (same session, same ``txnNumber``) is answered from its first try's record, as a
+  server does, for the session's last number only.
 - Its change streams are its own: a replica set's oplog, elections and a real
   ``ChangeStreamHistoryLost`` are not exercised.
 

@@ -718,20 +718,16 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
     committed: list[str] = []
     aborted: list[str] = []
     # Leases of seconds for every relay: the emulator runs on this test's loop, which stalls for
-    # up to 2 s on a loaded machine, and a 0.3 s lease was lost in every stall, so a crashing
-    # relay could go 10 s without being active once (CI under stress-ng). Each crash then waits
-    # up to a lease for the last one's to run out.
+    # up to 2 s on a loaded machine. A 0.3 s lease was lost in every stall, so a crashing relay
+    # could go 10 s without being active once (CI under stress-ng); a 0.5 s claim left less than
+    # the time a loaded claim of the backlog took before a publish had to start, so every round
+    # released its claim unpublished (the relay warns of it: test_relay.py). A crashed relay's
+    # lease is taken over once it runs out (the cancelled relay releases it when it can).
     options: dict[str, Any] = {"max_wait": 0.01, "leader_lease": 3.0, "claim_lease": 3.0}
     options |= {"publish_timeout": 0.2, "sweep_interval": 0.3, "batch_size": 7}
     kills_after_confirm = 0
-    # The first and last relays only have to run: leases of seconds, so that a slow moment of
-    # the shared loop (the emulator runs on it; 2 s stalls under load) does not cost them the
-    # lease again and again. With the crashing relays' 0.5 s claim, a loaded machine's claim of
-    # the backlog took more than the 0.25 s it leaves before a publish must start: every round
-    # released its claim unpublished, for ever (the relay now warns of it: test_relay.py).
-    steady = options | {"leader_lease": 3.0, "claim_lease": 3.0}
     # A first relay gets a checkpoint, so that the crashing ones resume the stream.
-    first = relay(outbox, publisher, source, **steady)
+    first = relay(outbox, publisher, source, **options)
     task = await running(first)
     await until(lambda: _active(first))
     saved = await outbox.save_with_events(None, db.orders, {"_id": 0}, [Event(type="step")])
@@ -759,7 +755,7 @@ async def test_relays_cancelled_at_random_points_lose_nothing(eco: Any, mode: st
         with contextlib.suppress(asyncio.CancelledError):
             await task
         kills_after_confirm += switch.fired
-    last = relay(outbox, publisher, source, **steady)
+    last = relay(outbox, publisher, source, **options)
     task = await running(last)
     stalls = LoopStalls()
 

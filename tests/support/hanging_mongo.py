@@ -18,14 +18,15 @@ from tests.support.brokers import free_port
 _OP_MSG = 2013
 
 
-def command_name(message: bytes) -> str | None:
-    """The command an OP_MSG request names (its body's first key), else None."""
+def command_of(message: bytes) -> tuple[str, object] | None:
+    """The command an OP_MSG request names (its body's first key) and that key's value (the
+    collection of a write, the cursor id of a getMore), else None."""
     if len(message) < 21 or struct.unpack_from("<i", message, 12)[0] != _OP_MSG:
         return None
     if message[20] != 0:  # the body section comes first
         return None
     body = bson.decode(message[21 : 21 + struct.unpack_from("<i", message, 21)[0]])
-    return next(iter(body), None)
+    return next(iter(body.items()), None)
 
 
 class HangingMongo:
@@ -35,13 +36,26 @@ class HangingMongo:
         self.port = free_port()
         self.uri = f"mongodb://127.0.0.1:{self.port}/?directConnection=true"
         self.catch: str | None = None
+        self.catch_on: object = None
+        self.catch_holding = b""
         self.hung = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
 
-    def hang_next(self, command: str) -> None:
-        """Swallow the next request of ``command`` and hang its connection."""
-        self.catch, self.hung = command, asyncio.Event()
+    def hang_next(self, command: str, on: object = None, holding: bytes = b"") -> None:
+        """Swallow the next request of ``command`` (on the collection ``on``, and holding the
+        bytes ``holding``, e.g. a field name its update sets, if given) and hang its
+        connection."""
+        self.catch, self.catch_on, self.catch_holding = command, on, holding
+        self.hung = asyncio.Event()
+
+    def _caught(self, message: bytes) -> bool:
+        command = command_of(message)
+        if self.catch is None or command is None or command[0] != self.catch:
+            return False
+        if self.catch_on is not None and command[1] != self.catch_on:
+            return False
+        return self.catch_holding in message
 
     async def __aenter__(self) -> HangingMongo:
         self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
@@ -74,7 +88,7 @@ class HangingMongo:
                     message = header + await reader.readexactly(
                         struct.unpack_from("<i", header)[0] - 16
                     )
-                    if self.catch is not None and command_name(message) == self.catch:
+                    if self._caught(message):
                         self.catch = None
                         silent.set()  # swallowed: no answer ever comes on this connection
                         self.hung.set()
