@@ -84,6 +84,9 @@ D = TypeVar("D", bound=Document)
 Skip = Sequence[ActionDirections | str] | None
 T = TypeVar("T")
 
+# An unguarded replace is made again when another writer came between its read and its write:
+# each try lost to a write that stood, so more than a few means a document written without pause.
+_REPLACE_TRIES = 5
 _LISTS = (
     LinkTypes.LIST,
     LinkTypes.OPTIONAL_LIST,
@@ -481,12 +484,12 @@ class BeanieOutbox:
         abort_on: tuple[type[Exception], ...] = (
             (Exception,) if link_rule is WriteRules.WRITE else ()
         )
-        while True:
+        for tries_left in reversed(range(_REPLACE_TRIES)):
             try:
                 saved = await self._atomically(session, write, abort_on)
                 break
             except ConcurrencyError as error:
-                if expected_version is not None or _joined(session):
+                if expected_version is not None or _joined(session) or not tries_left:
                     raise
                 if guarded:
                     raise conflict() from error

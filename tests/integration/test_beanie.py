@@ -588,6 +588,18 @@ class Profile(Document):
         use_state_management = True
 
 
+class Contact(Document):
+    """State management with keep_nulls off: a None field is not stored."""
+
+    email: str | None = None
+    phone: str | None = None
+
+    class Settings:
+        name = "contacts"
+        use_state_management = True
+        keep_nulls = False
+
+
 class Badge(Document):
     """State management and Beanie's revision guard."""
 
@@ -601,7 +613,7 @@ class Badge(Document):
 
 @pytest.fixture
 async def profiles(models: Any) -> Any:
-    await init_beanie(database=models, document_models=[Profile, Badge, Stock])
+    await init_beanie(database=models, document_models=[Profile, Contact, Badge, Stock])
     return models
 
 
@@ -746,8 +758,9 @@ async def test_a_replace_keeps_the_outbox_counters_and_pending_events(
     assert (await writer.save(profile, [Event(type="moved")])).events[0].sequence == 4
 
 
-async def test_two_replaces_of_one_document_at_once(profiles: Any) -> None:
-    writer = writer_of(profiles, "collection")
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_replaces_of_one_document_at_once(profiles: Any, mode: str) -> None:
+    writer = writer_of(profiles, mode)
     profile = Profile(name="ada")
     await writer.insert(profile, [Event(type="joined")])
     copies = [await Profile.get(profile.id) for _ in range(2)]
@@ -895,3 +908,36 @@ async def test_link_rule_write_saves_the_linked_documents_in_the_same_transactio
     assert (await models.pets.find_one({"_id": pet.id}))["_version"] == 2
     publisher = MemoryPublisher()
     assert await PollingRelay(writer.outbox, publisher).drain() == 2
+
+
+async def test_save_changes_without_keep_nulls_unsets_only_what_became_none(
+    profiles: Any,
+) -> None:
+    writer = writer_of(profiles, "collection")
+    contact = Contact(email="a@x")
+    await writer.insert(contact, [Event(type="added")])
+    other = await Contact.get(contact.id)
+    assert other is not None
+    other.phone = "123"
+    await writer.save_changes(other, [Event(type="phoned")])
+    contact.email = None  # its phone is None as loaded: Beanie's save_changes unset it too
+    await writer.save_changes(contact, [Event(type="unmailed")])
+    stored = await profiles.contacts.find_one({"_id": contact.id})
+    assert "email" not in stored and stored["phone"] == "123" and stored["_version"] == 3
+
+
+async def test_a_refused_write_with_links_aborts_the_callers_transaction(models: Any) -> None:
+    await init_beanie(database=models, document_models=[Owner, Pet])
+    writer = BeanieOutbox(Outbox(models))
+    pet = Pet(name="rex", owner=Owner(name="ada"))  # type: ignore[arg-type]
+    await writer.insert(pet, [Event(type="adopted")], link_rule=WriteRules.WRITE)
+    twin = Pet(id=pet.id, name="rex", owner=Owner(name="eve"))  # type: ignore[arg-type]
+    async with models.client.start_session() as session:
+        await session.start_transaction()
+        with pytest.raises(ConcurrencyError):
+            await writer.insert(
+                twin, [Event(type="adopted")], session=session, link_rule=WriteRules.WRITE
+            )
+        # Committed, it would have stored eve, linked from no pet.
+        assert not session.in_transaction
+    assert await models.owners.count_documents({"name": "eve"}) == 0
