@@ -831,7 +831,7 @@ async def test_insert_many_writes_every_document_with_its_events_or_none(
     assert await profiles.stock.count_documents({}) == 0
     assert len(await published(writer)) == 0  # nothing new since the drain
     with pytest.raises(UsageError, match="pairs"):
-        await writer.insert_many([eve])  # type: ignore[list-item]
+        await writer.insert_many([eve])
 
 
 async def test_a_refused_insert_many_in_the_callers_transaction_aborts_it(profiles: Any) -> None:
@@ -890,14 +890,14 @@ async def test_link_rule_write_saves_the_linked_documents_in_the_same_transactio
     await init_beanie(database=models, document_models=[Owner, Pet])
     writer = BeanieOutbox(Outbox(models, mode=mode, collections=["pets"]))  # type: ignore[arg-type]
     owner, friend = Owner(name="ada"), Owner(name="bob")
-    pet = Pet(name="rex", owner=owner, friends=[friend])  # type: ignore[arg-type]
+    pet = Pet(name="rex", owner=owner, friends=[friend])
     await writer.insert(pet, [Event(type="adopted")], link_rule=WriteRules.WRITE)
     assert {o["name"] async for o in models.owners.find()} == {"ada", "bob"}
     stored = await models.pets.find_one({"_id": pet.id})
     assert stored["owner"].id == owner.id and stored["_version"] == 1
     # The pet's write refused (its _id is stored): the new owner is not stored either.
     newcomer = Owner(name="eve")
-    twin = Pet(id=pet.id, name="rex", owner=newcomer)  # type: ignore[arg-type]
+    twin = Pet(id=pet.id, name="rex", owner=newcomer)
     with pytest.raises(ConcurrencyError):
         await writer.insert(twin, [Event(type="adopted")], link_rule=WriteRules.WRITE)
     assert await models.owners.count_documents({"name": "eve"}) == 0
@@ -929,9 +929,9 @@ async def test_save_changes_without_keep_nulls_unsets_only_what_became_none(
 async def test_a_refused_write_with_links_aborts_the_callers_transaction(models: Any) -> None:
     await init_beanie(database=models, document_models=[Owner, Pet])
     writer = BeanieOutbox(Outbox(models))
-    pet = Pet(name="rex", owner=Owner(name="ada"))  # type: ignore[arg-type]
+    pet = Pet(name="rex", owner=Owner(name="ada"))
     await writer.insert(pet, [Event(type="adopted")], link_rule=WriteRules.WRITE)
-    twin = Pet(id=pet.id, name="rex", owner=Owner(name="eve"))  # type: ignore[arg-type]
+    twin = Pet(id=pet.id, name="rex", owner=Owner(name="eve"))
     async with models.client.start_session() as session:
         await session.start_transaction()
         with pytest.raises(ConcurrencyError):
@@ -941,3 +941,30 @@ async def test_a_refused_write_with_links_aborts_the_callers_transaction(models:
         # Committed, it would have stored eve, linked from no pet.
         assert not session.in_transaction
     assert await models.owners.count_documents({"name": "eve"}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_insert_many_sharing_an_id_at_once_store_one_batch_whole(
+    profiles: Any, mode: str
+) -> None:
+    writer = writer_of(profiles, mode)
+    shared = ObjectId()
+    batches = [
+        [
+            (Profile(id=shared, name=f"{side} 1"), [Event(type="joined")]),
+            (Profile(name=f"{side} 2"), [Event(type="joined")]),
+        ]
+        for side in ("left", "right")
+    ]
+    results = await asyncio.gather(
+        *(writer.insert_many(batch) for batch in batches), return_exceptions=True
+    )
+    assert sorted(type(r).__name__ for r in results) == ["ConcurrencyError", "list"]
+    won = next(b for b, r in zip(batches, results, strict=True) if isinstance(r, list))
+    assert sorted([d["name"] async for d in profiles.profiles.find()]) == [
+        won[0][0].name,
+        won[1][0].name,
+    ]
+    lost = next(b for b in batches if b is not won)
+    assert lost[1][0].id is None  # its other document, not written, got no id either
+    assert len(await published(writer)) == 2
