@@ -17,7 +17,8 @@ it what MongoEngine's method of the same name does around its own:
   ``write_concern`` (MongoEngine's dict, ``{"w": "majority"}``) goes to the server: on the commit
   of the save's own transaction (collection mode), on the write itself (embedded mode). It
   cannot be given with a ``session``: a write in a transaction commits with the transaction's
-  write concern, and a session's own transactions take the session's defaults.
+  write concern, and a session's own transactions take the session's defaults; nor can an
+  unacknowledged one (``w=0``), which would leave the save unable to tell what it wrote.
 - ``modify`` as ``Document.modify``: Django-style update keywords (``set__status="paid"``,
   ``inc__total=5``, ``push__lines="pen"``) and a ``query`` that must hold too, then the document
   reloaded from what was stored (but its version, in the caller's transaction). MongoEngine
@@ -306,7 +307,15 @@ def _write_concern(write_concern: Mapping[str, Any] | None, session: Any) -> Wri
             "with its write concern (session.start_transaction(write_concern=...)), and a "
             "session's own transactions with its default_transaction_options"
         )
-    return WriteConcern(**write_concern)
+    concern = WriteConcern(**write_concern)
+    if not concern.acknowledged:
+        # Unacknowledged, the save could not tell whether the document and its events were
+        # written, nor at which version; and a transaction refuses it.
+        raise UsageError(
+            f"write_concern={dict(write_concern)!r} is unacknowledged: a save with events must "
+            "know it was written (w=1 or more, or 'majority')"
+        )
+    return concern
 
 
 def _new_id(document: Document, collection: Any) -> Any:

@@ -402,4 +402,6 @@ def test_write_concern_reaches_the_server(engine: Any, mongo: MongoServer, mode:
     assert database.orders.find_one({"_id": order.id})["_version"] == 3
     with me.get_connection().start_session() as session, pytest.raises(UsageError):
         orders.save(order, [Event(type="x")], session=session, write_concern={"w": 1})
+    with pytest.raises(UsageError, match="unacknowledged"):
+        orders.save(order, [Event(type="x")], write_concern={"w": 0})
     assert database.orders.find_one({"_id": order.id})["_version"] == 3
