@@ -16,8 +16,20 @@ Beanie method of the same name does around its own write:
   by its model before the commit, so a result it refuses stores nothing (embedded mode outside a
   transaction has no commit to wait for: its write stands, and a refused read-back is logged,
   not raised).
+- ``save_changes`` as ``Document.save_changes`` (``use_state_management``): ``SaveChanges``
+  actions around an ``update`` of the fields changed since the document was loaded or saved,
+  so that a concurrent write of another field is never put back as this copy loaded it.
+- ``replace`` as ``Document.replace``: ``Replace`` actions, the model's fields written over the
+  stored document, in one transaction with the read that checks its guards; the outbox's fields
+  stay (``save_with_events`` keeps them), where Beanie's own ``replace`` drops the counters.
+- ``insert_many``: ``(document, events)`` pairs, inserted in one transaction (all or none).
 - ``delete`` as ``Document.delete``: ``Delete`` actions (collection mode only, as for
   ``delete_with_events``).
+
+``insert``, ``save``, ``replace`` and ``insert_many`` take ``link_rule=WriteRules.WRITE``: the
+linked documents are saved by Beanie's own ``save`` in the same transaction as the document and
+its events. A ``bulk_writer`` is refused (``UsageError``): a ``BulkWriter`` writes outside any
+transaction, where no events can go with the documents.
 
 Each takes ``events``, ``session`` and ``expected_version`` as the ``Outbox`` does, and returns its
 ``Saved``. The fields the outbox owns are never sent from the model; a model field aliased
@@ -43,6 +55,7 @@ from uuid import UUID, uuid4
 from beanie import Document, PydanticObjectId
 from beanie.exceptions import RevisionIdWasChanged
 from beanie.odm.actions import ActionDirections, ActionRegistry, EventTypes
+from beanie.odm.fields import LinkTypes, WriteRules
 from beanie.odm.operators.update.general import Inc, Set
 from beanie.odm.utils.dump import get_dict, get_top_level_nones
 from beanie.odm.utils.encoder import Encoder
@@ -53,9 +66,11 @@ from pymongo.errors import PyMongoError
 
 from mongo_outbox.errors import (
     AggregateNotFoundError,
+    ConcurrencyError,
     ConfigurationError,
     InvalidAggregateError,
     OutboxError,
+    UsageError,
     describe,
 )
 from mongo_outbox.events import Event
@@ -67,6 +82,17 @@ log = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=Document)
 Skip = Sequence[ActionDirections | str] | None
+T = TypeVar("T")
+
+# An unguarded replace is made again when another writer came between its read and its write:
+# each try lost to a write that stood, so more than a few means a document written without pause.
+_REPLACE_TRIES = 5
+_LISTS = (
+    LinkTypes.LIST,
+    LinkTypes.OPTIONAL_LIST,
+    LinkTypes.BACK_LIST,
+    LinkTypes.OPTIONAL_BACK_LIST,
+)
 
 
 class RevisionConflictError(OutboxError, RevisionIdWasChanged):
@@ -133,19 +159,26 @@ class BeanieOutbox:
         *,
         session: Any = None,
         skip_actions: Skip = None,
+        link_rule: WriteRules = WriteRules.DO_NOTHING,
+        bulk_writer: object = None,
     ) -> Saved:
-        """Insert ``document`` (which must not exist yet: ``ConcurrencyError``) with ``events``."""
+        """Insert ``document`` (which must not exist yet: ``ConcurrencyError``) with ``events``;
+        ``link_rule=WriteRules.WRITE`` saves its linked documents too, in the same transaction."""
+        _refuse_bulk_writer(bulk_writer)
         self._check(document)
         await _validate(document)
         await _actions(document, EventTypes.INSERT, ActionDirections.BEFORE, skip_actions)
         revision = uuid4() if document.get_settings().use_revision else None
         doc_id = _new_id(document)
-        body = {"_id": doc_id, **self._body(document)}
-        if revision is not None:
-            body["revision_id"] = _encode(document, revision)
-        saved = await self.outbox.save_with_events(
-            session, _collection(document), body, events, expected_version=0
-        )
+
+        async def write(session: Any) -> Saved:
+            await _write_links(document, session, link_rule)  # first: a link needs their ids
+            body = self._stored(document, doc_id, revision)
+            return await self.outbox.save_with_events(
+                session, _collection(document), body, events, expected_version=0
+            )
+
+        saved = await self._linked(write, session, link_rule)
         # Refused, it leaves the document as it was: nothing was written (an insert reads no
         # counters).
         _after_write(document, doc_id, saved, _joined(session), revision)
@@ -161,10 +194,14 @@ class BeanieOutbox:
         expected_version: int | None = None,
         ignore_revision: bool = False,
         skip_actions: Skip = None,
+        link_rule: WriteRules = WriteRules.DO_NOTHING,
+        bulk_writer: object = None,
     ) -> Saved:
         """Insert or update ``document`` with ``events``, as ``Document.save`` writes it. A
         document stored before (it holds a ``revision_id`` or a version) and deleted meanwhile
-        is not re-created: ``AggregateNotFoundError``."""
+        is not re-created: ``AggregateNotFoundError``. ``link_rule=WriteRules.WRITE`` saves its
+        linked documents too, in the same transaction."""
+        _refuse_bulk_writer(bulk_writer)
         self._check(document)
         await _validate(document)
         await _actions(document, EventTypes.SAVE, ActionDirections.BEFORE, skip_actions)
@@ -172,22 +209,28 @@ class BeanieOutbox:
         joined = _joined(session)
         doc_id = _new_id(document)
         settings = document.get_settings()
-        update: dict[str, Any] = {"$set": self._body(document)}
-        if not settings.keep_nulls:
-            owned = self.outbox.owned_fields
-            nones = {key: "" for key in get_top_level_nones(document) if key not in owned}
-            if nones:
-                update["$unset"] = nones
-        saved, revision = await self._update(
-            document,
-            doc_id,
-            update,
-            events,
-            session=session,
-            expected_version=expected_version,
-            ignore_revision=ignore_revision,
-            upsert=not _stored_before(document),
-        )
+        upsert = not _stored_before(document)
+
+        async def write(session: Any) -> tuple[Saved, UUID | None]:
+            await _write_links(document, session, link_rule)  # first: a link needs their ids
+            update: dict[str, Any] = {"$set": self._body(document)}
+            if not settings.keep_nulls:
+                owned = self.outbox.owned_fields
+                nones = {key: "" for key in get_top_level_nones(document) if key not in owned}
+                if nones:
+                    update["$unset"] = nones
+            return await self._update(
+                document,
+                doc_id,
+                update,
+                events,
+                session=session,
+                expected_version=expected_version,
+                ignore_revision=ignore_revision,
+                upsert=upsert,
+            )
+
+        saved, revision = await self._linked(write, session, link_rule)
         _after_write(document, doc_id, saved, joined, revision)
         await _actions(document, EventTypes.UPDATE, ActionDirections.AFTER, skip_actions)
         await _actions(document, EventTypes.SAVE, ActionDirections.AFTER, skip_actions)
@@ -202,9 +245,11 @@ class BeanieOutbox:
         expected_version: int | None = None,
         ignore_revision: bool = False,
         skip_actions: Skip = None,
+        bulk_writer: object = None,
     ) -> Saved:
         """Apply Beanie update operators (``Set``, ``Inc``, ``Push``, ... or dicts) to the stored
         ``document`` with ``events``, then read the document back into ``document``."""
+        _refuse_bulk_writer(bulk_writer)
         self._check(document)
         if document.id is None:
             raise InvalidAggregateError(
@@ -264,8 +309,9 @@ class BeanieOutbox:
         session: Any,
     ) -> tuple[tuple[Saved, UUID | None], Document | None]:
         """``write`` and the document read back and validated by its model, in one
-        transaction: yours, or one of its own (on ``session`` if given). A result the model
-        refuses raises pydantic's ``ValidationError`` before the commit, and nothing stands."""
+        transaction (``_atomically``). A result the model refuses raises pydantic's
+        ``ValidationError`` before the commit, and nothing stands: in your transaction, the
+        update and its events, committed, would store what the model cannot load."""
         model = type(document)
 
         async def attempt(session: Any) -> tuple[tuple[Saved, UUID | None], Document | None]:
@@ -273,22 +319,249 @@ class BeanieOutbox:
             stored = await _collection(document).find_one({"_id": document.id}, session=session)
             return written, None if stored is None else model.model_validate(stored)
 
-        if getattr(session, "in_transaction", False):
+        return await self._atomically(session, attempt, (ValidationError,))
+
+    async def _atomically(
+        self,
+        session: Any,
+        attempt: Callable[[Any], Awaitable[T]],
+        abort_on: tuple[type[Exception], ...],
+    ) -> T:
+        """``attempt`` in one transaction: yours, joined (an error of ``abort_on`` aborts it:
+        what ``attempt`` wrote before the error must not commit), or one of its own, on
+        ``session`` if given, retried as ``with_transaction`` retries."""
+        if _joined(session):
             try:
                 return await attempt(session)
-            except ValidationError:
-                # The update and its events are in your transaction: committed, they would
-                # store what the model cannot load.
+            except abort_on:
                 with contextlib.suppress(PyMongoError):
                     await session.abort_transaction()
                 raise
+        result: T
         if session is not None:
-            result: tuple[tuple[Saved, UUID | None], Document | None]
             result = await session.with_transaction(attempt)
             return result
         async with self.outbox.db.client.start_session() as own:
             result = await own.with_transaction(attempt)
             return result
+
+    async def _linked(
+        self, write: Callable[[Any], Awaitable[T]], session: Any, link_rule: WriteRules
+    ) -> T:
+        """``write``, in one transaction when it saves linked documents too: they and the
+        document with its events commit together, or none does."""
+        if link_rule is not WriteRules.WRITE:
+            return await write(session)
+        return await self._atomically(session, write, (Exception,))
+
+    async def save_changes(
+        self,
+        document: D,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+        ignore_revision: bool = False,
+        skip_actions: Skip = None,
+        bulk_writer: object = None,
+    ) -> Saved:
+        """Write only the fields of ``document`` changed since it was loaded or last saved, with
+        ``events``, as ``Document.save_changes`` (the model's ``use_state_management`` must be
+        on); a document never saved nor loaded is saved whole (``save``). Nothing changed: the
+        events still go, and no field is written."""
+        _refuse_bulk_writer(bulk_writer)
+        self._check(document)
+        settings = document.get_settings()
+        if not settings.use_state_management:
+            model = type(document).__name__
+            raise ConfigurationError(
+                f"{model} has no state management: save_changes() needs to know what changed "
+                "since the document was loaded (Settings.use_state_management = True)",
+                setting=f"{model}.Settings.use_state_management",
+            )
+        await _validate(document)
+        await _actions(document, EventTypes.SAVE_CHANGES, ActionDirections.BEFORE, skip_actions)
+        options: dict[str, Any] = {
+            "session": session,
+            "expected_version": expected_version,
+            "ignore_revision": ignore_revision,
+            "skip_actions": skip_actions,
+        }
+        before = document.get_saved_state()
+        if before is None:
+            saved = await self.save(document, events, **options)
+        else:
+            owned = self.outbox.owned_fields
+            changes = {
+                key: value
+                for key, value in document.get_changes().items()
+                if key != "_id" and key.split(".")[0] not in owned
+            }
+            update: dict[str, Any] = {"$set": changes}
+            if not settings.keep_nulls:
+                # Only the fields that became None: Beanie unsets every None field, which would
+                # erase a value another writer stored there meanwhile.
+                nones = {key: "" for key in get_top_level_nones(document) if key in before}
+                if nones:
+                    update["$unset"] = nones
+            saved = await self.update(document, update, events=events, **options)
+        await _actions(document, EventTypes.SAVE_CHANGES, ActionDirections.AFTER, skip_actions)
+        return saved
+
+    async def replace(
+        self,
+        document: D,
+        events: Sequence[Event],
+        *,
+        session: Any = None,
+        expected_version: int | None = None,
+        ignore_revision: bool = False,
+        skip_actions: Skip = None,
+        link_rule: WriteRules = WriteRules.DO_NOTHING,
+        bulk_writer: object = None,
+    ) -> Saved:
+        """Replace the stored ``document`` with the model's fields, with ``events``, as
+        ``Document.replace``: fields the model does not declare go, the outbox's stay (its
+        counters go on, its pending events are kept). A document not stored raises
+        ``AggregateNotFoundError``."""
+        _refuse_bulk_writer(bulk_writer)
+        self._check(document)
+        collection = _collection(document)
+        if document.id is None:
+            raise InvalidAggregateError(
+                f"{type(document).__name__} has no id: insert or save it first",
+                collection=collection.name,
+            )
+        await _validate(document)
+        await _actions(document, EventTypes.REPLACE, ActionDirections.BEFORE, skip_actions)
+        settings = document.get_settings()
+        guarded = settings.use_revision and not ignore_revision
+        held = document.revision_id
+        revision = uuid4() if settings.use_revision else None
+        doc_id = document.id
+
+        def conflict() -> RevisionConflictError:
+            return RevisionConflictError(
+                f"{collection.name} {doc_id!r}: its revision_id is no longer {held}: it was "
+                "saved meanwhile",
+                collection=collection.name,
+                aggregate_id=doc_id,
+            )
+
+        async def write(session: Any) -> Saved:
+            await _write_links(document, session, link_rule)  # first: a link needs their ids
+            query: dict[str, Any] = {"_id": doc_id}
+            if guarded:
+                query["revision_id"] = _encode(document, held)
+            stored = await collection.find_one(query, {"_version": 1}, session=session)
+            if stored is None:
+                exists = guarded and await collection.find_one(
+                    {"_id": doc_id}, {"_id": 1}, session=session
+                )
+                if exists:
+                    raise conflict()
+                raise AggregateNotFoundError(
+                    f"{collection.name} {doc_id!r} is not stored: replace() writes over a "
+                    "stored document (insert or save a new one)",
+                    collection=collection.name,
+                    aggregate_id=doc_id,
+                    exists=False,
+                )
+            # The version read is the write's guard too: an outbox write between the read and
+            # this one is refused, not overwritten, wherever the transaction does not catch it.
+            # A document the outbox never wrote has none.
+            expected = expected_version
+            if expected is None:
+                expected = stored.get("_version") or None
+            body = self._stored(document, doc_id, revision)
+            return await self.outbox.save_with_events(
+                session, collection, body, events, expected_version=expected
+            )
+
+        # In one transaction, so that the read that checks the guards and the replace are
+        # one snapshot: a write between them (Beanie's own included, which leaves the version
+        # alone) is a write conflict, and the transaction is tried again.
+        abort_on: tuple[type[Exception], ...] = (
+            (Exception,) if link_rule is WriteRules.WRITE else ()
+        )
+        for tries_left in reversed(range(_REPLACE_TRIES)):
+            try:
+                saved = await self._atomically(session, write, abort_on)
+                break
+            except ConcurrencyError as error:
+                if expected_version is not None or _joined(session) or not tries_left:
+                    raise
+                if guarded:
+                    raise conflict() from error
+                # Unguarded, as Beanie's replace: another writer came between the read and the
+                # write, and the replace is made again over what it stored.
+        _after_write(document, doc_id, saved, _joined(session), revision)
+        await _actions(document, EventTypes.REPLACE, ActionDirections.AFTER, skip_actions)
+        return saved
+
+    async def insert_many(
+        self,
+        documents: Sequence[tuple[D, Sequence[Event]]],
+        *,
+        session: Any = None,
+        skip_actions: Skip = None,
+        link_rule: WriteRules = WriteRules.DO_NOTHING,
+        bulk_writer: object = None,
+    ) -> list[Saved]:
+        """Insert each ``(document, events)`` pair, in one transaction: every document with its
+        events, or none of them (a stored ``_id`` raises ``ConcurrencyError``). Returns the
+        ``Saved`` of each, in order."""
+        _refuse_bulk_writer(bulk_writer)
+        pairs = list(documents)
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], Document)):
+                raise UsageError(
+                    f"insert_many takes (document, events) pairs, not {type(item).__name__}: "
+                    "insert_many([(order, [Event(...)]), ...])"
+                )
+        # Everything that can refuse the batch is checked before its first write.
+        for document, _ in pairs:
+            self._check(document)
+            await _validate(document)
+        for document, _ in pairs:
+            await _actions(document, EventTypes.INSERT, ActionDirections.BEFORE, skip_actions)
+        plans: list[tuple[Document, Sequence[Event], Any, UUID | None]] = []
+        seen: set[tuple[str, Any]] = set()
+        objects: set[int] = set()
+        for document, events in pairs:
+            collection = _collection(document)
+            doc_id = _new_id(document)
+            if id(document) in objects or (collection.full_name, doc_id) in seen:
+                raise InvalidAggregateError(
+                    f"{collection.name} {doc_id!r} is twice in one insert_many",
+                    collection=collection.name,
+                )
+            objects.add(id(document))
+            seen.add((collection.full_name, doc_id))
+            revision = uuid4() if document.get_settings().use_revision else None
+            plans.append((document, events, doc_id, revision))
+        if not plans:
+            return []
+
+        async def write(session: Any) -> list[Saved]:
+            written = []
+            for document, events, doc_id, revision in plans:
+                await _write_links(document, session, link_rule)  # first: a link needs their ids
+                body = self._stored(document, doc_id, revision)
+                written.append(
+                    await self.outbox.save_with_events(
+                        session, _collection(document), body, events, expected_version=0
+                    )
+                )
+            return written
+
+        saved = await self._atomically(session, write, (Exception,))
+        joined = _joined(session)
+        for (document, _, doc_id, revision), one in zip(plans, saved, strict=True):
+            _after_write(document, doc_id, one, joined, revision)
+        for document, _ in pairs:
+            await _actions(document, EventTypes.INSERT, ActionDirections.AFTER, skip_actions)
+        return saved
 
     async def set(
         self, document: D, expression: Mapping[Any, Any], events: Sequence[Event], **kwargs: Any
@@ -312,8 +585,10 @@ class BeanieOutbox:
         session: Any = None,
         expected_version: int | None = None,
         skip_actions: Skip = None,
+        bulk_writer: object = None,
     ) -> Saved:
         """Delete ``document`` with ``events`` (collection mode), as ``Document.delete``."""
+        _refuse_bulk_writer(bulk_writer)
         self._check(document)
         await _actions(document, EventTypes.DELETE, ActionDirections.BEFORE, skip_actions)
         saved = await self.outbox.delete_with_events(
@@ -336,6 +611,14 @@ class BeanieOutbox:
         body: dict[str, Any] = get_dict(document, to_db=True, keep_nulls=settings.keep_nulls)
         owned = self.outbox.owned_fields
         return {key: value for key, value in body.items() if key != "_id" and key not in owned}
+
+    def _stored(self, document: Document, doc_id: Any, revision: UUID | None) -> dict[str, Any]:
+        """The document as an insert or a replace stores it: its ``_id``, the model's fields
+        and the new ``revision_id`` (``use_revision``)."""
+        body = {"_id": doc_id, **self._body(document)}
+        if revision is not None:
+            body["revision_id"] = _encode(document, revision)
+        return body
 
     async def _update(
         self,
@@ -408,6 +691,31 @@ async def _read_back(
             describe(error),
         )
         return False, None
+
+
+def _refuse_bulk_writer(bulk_writer: object) -> None:
+    if bulk_writer is not None:
+        raise UsageError(
+            "BeanieOutbox takes no bulk_writer: a BulkWriter sends its operations in one "
+            "bulk_write when it closes, outside any transaction, where no document's events can "
+            "be written with it. Use insert_many (one transaction), or the writes one by one in "
+            "your transaction"
+        )
+
+
+async def _write_links(document: Document, session: Any, link_rule: WriteRules) -> None:
+    """Beanie's ``WriteRules.WRITE``: each linked document saved, with its own links, by
+    Beanie's own ``save`` on ``session`` (a ``$set`` of its fields, which leaves an outbox's
+    fields alone; Beanie's ``replace`` of it would drop them)."""
+    if link_rule is not WriteRules.WRITE:
+        return
+    for info in (document.get_link_fields() or {}).values():
+        value = getattr(document, info.field_name)
+        linked = value if info.link_type in _LISTS and isinstance(value, list) else [value]
+        for one in linked:
+            # One at a time: a session's operations in a transaction cannot run at once.
+            if isinstance(one, Document):
+                await one.save(session=session, link_rule=WriteRules.WRITE)
 
 
 def _collection(document: Document) -> Any:

@@ -12,7 +12,13 @@ it what MongoEngine's method of the same name does around its own:
   loaded document deleted meanwhile is not re-created from its changed fields alone: the save
   raises ``AggregateNotFoundError``. In the caller's transaction the document stays new, or keeps
   its changed fields, and keeps its version, until a save outside one: the transaction may be
-  aborted.
+  aborted. ``force_insert=True`` inserts as MongoEngine's does: a document whose ``_id`` is
+  stored already is refused with ``ConcurrencyError``, and no event is written.
+  ``write_concern`` (MongoEngine's dict, ``{"w": "majority"}``) goes to the server: on the commit
+  of the save's own transaction (collection mode), on the write itself (embedded mode). It
+  cannot be given with a ``session``: a write in a transaction commits with the transaction's
+  write concern, and a session's own transactions take the session's defaults; nor can an
+  unacknowledged one (``w=0``), which would leave the save unable to tell what it wrote.
 - ``modify`` as ``Document.modify``: Django-style update keywords (``set__status="paid"``,
   ``inc__total=5``, ``push__lines="pen"``) and a ``query`` that must hold too, then the document
   reloaded from what was stored (but its version, in the caller's transaction). MongoEngine
@@ -38,8 +44,15 @@ from bson import ObjectId
 from mongoengine import Document, ObjectIdField, signals
 from mongoengine.errors import InvalidDocumentError, SaveConditionError
 from mongoengine.queryset import transform
+from pymongo.client_session_shared import TransactionOptions
+from pymongo.write_concern import WriteConcern
 
-from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError, OutboxError
+from mongo_outbox.errors import (
+    AggregateNotFoundError,
+    InvalidAggregateError,
+    OutboxError,
+    UsageError,
+)
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Saved
 from mongo_outbox.sync import Outbox
@@ -82,42 +95,48 @@ class MongoEngineOutbox:
         clean: bool = True,
         save_condition: Mapping[str, Any] | None = None,
         signal_kwargs: Mapping[str, Any] | None = None,
+        force_insert: bool = False,
+        write_concern: Mapping[str, Any] | None = None,
     ) -> Saved:
-        """Insert or update ``document`` with ``events``, as ``Document.save`` writes it."""
+        """Insert or update ``document`` with ``events``, as ``Document.save`` writes it;
+        ``force_insert`` refuses an ``_id`` stored already (``ConcurrencyError``)."""
         kwargs = dict(signal_kwargs or {})
         cls = type(document)
         if document._meta.get("abstract"):
             raise InvalidDocumentError("Cannot save an abstract document.")
+        if force_insert and expected_version not in (None, 0):
+            raise UsageError(
+                f"force_insert=True inserts (expected_version=0), and expected_version="
+                f"{expected_version} expects a stored document: give one or the other"
+            )
+        concern = _write_concern(write_concern, session)
         signals.pre_save.send(cls, document=document, **kwargs)
         if validate:
             document.validate(clean=clean)
         doc_id = document.to_mongo(fields=[document._meta["id_field"]])
-        created = "_id" not in doc_id or document._created
+        created = "_id" not in doc_id or document._created or force_insert
         signals.pre_save_post_validation.send(cls, document=document, created=created, **kwargs)
         body = self._body(document.to_mongo())
         collection = cls._get_collection()
-        if created:
-            if "_id" not in body:
-                body["_id"] = _new_id(document, collection)
-            saved = self.outbox.save_with_events(
-                session, collection, body, events, expected_version=expected_version
+        own = None
+        if concern is not None:
+            collection = collection.with_options(write_concern=concern)
+            own = self._session_for(concern)
+        try:
+            saved = self._save(
+                document,
+                body,
+                collection,
+                events,
+                own or session,
+                created,
+                force_insert,
+                expected_version,
+                save_condition,
             )
-        else:
-            updates, removals = document._delta()
-            update: dict[str, Any] = {}
-            if updates := self._body(updates):
-                update["$set"] = updates
-            if removals := self._body(removals):
-                update["$unset"] = removals
-            query: dict[str, Any] = {}
-            if save_condition is not None:
-                query = transform.query(cls, **save_condition)
-            query["_id"] = body["_id"]
-            if not update:
-                # Nothing changed, and the events still go: no field is written (MongoEngine's
-                # own save writes nothing), so what another writer stored meanwhile stays.
-                update = {"$set": {}}
-            saved = self._update(document, query, update, events, session, expected_version)
+        finally:
+            if own is not None:
+                own.end_session()
         new = document._created
         document[document._meta["id_field"]] = document._fields[
             document._meta["id_field"]
@@ -136,6 +155,56 @@ class MongoEngineOutbox:
             document._clear_changed_fields()
             document._created = False
         return saved
+
+    def _session_for(self, concern: WriteConcern) -> Any:
+        """A session whose transactions commit with ``concern`` (collection mode: the outbox
+        runs the save in a transaction of it), or None where the write is one write that
+        carries ``concern`` itself (embedded mode)."""
+        if self.outbox.mode != "collection":
+            return None
+        options = TransactionOptions(write_concern=concern)
+        return self.outbox.db.client.start_session(default_transaction_options=options)
+
+    def _save(
+        self,
+        document: Document,
+        body: dict[str, Any],
+        collection: Any,
+        events: Sequence[Event],
+        session: Any,
+        created: bool,
+        force_insert: bool,
+        expected_version: int | None,
+        save_condition: Mapping[str, Any] | None,
+    ) -> Saved:
+        cls = type(document)
+        if created:
+            if "_id" not in body:
+                body["_id"] = _new_id(document, collection)
+            if force_insert:
+                # MongoEngine's insert fails on a stored _id; a replace here would take it over.
+                expected_version = 0
+            return self.outbox.save_with_events(
+                session, collection, body, events, expected_version=expected_version
+            )
+        else:
+            updates, removals = document._delta()
+            update: dict[str, Any] = {}
+            if updates := self._body(updates):
+                update["$set"] = updates
+            if removals := self._body(removals):
+                update["$unset"] = removals
+            query: dict[str, Any] = {}
+            if save_condition is not None:
+                query = transform.query(cls, **save_condition)
+            query["_id"] = body["_id"]
+            if not update:
+                # Nothing changed, and the events still go: no field is written (MongoEngine's
+                # own save writes nothing), so what another writer stored meanwhile stays.
+                update = {"$set": {}}
+            return self._update(
+                document, query, update, events, session, expected_version, collection
+            )
 
     def modify(
         self,
@@ -210,8 +279,10 @@ class MongoEngineOutbox:
         events: Sequence[Event],
         session: Any,
         expected_version: int | None,
+        collection: Any = None,
     ) -> Saved:
-        collection = type(document)._get_collection()
+        if collection is None:
+            collection = type(document)._get_collection()
         try:
             return self.outbox.update_with_events(
                 session, collection, query, update, events, expected_version=expected_version
@@ -224,6 +295,27 @@ class MongoEngineOutbox:
                     aggregate_id=query["_id"],
                 ) from error
             raise
+
+
+def _write_concern(write_concern: Mapping[str, Any] | None, session: Any) -> WriteConcern | None:
+    """MongoEngine's ``write_concern`` dict as PyMongo's, refused beside a ``session``."""
+    if not write_concern:
+        return None
+    if session is not None:
+        raise UsageError(
+            "write_concern cannot be given with a session: a write in your transaction commits "
+            "with its write concern (session.start_transaction(write_concern=...)), and a "
+            "session's own transactions with its default_transaction_options"
+        )
+    concern = WriteConcern(**write_concern)
+    if not concern.acknowledged:
+        # Unacknowledged, the save could not tell whether the document and its events were
+        # written, nor at which version; and a transaction refuses it.
+        raise UsageError(
+            f"write_concern={dict(write_concern)!r} is unacknowledged: a save with events must "
+            "know it was written (w=1 or more, or 'majority')"
+        )
+    return concern
 
 
 def _new_id(document: Document, collection: Any) -> Any:

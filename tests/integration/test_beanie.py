@@ -11,10 +11,13 @@ from typing import Any
 
 import pytest
 from beanie import (
+    BulkWriter,
     Document,
     Insert,
+    Link,
     Save,
     Update,
+    WriteRules,
     after_event,
     before_event,
     init_beanie,
@@ -32,6 +35,7 @@ from mongo_outbox import (
     ConfigurationError,
     DuplicateSequenceError,
     Event,
+    InvalidAggregateError,
     InvalidEventError,
     Outbox,
     PollingRelay,
@@ -569,3 +573,398 @@ async def test_with_transaction_retries_a_save_whose_transaction_failed(
         "stocked",
         "taken",
     ]
+
+
+class Profile(Document):
+    """State management on, no revision: concurrent saves of copies meet at the fields."""
+
+    name: str
+    city: str = "paris"
+    note: str | None = None
+    version: int = Field(default=0, alias="_version", exclude=True)
+
+    class Settings:
+        name = "profiles"
+        use_state_management = True
+
+
+class Contact(Document):
+    """State management with keep_nulls off: a None field is not stored."""
+
+    email: str | None = None
+    phone: str | None = None
+
+    class Settings:
+        name = "contacts"
+        use_state_management = True
+        keep_nulls = False
+
+
+class Badge(Document):
+    """State management and Beanie's revision guard."""
+
+    label: str
+
+    class Settings:
+        name = "badges"
+        use_state_management = True
+        use_revision = True
+
+
+@pytest.fixture
+async def profiles(models: Any) -> Any:
+    await init_beanie(database=models, document_models=[Profile, Contact, Badge, Stock])
+    return models
+
+
+def writer_of(db: Any, mode: str) -> BeanieOutbox:
+    collections = ["profiles", "badges"]
+    return BeanieOutbox(Outbox(db, mode=mode, collections=collections))  # type: ignore[arg-type]
+
+
+async def published(writer: BeanieOutbox) -> list[tuple[str, str, int]]:
+    publisher = MemoryPublisher()
+    await PollingRelay(writer.outbox, publisher).drain()
+    return sorted((e.type, e.aggregate_id, e.sequence) for e in publisher.events)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_save_changes_of_one_document_at_once_keep_both_writes_and_events(
+    profiles: Any, mode: str
+) -> None:
+    writer = writer_of(profiles, mode)
+    profile = Profile(name="ada")
+    await writer.insert(profile, [Event(type="joined")])
+    first, second = await Profile.get(profile.id), await Profile.get(profile.id)
+    assert first is not None and second is not None
+    first.name, second.city = "ada l.", "london"
+    results = await asyncio.gather(
+        writer.save_changes(first, [Event(type="renamed")]),
+        writer.save_changes(second, [Event(type="moved")]),
+    )
+    # Each wrote its own field only: a whole-document save of either copy would have put the
+    # other's field back as it was loaded.
+    assert sorted(r.version for r in results) == [2, 3]
+    stored = await profiles.profiles.find_one({"_id": profile.id})
+    assert (stored["name"], stored["city"], stored["_version"]) == ("ada l.", "london", 3)
+    # Each is read back as it stood after its write, as Beanie's update: the later has both.
+    later = first if results[0].version == 3 else second
+    assert (later.name, later.city, later.version) == ("ada l.", "london", 3)
+    aggregate = str(profile.id)
+    assert await published(writer) == [
+        ("joined", aggregate, 1),
+        *sorted(
+            [("moved", aggregate, r.version) for r in results if r.events[0].type == "moved"]
+            + [("renamed", aggregate, r.version) for r in results if r.events[0].type == "renamed"]
+        ),
+    ]
+
+
+async def test_save_changes_writes_none_only_to_the_fields_that_became_none(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    profile = Profile(name="ada", note="vip")
+    await writer.insert(profile, [Event(type="joined")])
+    profile.note = None
+    await writer.save_changes(profile, [Event(type="unmarked")])
+    assert (await profiles.profiles.find_one({"_id": profile.id}))["note"] is None  # keep_nulls
+    fresh = await Profile.get(profile.id)
+    assert fresh is not None
+    fresh.note = "new"
+    await writer.save_changes(fresh, [Event(type="marked")])
+    profile.city = "rome"  # its note is None, unchanged: another writer's note stays
+    await writer.save_changes(profile, [Event(type="moved")])
+    stored = await profiles.profiles.find_one({"_id": profile.id})
+    assert (stored["note"], stored["city"], stored["_version"]) == ("new", "rome", 4)
+
+
+async def test_save_changes_of_an_unchanged_document_records_its_events(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    profile = Profile(name="ada")
+    await writer.save_changes(profile, [Event(type="joined")])  # never saved: saved whole
+    profile.name = "bob"
+    await profiles.profiles.update_one({"_id": profile.id}, {"$set": {"city": "oslo"}})
+    saved = await writer.save_changes(
+        (await Profile.get(profile.id)) or profile, [Event(type="checked")]
+    )
+    stored = await profiles.profiles.find_one({"_id": profile.id})
+    assert (stored["name"], stored["city"], saved.version) == ("ada", "oslo", 2)
+    assert [e[0] for e in await published(writer)] == ["checked", "joined"]
+
+
+async def test_two_save_changes_of_one_field_meet_at_the_guard(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    badge = Badge(label="new")
+    await writer.insert(badge, [Event(type="issued")])
+    copies = [await Badge.get(badge.id) for _ in range(2)]
+    for copy_, label in zip(copies, ["gold", "silver"], strict=True):
+        assert copy_ is not None
+        copy_.label = label
+    results = await asyncio.gather(
+        *(writer.save_changes(c, [Event(type="relabelled")]) for c in copies if c is not None),
+        return_exceptions=True,
+    )
+    assert sorted(type(r).__name__ for r in results) == ["RevisionConflictError", "Saved"]
+    winner = next(c for c, r in zip(copies, results, strict=True) if not isinstance(r, Exception))
+    assert winner is not None
+    assert (await profiles.badges.find_one({"_id": badge.id}))["label"] == winner.label
+    assert [e[0] for e in await published(writer)] == ["issued", "relabelled"]
+    profile = Profile(name="ada")  # without revision: expected_version is the guard
+    await writer.insert(profile, [Event(type="joined")])
+    stale = await Profile.get(profile.id)
+    assert stale is not None
+    profile.name = "bob"
+    await writer.save_changes(profile, [Event(type="renamed")], expected_version=1)
+    stale.name = "eve"
+    with pytest.raises(ConcurrencyError):
+        await writer.save_changes(stale, [Event(type="renamed")], expected_version=stale.version)
+    assert (await profiles.profiles.find_one({"_id": profile.id}))["name"] == "bob"
+
+
+async def test_save_changes_without_state_management_is_refused(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    with pytest.raises(ConfigurationError, match="use_state_management") as refused:
+        await writer.save_changes(Stock(sku="pen", qty=1), [Event(type="stocked")])
+    assert refused.value.setting == "Stock.Settings.use_state_management"
+    assert await profiles.stock.count_documents({}) == 0
+    assert await profiles.outbox.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_replace_keeps_the_outbox_counters_and_pending_events(
+    profiles: Any, mode: str
+) -> None:
+    writer = writer_of(profiles, mode)
+    profile = Profile(name="ada")
+    await writer.insert(profile, [Event(type="joined")])
+    profile.city = "rome"
+    await writer.save(profile, [Event(type="moved")])
+    await profiles.profiles.update_one({"_id": profile.id}, {"$set": {"stray": 1}})
+    profile.name = "bob"
+    saved = await writer.replace(profile, [Event(type="renamed")])
+    # Beanie's own replace() wrote the model's fields alone: the counters started again and, in
+    # embedded mode, the pending events went with it.
+    assert (saved.version, saved.events[0].sequence, profile.version) == (3, 3, 3)
+    stored = await profiles.profiles.find_one({"_id": profile.id})
+    assert "stray" not in stored and (stored["name"], stored["city"]) == ("bob", "rome")
+    assert (stored["_version"], stored["_sequence"]) == (3, 3)
+    if mode == "embedded":
+        assert [e["type"] for e in stored["_outbox"]] == ["joined", "moved", "renamed"]
+    aggregate = str(profile.id)
+    assert await published(writer) == [
+        ("joined", aggregate, 1),
+        ("moved", aggregate, 2),
+        ("renamed", aggregate, 3),
+    ]
+    assert (await writer.save(profile, [Event(type="moved")])).events[0].sequence == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_replaces_of_one_document_at_once(profiles: Any, mode: str) -> None:
+    writer = writer_of(profiles, mode)
+    profile = Profile(name="ada")
+    await writer.insert(profile, [Event(type="joined")])
+    copies = [await Profile.get(profile.id) for _ in range(2)]
+    for copy_, name in zip(copies, ["bob", "eve"], strict=True):
+        assert copy_ is not None
+        copy_.name = name
+    unguarded = await asyncio.gather(
+        *(writer.replace(c, [Event(type="renamed")]) for c in copies if c is not None)
+    )
+    # Unguarded, as Beanie's replace: both stand, one after the other, each event numbered.
+    assert sorted(s.version for s in unguarded) == [2, 3]
+    assert [e[2] for e in await published(writer)] == [1, 2, 3]
+    badge = Badge(label="new")
+    await writer.insert(badge, [Event(type="issued")])
+    badges = [await Badge.get(badge.id) for _ in range(2)]
+    for copy_, label in zip(badges, ["gold", "silver"], strict=True):
+        assert copy_ is not None
+        copy_.label = label
+    guarded = await asyncio.gather(
+        *(writer.replace(c, [Event(type="relabelled")]) for c in badges if c is not None),
+        return_exceptions=True,
+    )
+    assert sorted(type(r).__name__ for r in guarded) == ["RevisionConflictError", "Saved"]
+    assert (await profiles.badges.find_one({"_id": badge.id}))["_version"] == 2
+
+
+async def test_a_replace_of_a_document_not_stored_writes_nothing(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    with pytest.raises(AggregateNotFoundError):
+        await writer.replace(Profile(id=ObjectId(), name="ada"), [Event(type="renamed")])
+    with pytest.raises(InvalidAggregateError):
+        await writer.replace(Profile(name="ada"), [Event(type="renamed")])
+    assert await profiles.profiles.count_documents({}) == 0
+    assert await profiles.outbox.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_insert_many_writes_every_document_with_its_events_or_none(
+    profiles: Any, mongo: MongoServer, mode: str
+) -> None:
+    writer = writer_of(profiles, mode)
+    ada, bob = Profile(name="ada"), Profile(name="bob")
+    saved = await writer.insert_many([(ada, [Event(type="joined")]), (bob, [Event(type="joined")])])
+    assert [s.id for s in saved] == [ada.id, bob.id] and (ada.version, bob.version) == (1, 1)
+    assert sorted(await published(writer)) == sorted(
+        [("joined", str(ada.id), 1), ("joined", str(bob.id), 1)]
+    )
+    # The second document's _id is stored: the first is not written either.
+    eve, twin = Profile(name="eve"), Profile(id=ada.id, name="twin")
+    with pytest.raises(ConcurrencyError):
+        await writer.insert_many([(eve, [Event(type="joined")]), (twin, [Event(type="joined")])])
+    assert eve.id is None and eve.version == 0  # as before the call
+    with pytest.raises(InvalidAggregateError, match="twice"):
+        await writer.insert_many([(eve, [Event(type="joined")]), (eve, [Event(type="joined")])])
+    # A document whose collection the outbox refuses (embedded mode scans profiles and badges
+    # only; in collection mode another client's), after one it takes.
+    other_client: AsyncMongoClient[Any] = AsyncMongoClient(mongo.uri, uuidRepresentation="standard")
+    try:
+        if mode == "collection":
+            await init_beanie(database=other_client[profiles.name], document_models=[Stock])
+        with pytest.raises(InvalidAggregateError):
+            await writer.insert_many(
+                [(eve, [Event(type="joined")]), (Stock(sku="pen", qty=1), [Event(type="in")])]
+            )
+    finally:
+        await other_client.close()
+    assert await profiles.profiles.count_documents({}) == 2
+    assert await profiles.stock.count_documents({}) == 0
+    assert len(await published(writer)) == 0  # nothing new since the drain
+    with pytest.raises(UsageError, match="pairs"):
+        await writer.insert_many([eve])
+
+
+async def test_a_refused_insert_many_in_the_callers_transaction_aborts_it(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    ada = Profile(name="ada")
+    await writer.insert(ada, [Event(type="joined")])
+    eve, twin = Profile(name="eve"), Profile(id=ada.id, name="twin")
+    async with profiles.client.start_session() as session:
+        await session.start_transaction()
+        await writer.insert(Profile(name="bob"), [Event(type="joined")], session=session)
+        with pytest.raises(ConcurrencyError):
+            await writer.insert_many(
+                [(eve, [Event(type="joined")]), (twin, [Event(type="joined")])], session=session
+            )
+        # Committed, it would have stored eve without the rest of its batch.
+        assert not session.in_transaction
+    assert await profiles.profiles.count_documents({}) == 1
+    assert await profiles.outbox.count_documents({}) == 1
+
+
+async def test_a_bulk_writer_is_refused_before_anything_is_written(profiles: Any) -> None:
+    writer = writer_of(profiles, "collection")
+    profile = Profile(name="ada")
+    async with BulkWriter() as bulk:
+        for call in (
+            writer.insert(profile, [Event(type="joined")], bulk_writer=bulk),
+            writer.save(profile, [Event(type="joined")], bulk_writer=bulk),
+            writer.insert_many([(profile, [Event(type="joined")])], bulk_writer=bulk),
+        ):
+            with pytest.raises(UsageError, match="BulkWriter"):
+                await call
+    assert await profiles.profiles.count_documents({}) == 0
+    assert await profiles.outbox.count_documents({}) == 0
+
+
+class Owner(Document):
+    name: str
+
+    class Settings:
+        name = "owners"
+
+
+class Pet(Document):
+    name: str
+    owner: Link[Owner]
+    friends: list[Link[Owner]] = Field(default_factory=list)
+
+    class Settings:
+        name = "pets"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_link_rule_write_saves_the_linked_documents_in_the_same_transaction(
+    models: Any, mode: str
+) -> None:
+    await init_beanie(database=models, document_models=[Owner, Pet])
+    writer = BeanieOutbox(Outbox(models, mode=mode, collections=["pets"]))  # type: ignore[arg-type]
+    owner, friend = Owner(name="ada"), Owner(name="bob")
+    pet = Pet(name="rex", owner=owner, friends=[friend])
+    await writer.insert(pet, [Event(type="adopted")], link_rule=WriteRules.WRITE)
+    assert {o["name"] async for o in models.owners.find()} == {"ada", "bob"}
+    stored = await models.pets.find_one({"_id": pet.id})
+    assert stored["owner"].id == owner.id and stored["_version"] == 1
+    # The pet's write refused (its _id is stored): the new owner is not stored either.
+    newcomer = Owner(name="eve")
+    twin = Pet(id=pet.id, name="rex", owner=newcomer)
+    with pytest.raises(ConcurrencyError):
+        await writer.insert(twin, [Event(type="adopted")], link_rule=WriteRules.WRITE)
+    assert await models.owners.count_documents({"name": "eve"}) == 0
+    owner.name = "ada l."
+    pet.name = "rex ii"
+    await writer.replace(pet, [Event(type="renamed")], link_rule=WriteRules.WRITE)
+    assert (await models.owners.find_one({"_id": owner.id}))["name"] == "ada l."
+    assert (await models.pets.find_one({"_id": pet.id}))["_version"] == 2
+    publisher = MemoryPublisher()
+    assert await PollingRelay(writer.outbox, publisher).drain() == 2
+
+
+async def test_save_changes_without_keep_nulls_unsets_only_what_became_none(
+    profiles: Any,
+) -> None:
+    writer = writer_of(profiles, "collection")
+    contact = Contact(email="a@x")
+    await writer.insert(contact, [Event(type="added")])
+    other = await Contact.get(contact.id)
+    assert other is not None
+    other.phone = "123"
+    await writer.save_changes(other, [Event(type="phoned")])
+    contact.email = None  # its phone is None as loaded: Beanie's save_changes unset it too
+    await writer.save_changes(contact, [Event(type="unmailed")])
+    stored = await profiles.contacts.find_one({"_id": contact.id})
+    assert "email" not in stored and stored["phone"] == "123" and stored["_version"] == 3
+
+
+async def test_a_refused_write_with_links_aborts_the_callers_transaction(models: Any) -> None:
+    await init_beanie(database=models, document_models=[Owner, Pet])
+    writer = BeanieOutbox(Outbox(models))
+    pet = Pet(name="rex", owner=Owner(name="ada"))
+    await writer.insert(pet, [Event(type="adopted")], link_rule=WriteRules.WRITE)
+    twin = Pet(id=pet.id, name="rex", owner=Owner(name="eve"))
+    async with models.client.start_session() as session:
+        await session.start_transaction()
+        with pytest.raises(ConcurrencyError):
+            await writer.insert(
+                twin, [Event(type="adopted")], session=session, link_rule=WriteRules.WRITE
+            )
+        # Committed, it would have stored eve, linked from no pet.
+        assert not session.in_transaction
+    assert await models.owners.count_documents({"name": "eve"}) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_two_insert_many_sharing_an_id_at_once_store_one_batch_whole(
+    profiles: Any, mode: str
+) -> None:
+    writer = writer_of(profiles, mode)
+    shared = ObjectId()
+    batches = [
+        [
+            (Profile(id=shared, name=f"{side} 1"), [Event(type="joined")]),
+            (Profile(name=f"{side} 2"), [Event(type="joined")]),
+        ]
+        for side in ("left", "right")
+    ]
+    results = await asyncio.gather(
+        *(writer.insert_many(batch) for batch in batches), return_exceptions=True
+    )
+    assert sorted(type(r).__name__ for r in results) == ["ConcurrencyError", "list"]
+    won = next(b for b, r in zip(batches, results, strict=True) if isinstance(r, list))
+    assert sorted([d["name"] async for d in profiles.profiles.find()]) == [
+        won[0][0].name,
+        won[1][0].name,
+    ]
+    lost = next(b for b in batches if b is not won)
+    assert lost[1][0].id is None  # its other document, not written, got no id either
+    assert len(await published(writer)) == 2

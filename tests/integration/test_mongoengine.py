@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mongoengine as me
@@ -14,8 +15,17 @@ from bson import ObjectId
 from mongoengine import signals
 from mongoengine.errors import InvalidDocumentError
 from pydantic import BaseModel
+from pymongo import monitoring
 
-from mongo_outbox import ConcurrencyError, DuplicateSequenceError, Event, Outbox, PollingRelay
+from mongo_outbox import (
+    ConcurrencyError,
+    DuplicateSequenceError,
+    Event,
+    Outbox,
+    OutboxError,
+    PollingRelay,
+    UsageError,
+)
 from mongo_outbox.odm.mongoengine import MongoEngineOutbox, SaveConditionConflictError
 from mongo_outbox.publishers import MemoryPublisher
 from mongo_outbox.sync import Outbox as SyncOutbox
@@ -295,3 +305,103 @@ def test_guarded_writes_in_an_aborted_transaction_are_made_again_by_their_retry(
     assert engine.outbox.count_documents({}) == (4 if mode == "collection" else 0)
     # Until the commit is known, the documents keep their versions: load them again after it.
     assert (order.version, other.version) == (1, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_force_insert_of_a_stored_id_is_refused_with_no_event(engine: Any, mode: str) -> None:
+    orders = outbox_of(engine, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")], force_insert=True)
+    twin = Order(id=order.id, customer="bob", total=9)
+    with pytest.raises(ConcurrencyError):
+        orders.save(twin, [Event(type="order.placed")], force_insert=True)
+    loaded = Order.objects.get(id=order.id)
+    with pytest.raises(ConcurrencyError):  # a loaded one too: an insert, as MongoEngine's
+        orders.save(loaded, [Event(type="order.placed")], force_insert=True)
+    # Without force_insert a new object's save is a replace, which took the first one over.
+    stored = engine.orders.find_one({"_id": order.id})
+    assert (stored["customer"], stored["_version"], stored["_sequence"]) == ("ada", 1, 1)
+    if mode == "collection":
+        assert [e["type"] for e in engine.outbox.find()] == ["order.placed"]
+    else:
+        assert [e["type"] for e in stored["_outbox"]] == ["order.placed"]
+    assert twin.id == order.id and twin._created  # refused: still a new document
+    with pytest.raises(UsageError, match="force_insert"):
+        orders.save(twin, [Event(type="x")], force_insert=True, expected_version=1)
+
+
+def test_two_force_inserts_of_one_id_at_once_store_one(engine: Any) -> None:
+    orders = outbox_of(engine, "collection")
+    shared = ObjectId()
+    twins = [Order(id=shared, customer=name, total=1) for name in ("ada", "bob")]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(
+            pool.map(
+                lambda o: _outcome(
+                    lambda: orders.save(o, [Event(type="order.placed")], force_insert=True)
+                ),
+                twins,
+            )
+        )
+    assert sorted(results) == ["ConcurrencyError", "Saved"]
+    assert engine.orders.count_documents({}) == 1 and engine.outbox.count_documents({}) == 1
+
+
+def _outcome(call: Any) -> str:
+    try:
+        return type(call()).__name__
+    except OutboxError as error:
+        return type(error).__name__
+
+
+class Commands(monitoring.CommandListener):
+    """The write concern of each command the client sends."""
+
+    def __init__(self) -> None:
+        self.concerns: dict[str, list[Any]] = {}
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        concern = event.command.get("writeConcern")
+        self.concerns.setdefault(event.command_name, []).append(concern)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_write_concern_reaches_the_server(engine: Any, mongo: MongoServer, mode: str) -> None:
+    commands = Commands()
+    me.disconnect()
+    me.connect(
+        db=engine.name,
+        host=mongo.uri,
+        tz_aware=True,
+        uuidRepresentation="standard",
+        event_listeners=[commands],
+    )
+    Order._collection = None
+    database = me.get_db()
+    orders = outbox_of(database, mode)
+    order = Order(customer="ada", total=1)
+    orders.save(order, [Event(type="order.placed")], write_concern={"w": 1, "wtimeout": 4321})
+    order.total = 2
+    orders.save(order, [Event(type="order.repriced")], write_concern={"w": 1, "wtimeout": 4321})
+    wanted = {"w": 1, "wtimeout": 4321}
+    if mode == "collection":  # the save's own transaction commits with it
+        assert commands.concerns["commitTransaction"] == [wanted, wanted]
+    else:  # the document's one write carries it
+        sent = commands.concerns.get("insert", []) + commands.concerns.get("findAndModify", [])
+        assert wanted in sent
+    order.total = 3
+    commands.concerns.clear()
+    orders.save(order, [Event(type="order.repriced")])  # the client's default, as before
+    assert all(wanted not in sent for sent in commands.concerns.values())
+    assert database.orders.find_one({"_id": order.id})["_version"] == 3
+    with me.get_connection().start_session() as session, pytest.raises(UsageError):
+        orders.save(order, [Event(type="x")], session=session, write_concern={"w": 1})
+    with pytest.raises(UsageError, match="unacknowledged"):
+        orders.save(order, [Event(type="x")], write_concern={"w": 0})
+    assert database.orders.find_one({"_id": order.id})["_version"] == 3
