@@ -105,7 +105,7 @@ async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
         await page.goto(url)
         await page.fill("#login input[name=token]", TOKEN)
         await page.click("#login button[type=submit]")
-        await expect(page.locator("#notice")).to_have_text("signed in")
+        await expect(page.locator("#notice")).to_have_text("signed in as token")
 
         # Signed in, a POST without the page's CSRF token is still refused.
         forged = await page.request.post(

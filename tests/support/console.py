@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import re
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -34,6 +36,7 @@ from tests.support.servers import MongoServer
 
 TOKEN = "a-token-of-the-tests-0123456789"
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+HIDDEN = re.compile(r'<input type="hidden" name="([^"]+)" value="([^"]*)">')
 
 
 async def park(db: Any, mode: str = "collection") -> dict[str, list[Event]]:
@@ -176,6 +179,28 @@ def csrf_of(page: str) -> str:
     found = CSRF.search(page)
     assert found, "no CSRF field on the page"
     return found.group(1)
+
+
+def hidden_fields(page: str) -> list[tuple[str, str]]:
+    """The hidden fields of a page's forms, as the browser would send them."""
+    return [(html.unescape(name), html.unescape(value)) for name, value in HIDDEN.findall(page)]
+
+
+async def confirmed(http: httpx.AsyncClient, path: str, form: dict[str, Any]) -> httpx.Response:
+    """POST a requeue of everything, find its confirm page (asked before anything is done),
+    and send that page's form, as an operator clicking "Requeue" there would."""
+    asked = await http.post(path, data=form)
+    assert asked.status_code == 200 and 'id="confirm-form"' in asked.text, asked.text
+    return await post_form(http, path, hidden_fields(asked.text))
+
+
+async def post_form(
+    http: httpx.AsyncClient, path: str, fields: list[tuple[str, str]]
+) -> httpx.Response:
+    """POST ``fields`` as a browser sends a form: in their order, a name as often as it comes."""
+    body = urlencode(fields)
+    kind = {"content-type": "application/x-www-form-urlencoded"}
+    return await http.post(path, content=body, headers=kind)
 
 
 async def sign_in(http: httpx.AsyncClient, token: str = TOKEN) -> str:
