@@ -15,10 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox import Event
 from mongo_outbox.cli.console.app import RUNBOOK_URL, RUNBOOKS, SITE_URL
 from mongo_outbox.cli.console.auth import Credentials, hash_secret, read_users
-from mongo_outbox.publishers import MemoryPublisher
 from tests.integration.test_console import parked_ids
 from tests.support.console import (
     TOKEN,
@@ -29,6 +28,7 @@ from tests.support.console import (
     in_process,
     leases,
     park,
+    park_type,
     post_form,
     served,
     visitor,
@@ -236,16 +236,6 @@ async def test_the_favicon_is_served_under_the_pages_policy(
 
 SPOOF = "t.\u202egnp.exe"
 """Shown raw, a browser draws it as ``t.exe.png``."""
-
-
-async def park_type(db: Any, aggregate: str, type_: str) -> Event:
-    outbox = Outbox(db)
-    await outbox.ensure_indexes()
-    event = Event(type=type_)
-    await outbox.save_with_events(None, db.orders, {"_id": aggregate}, [event])
-    broken = MemoryPublisher(fail=lambda e: ValueError(f"cannot encode {e.type}"))
-    await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
-    return event
 
 
 async def test_a_right_to_left_override_is_shown_escaped_and_sent_back_as_stored(

@@ -67,6 +67,17 @@ async def park_one(db: Any, aggregate: str, mode: str = "collection") -> Event:
     return event
 
 
+async def park_type(db: Any, aggregate: str, type_: str) -> Event:
+    """One more parked event, of a new aggregate and of type ``type_`` (its error names it)."""
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    event = Event(type=type_)
+    await outbox.save_with_events(None, db.orders, {"_id": aggregate}, [event])
+    broken = MemoryPublisher(fail=lambda e: ValueError(f"cannot encode {e.type}"))
+    await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
+    return event
+
+
 async def dead_letter(db: Any, consumer: str, *events: Event) -> None:
     @inbox_guard(Inbox(db, consumer=consumer, transactional=False))
     async def broken(event: Event, session: Any) -> None:
