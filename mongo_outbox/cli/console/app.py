@@ -529,14 +529,17 @@ class Console:
             session, fields = await self._form(request, signed_in=False)
             if not self.credentials.configured:
                 raise Refused(403, READ_ONLY)
-            # The guess takes its place before its answer is checked, with no await between
-            # the two: guesses sent at once are refused unchecked once the places are taken.
+            # The guess takes its place before its answer is checked: guesses sent at once are
+            # refused unchecked once the places are taken.
             wait = self.guesses.take(_client(request, ""))
             if wait:
                 refused = Refused(429, "too many sign-in attempts: try again later")
                 return self._refused(request, refused, {"Retry-After": retry_after(wait)})
             answers = (_field(fields, "token"), _field(fields, "user"), _field(fields, "password"))
-            user = self.credentials.accept(*answers)
+            # In a thread: a users file's scrypt takes tens of milliseconds, which the other
+            # requests (the page's polls) need not wait for; the limit above bounds how many
+            # run at once.
+            user = await asyncio.to_thread(self.credentials.accept, *answers)
             if user is None:
                 raise Refused(401, "wrong credentials")
         except Refused as refused:
