@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import unicodedata
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from mongo_outbox import Event
 from mongo_outbox.cli.console.app import RUNBOOK_URL, RUNBOOKS, SITE_URL
 from mongo_outbox.cli.console.auth import Credentials, hash_secret, read_users
+from mongo_outbox.events import utc_now
 from tests.integration.test_console import parked_ids
 from tests.support.console import (
     TOKEN,
@@ -244,10 +246,21 @@ async def test_a_right_to_left_override_is_shown_escaped_and_sent_back_as_stored
     spoof = await park_type(db, "s", SPOOF)
     plain = await park_type(db, "p", "order.paid")
     await dead_letter(db, "bill\u202eing", Event(type=SPOOF))
+    held = utc_now() + timedelta(minutes=5)
+    await db.outbox_relays.insert_one(
+        {"_id": "rel\u202eay", "owner": "host\u2067-a", "lease_until": held}
+    )
     async with in_process(client, db, mongo, credentials=team()) as http:
         await sign_in_as(http, "alice", ALICE)
         page = (await http.get("/")).text
         chosen = (await http.get("/", params={"type": SPOOF})).text
+        overview = await http.get("/api/overview")
+    # The JSON the page's script shows is escaped as the page is: the relays' signature the
+    # page was made with is the one its script builds from the live overview.
+    assert "\u202e" not in overview.text and "\u2067" not in overview.text
+    relay = next(r for r in overview.json()["relays"] if r["name"].startswith("rel"))
+    assert (relay["name"], relay["lease_holder"]) == ("rel\\u202eay", "host\\u2067-a")
+    assert 'data-signature="rel\\u202eay|active|host\\u2067-a"' in page
     shown = re.sub(r'value="[^"]*"', "", page)  # what a form sends back is not shown
     assert "\u202e" not in shown
     assert '<td class="type"><bdi>t.\\u202egnp.exe</bdi></td>' in page

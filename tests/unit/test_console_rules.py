@@ -165,6 +165,7 @@ def test_a_hash_is_salted_and_only_its_secret_matches_it() -> None:
         (":operator:{h}", "line 2: a line reads name:role:hash"),
         ("alice:operator:md5$abc", "line 2: the hash must read scrypt$n$r$p$salt$hash"),
         ("alice:reader:scrypt$1048577$8$1$AAAAAAAAAAAAAAAAAAAAAA$" + "A" * 43, "out of bounds"),
+        ("alice:reader:scrypt$1048576$8$1$AAAAAAAAAAAAAAAAAAAAAA$" + "A" * 43, "256 MiB"),
         ("ops:reader:{h}", "line 2: 'ops' is named twice"),
     ],
 )

@@ -57,9 +57,9 @@ TOKEN_USER = "token"
 SCRYPT = {"n": 2**14, "r": 8, "p": 1}
 """scrypt's cost for new hashes (16 MiB, tens of milliseconds): sign-ins are few and limited
 (``limits.py``), a stolen file's guesses are costly."""
-_MAX_COST = 2**20
-"""The largest scrypt ``n`` a users file may name: a bigger one would make every sign-in (and
-every guess) take seconds and gigabytes."""
+_MAX_MEMORY = 2**28
+"""The most memory (bytes, 128 * n * r) one check of a users file's hash may take: a costlier
+hash would make every sign-in, and every guess, take seconds and gigabytes."""
 
 
 class CredentialsError(ValueError):
@@ -107,8 +107,12 @@ class Hashed:
             salt, digest = (_unb64(part) for part in parts[4:])
         except ValueError:
             raise ValueError("the hash's numbers or base64 do not parse") from None
-        if not (1 < n <= _MAX_COST and n & (n - 1) == 0 and 0 < r <= 32 and 0 < p <= 16):
-            raise ValueError(f"the hash's cost is out of bounds (n a power of 2 up to {_MAX_COST})")
+        power_of_two = n > 1 and n & (n - 1) == 0
+        if not (power_of_two and r > 0 and 128 * n * r <= _MAX_MEMORY and 0 < p <= 16):
+            raise ValueError(
+                "the hash's cost is out of bounds (n a power of 2, 128 * n * r at most "
+                f"{_MAX_MEMORY >> 20} MiB, p at most 16)"
+            )
         if len(salt) < 16 or len(digest) < 32:
             raise ValueError("the hash's salt or digest is too short")
         return cls(n, r, p, salt, digest)
@@ -126,7 +130,7 @@ class Hashed:
             n=self.n,
             r=self.r,
             p=self.p,
-            maxmem=256 * self.n * self.r + 2**20,
+            maxmem=_MAX_MEMORY + 2**20,
             dklen=len(self.digest),
         )
 
