@@ -4,6 +4,7 @@ bidirectional controls a shown text loses, and the named users of a users file."
 
 from __future__ import annotations
 
+import io
 import re
 import time
 from pathlib import Path
@@ -184,3 +185,19 @@ def test_a_users_file_and_the_environment_do_not_name_one_user_twice(tmp_path: P
     with pytest.raises(CredentialsError, match="cannot read"):
         Credentials.from_env({}, tmp_path / "missing")
     assert Credentials.from_env({}, listed).users["ops"][0] == User("ops", Role.OPERATOR)
+
+
+def test_newuser_prints_a_users_file_line_from_the_secret_on_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mongo_outbox.cli.console.newuser import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(SECRET + "\n"))
+    assert main(["alice", "operator"]) == 0
+    line = capsys.readouterr().out.strip()
+    users = read_users([line])
+    assert users["alice"][0] == User("alice", Role.OPERATOR)
+    assert users["alice"][1].matches(SECRET)
+    assert main(["alice", "admin"]) == 2 and "usage" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("short\n"))
+    assert main(["bob", "reader"]) == 1 and "at least 12" in capsys.readouterr().err
