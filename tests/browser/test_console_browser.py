@@ -12,14 +12,25 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mongo_outbox import Event, Inbox, Outbox
 from mongo_outbox._relay.store import store_for
-from tests.support.console import TOKEN, dead_letter, leases, park, park_one, served
+from mongo_outbox.cli.console.auth import hash_secret
+from tests.support.console import (
+    TOKEN,
+    dead_letter,
+    leases,
+    park,
+    park_one,
+    park_type,
+    served,
+)
 from tests.support.hanging_mongo import HangingMongo
 from tests.support.servers import MongoServer
 
@@ -105,7 +116,7 @@ async def test_an_operator_filters_signs_in_and_requeues_in_the_browser(
         await page.goto(url)
         await page.fill("#login input[name=token]", TOKEN)
         await page.click("#login button[type=submit]")
-        await expect(page.locator("#notice")).to_have_text("signed in")
+        await expect(page.locator("#notice")).to_have_text("signed in as token")
 
         # Signed in, a POST without the page's CSRF token is still refused.
         forged = await page.request.post(
@@ -195,3 +206,106 @@ async def test_an_open_page_refreshes_what_it_shows_together_and_tells_an_outage
                 await expect(fresh.locator("#outage")).to_contain_text("answers again")
     finally:
         await db.client.drop_database(other.name)
+
+
+# The left edge of each character of an element's first text, in the order of the text: a text
+# drawn as written has them increasing; a reordered one does not.
+EDGES = """(element) => {
+  const text = element.firstChild, edges = [];
+  for (let i = 0; i < text.length; i++) {
+    const range = document.createRange();
+    range.setStart(text, i);
+    range.setEnd(text, i + 1);
+    edges.push(range.getBoundingClientRect().left);
+  }
+  return edges;
+}"""
+
+SPOOF = "t.\u202egnp.exe"
+
+
+@pytest.mark.slow
+async def test_a_right_to_left_override_is_drawn_escaped_in_order_and_nothing_fails_to_load(
+    browser: Any, mongo: MongoServer, db: Any
+) -> None:
+    from playwright.async_api import expect
+
+    expect.set_options(timeout=15_000)
+    await park_type(db, "s", SPOOF)
+    async with served(mongo, db) as (_, url):
+        page = await browser.new_page()
+        failed: list[str] = []
+        page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
+        page.on("console", lambda m: failed.append(m.text) if m.type == "error" else None)
+        await page.goto(url)
+        shown = page.locator("tr.parked td.type bdi")
+        await expect(shown).to_have_text("t.\\u202egnp.exe")
+        edges = await shown.evaluate(EDGES)
+        assert edges == sorted(edges) and len(set(edges)) == len(edges), edges
+
+        # The same measure on the raw text sees the override reorder it: it would catch one.
+        raw = await page.evaluate(
+            """(text) => {
+              const span = document.createElement("span");
+              span.id = "raw";
+              span.textContent = text;
+              document.body.append(span);
+            }""",
+            SPOOF,
+        )
+        assert raw is None
+        raw_edges = await page.locator("#raw").evaluate(EDGES)
+        assert raw_edges != sorted(raw_edges)
+
+        icon = await page.request.get(url + "favicon.ico")
+        assert icon.status == 200 and icon.headers["content-type"] == "image/svg+xml"
+        await expect(page.locator("#chart-status")).to_have_text(re.compile(r"^\d+ samples$"))
+        assert failed == []
+        await page.close()
+
+
+@pytest.mark.slow
+async def test_a_reader_and_an_operator_at_once_and_a_requeue_of_everything_confirmed(
+    browser: Any, mongo: MongoServer, db: Any, tmp_path: Path
+) -> None:
+    from playwright.async_api import expect
+
+    expect.set_options(timeout=15_000)
+    await park(db)
+    users = tmp_path / "users"
+    alice, bob = "alice-secret-0123", "bob-secret-456789"
+    users.write_text(f"alice:operator:{hash_secret(alice)}\nbob:reader:{hash_secret(bob)}\n")
+    async with served(mongo, db, f"--users-file={users}") as (service, url):
+        pages = []
+        for name, secret in (("bob", bob), ("alice", alice)):
+            context = await browser.new_context()
+            page = await context.new_page()
+            await page.goto(url)
+            await page.fill("#login input[name=user]", name)
+            await page.fill("#login input[name=password]", secret)
+            await page.click("#login button[type=submit]")
+            pages.append(page)
+        reader, operator = pages
+        await expect(reader.locator("#notice")).to_have_text("signed in as bob (reading only)")
+        await expect(reader.locator("#who")).to_contain_text("bob")
+        await expect(reader.locator("#requeue-matching")).to_have_count(0)
+        await expect(reader.locator("input[name=event_id]")).to_have_count(0)
+        await expect(operator.locator("#notice")).to_have_text("signed in as alice")
+
+        # A requeue of everything asks first, on a page of its own; nothing moved yet.
+        await operator.click("#requeue-matching button")
+        await expect(operator.locator("#asks")).to_have_text(
+            f"Requeue all 4 parked events in {db.name}?"
+        )
+        assert len(await parked_ids(db)) == 4
+        await operator.click("#confirm-requeue")
+        await expect(operator.locator("#notice")).to_have_text("requeued 4 parked events")
+        assert await parked_ids(db) == set()
+        await reader.reload()
+        await expect(reader.locator("#parked-count")).to_have_text("0")
+        ran = await service.stop(signal.SIGTERM)
+    assert ran.code == 0, ran.output
+    assert (
+        f'mongo_outbox.cli.console.audit: "alice" (operator) from 127.0.0.1 requeued 4 parked '
+        f'events in "{db.name}": every parked event' in ran.output
+    )

@@ -14,6 +14,7 @@ from mongo_outbox import Event, Inbox, Outbox
 from mongo_outbox.cli.console.auth import Credentials, CredentialsError
 from tests.support.console import (
     TOKEN,
+    confirmed,
     csrf_of,
     dead_letter,
     in_process,
@@ -52,8 +53,8 @@ async def test_the_page_shows_backlog_relays_partitions_parked_events_and_inbox_
         assert event.id in text
     assert "cannot encode" in text
     assert ">orders<" in text and "host-a:1" in text  # the change-stream relay
-    assert "Group shop" in text and ">m1<" in text and "no owner" in text  # partition 1
-    assert 'live members: <span class="member">m1</span> (0)</p>' in text  # m0 is dead
+    assert "Group <bdi>shop</bdi>" in text and ">m1<" in text and "no owner" in text  # partition 1
+    assert 'live members: <bdi class="member">m1</bdi> (0)</p>' in text  # m0 is dead
     assert ">billing<" in text and "the bug" in text
     assert 'id="read-only"' in text and 'action="/login"' not in text
 
@@ -192,7 +193,7 @@ async def test_signed_in_requeues_change_the_database(
             placed.id
         ]
         rest = {"csrf": csrf, "consumer": "billing", "all": "1"}
-        assert (await http.post("/inbox/requeue", data=rest)).status_code == 303
+        assert (await confirmed(http, "/inbox/requeue", rest)).status_code == 303
         assert await Inbox(db, consumer="billing").failed() == []
 
         # Signing out ends the session: its token acts no more.
@@ -265,7 +266,7 @@ async def test_requeue_all_matching_takes_the_filters_of_the_page(
         page = (await http.get("/", params={"type": "poison", "aggregate": "c"})).text
         assert "Requeue all 2 matching" in page
         form = {"csrf": csrf, "matching": "1", "type": "poison", "aggregate": "c"}
-        assert (await http.post("/parked/requeue", data=form)).status_code == 303
+        assert (await confirmed(http, "/parked/requeue", form)).status_code == 303
         assert "requeued 2 parked events" in (await http.get("/")).text
     assert await parked_ids(db) == {saved["a"][0].id, saved["b"][0].id}
 

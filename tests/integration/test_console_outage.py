@@ -54,6 +54,8 @@ async def test_a_fresh_load_while_mongodb_is_down_says_so_on_top_and_shows_no_nu
     outage = text.index('id="outage"')
     assert "MongoDB did not answer" in text and outage < text.index("<main>")
     assert 'id="outage" class="outage" role="alert">' in text  # not hidden
+    # ...with its runbook a click away.
+    assert '<a class="runbook" href="docs/operating.md#what-a-crash-costs">' in text
     for number in UNREAD:
         assert number not in text
     assert text.count("Not read: MongoDB did not answer.") == 2  # parked events, inbox

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import re
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -34,6 +36,7 @@ from tests.support.servers import MongoServer
 
 TOKEN = "a-token-of-the-tests-0123456789"
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+HIDDEN = re.compile(r'<input type="hidden" name="([^"]+)" value="([^"]*)">')
 
 
 async def park(db: Any, mode: str = "collection") -> dict[str, list[Event]]:
@@ -60,6 +63,17 @@ async def park_one(db: Any, aggregate: str, mode: str = "collection") -> Event:
     event = Event(type="poison")
     await outbox.save_with_events(None, db.orders, {"_id": aggregate}, [event])
     broken = MemoryPublisher(fail=lambda e: ValueError("cannot encode"))
+    await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
+    return event
+
+
+async def park_type(db: Any, aggregate: str, type_: str) -> Event:
+    """One more parked event, of a new aggregate and of type ``type_`` (its error names it)."""
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    event = Event(type=type_)
+    await outbox.save_with_events(None, db.orders, {"_id": aggregate}, [event])
+    broken = MemoryPublisher(fail=lambda e: ValueError(f"cannot encode {e.type}"))
     await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
     return event
 
@@ -176,6 +190,28 @@ def csrf_of(page: str) -> str:
     found = CSRF.search(page)
     assert found, "no CSRF field on the page"
     return found.group(1)
+
+
+def hidden_fields(page: str) -> list[tuple[str, str]]:
+    """The hidden fields of a page's forms, as the browser would send them."""
+    return [(html.unescape(name), html.unescape(value)) for name, value in HIDDEN.findall(page)]
+
+
+async def confirmed(http: httpx.AsyncClient, path: str, form: dict[str, Any]) -> httpx.Response:
+    """POST a requeue of everything, find its confirm page (asked before anything is done),
+    and send that page's form, as an operator clicking "Requeue" there would."""
+    asked = await http.post(path, data=form)
+    assert asked.status_code == 200 and 'id="confirm-form"' in asked.text, asked.text
+    return await post_form(http, path, hidden_fields(asked.text))
+
+
+async def post_form(
+    http: httpx.AsyncClient, path: str, fields: list[tuple[str, str]]
+) -> httpx.Response:
+    """POST ``fields`` as a browser sends a form: in their order, a name as often as it comes."""
+    body = urlencode(fields)
+    kind = {"content-type": "application/x-www-form-urlencoded"}
+    return await http.post(path, content=body, headers=kind)
 
 
 async def sign_in(http: httpx.AsyncClient, token: str = TOKEN) -> str:

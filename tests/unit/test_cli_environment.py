@@ -36,6 +36,8 @@ def sample(option: click.Option) -> tuple[str, Any]:
         return "7", 7
     if isinstance(option.type, click.types.FloatParamType):
         return "7.5", 7.5
+    if isinstance(option.type, click.Path):  # a str, or the path_type it converts to
+        return "from-env", option.type("from-env")
     return "from-env", "from-env"
 
 

@@ -4,7 +4,8 @@ and requeues parked events and failed inbox messages.
 
 It needs the ``console`` extra (Starlette, Jinja2, uvicorn): ``pip install
 'mongo-outbox[console]'``, checked before anything else, as ``--metrics-port`` checks its own.
-The page is read-only unless credentials are set in the environment (``auth.py``), it listens on
+The page is read-only unless credentials are set in the environment or a users file
+(``auth.py``: named readers and operators; requeues are audited), it listens on
 127.0.0.1 unless ``--host`` says otherwise, answers to its allowed host names only
 (``hosts.py``), and beyond loopback shows nothing until one signs in. ``app.py`` is the web
 application, ``data.py`` what it reads, through the same functions as ``status``, ``parked`` and
@@ -22,6 +23,7 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -86,6 +88,17 @@ def check_extra() -> None:
     help="Show nothing until one signs in [default: on when --host is beyond loopback].",
 )
 @option(
+    "--users-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Named users who can sign in, one a line, name:role:hash (role reader or operator; "
+    "hash from python -m mongo_outbox.cli.console.newuser NAME ROLE).",
+)
+@option(
+    "--runbook-url",
+    help="Where the page's links to the runbooks go: the URL of docs/operating.md's page "
+    "[default: the docs site's, else docs/operating.md relative to the page].",
+)
+@option(
     "--secure-cookies",
     is_flag=True,
     help="Mark the session cookie Secure, for a console reached over HTTPS only (behind a "
@@ -119,6 +132,8 @@ def console(
     databases: str | None,
     allowed_host: str | None,
     require_sign_in: bool | None,
+    users_file: Path | None,
+    runbook_url: str | None,
     secure_cookies: bool,
     trusted_proxies: str | None,
     checkpoints: str,
@@ -130,13 +145,13 @@ def console(
     a live chart; requeue from it once signed in.
 
     Signing in needs MONGO_OUTBOX_CONSOLE_TOKEN, or MONGO_OUTBOX_CONSOLE_USER and
-    MONGO_OUTBOX_CONSOLE_PASSWORD, in the environment (never on the command line); without
-    them the console is read-only. Beyond loopback, or behind a proxy (--allowed-host,
-    --trusted-proxies), reading needs a sign-in too (--no-require-sign-in for an open page
-    behind a proxy that authenticates).
+    MONGO_OUTBOX_CONSOLE_PASSWORD, in the environment (never on the command line), or named
+    users of --users-file (readers and operators); without them the console is read-only.
+    Beyond loopback, or behind a proxy (--allowed-host, --trusted-proxies), reading needs a
+    sign-in too (--no-require-sign-in for an open page behind a proxy that authenticates).
     """
     check_extra()
-    from mongo_outbox.cli.console.app import Settings
+    from mongo_outbox.cli.console.app import RUNBOOK_URL, Settings
     from mongo_outbox.cli.console.data import Places
 
     names = _databases(target, databases)
@@ -150,14 +165,14 @@ def console(
         # this machine as surely as a public address does: loopback alone is no closed door.
         require_sign_in = not is_loopback(host) or bool(allowed_host) or bool(trusted_proxies)
     try:
-        credentials = Credentials.from_env(os.environ)
+        credentials = Credentials.from_env(os.environ, users_file)
         extra_hosts = _listed(allowed_host)
         allowed_hosts(host, extra_hosts)  # a name that is none fails here, in one line
         if require_sign_in and not credentials.configured:
             raise CredentialsError(
                 "reading needs a sign-in (--require-sign-in, the default beyond loopback or "
                 f"behind a proxy), and nobody can sign in: set {TOKEN}, or {USER} and its "
-                "password, or pass --no-require-sign-in"
+                "password, or pass --users-file or --no-require-sign-in"
             )
         every = check_seconds(sample_interval, "--sample-interval")
         # Minutes, not check_seconds's seconds: its message would say "s".
@@ -179,6 +194,7 @@ def console(
         trusted_proxies=_listed(trusted_proxies),
         sample_every=every,
         samples_kept=keep,
+        runbook_url=runbook_url or RUNBOOK_URL,
     )
     run(_serve(settings, port, names))
 
@@ -228,7 +244,10 @@ async def _serve(settings: Settings, port: int, databases: tuple[str, ...]) -> N
                 app, log_config=None, access_log=False, lifespan="on", proxy_headers=False
             )
             server = Server(config)
-            mode = f" (read-only: set {TOKEN}, or {USER} and its password, to requeue)"
+            mode = (
+                f" (read-only: set {TOKEN}, or {USER} and its password, or --users-file, "
+                "to requeue)"
+            )
             if settings.credentials.configured:
                 mode = ""
             say(f"console at http://{url_host(settings.host)}:{bound}/{mode}")

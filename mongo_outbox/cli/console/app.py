@@ -6,14 +6,19 @@ It serves one outbox, or one per database (``--databases``, tenants): the page l
 one's backlog, and shows the details (chart, relays, parked events, inbox) of the one chosen
 with ``?db=``.
 
-Every request's ``Host`` must be an allowed name (``hosts.py``). Every POST passes three
-checks, in this order: the session's CSRF token (``auth.py``), then a signed-in session, then the
-action's own fields; a sign-in takes its place among the limited guesses (``limits.py``) before
-its answer is checked. With ``require_sign_in``, nothing is read for a visitor who is not signed
-in. Without configured credentials nobody can sign in, and the page says the console is
-read-only. Responses forbid framing (a hidden frame could make an operator click "requeue") and
-allow scripts and styles from the console only. The data a page or a JSON answer shows is
-redacted before it is rendered (``redaction.py``): no credential is ever shown.
+Every request's ``Host`` must be an allowed name (``hosts.py``). Every POST passes three checks,
+in this order: the session's CSRF token (``auth.py``), then a signed-in session of an operator
+(a reader is refused, 403), then the action's own fields; a sign-in takes its place among the
+limited guesses (``limits.py``) before its answer is checked. A requeue of everything (every
+parked event the filters keep, every failed message of a consumer) first answers a confirm page,
+whose form carries a token of that action and session; every requeue done is written to the
+``mongo_outbox.cli.console.audit`` log, naming who, what and how many. With ``require_sign_in``,
+nothing is read for a visitor who is not signed in. Without configured credentials nobody can
+sign in, and the page says the console is read-only. Responses forbid framing (a hidden frame
+could make an operator click "requeue") and allow scripts and styles from the console only. The
+data a page or a JSON answer shows is redacted before it is rendered (``redaction.py``): no
+credential is ever shown; and every text a page renders has its bidirectional controls made
+visible (``bidi.py``). Each problem shown links to its runbook section (``RUNBOOKS``).
 
 A page tells what it could not read: when MongoDB does not answer, the page says so on top and
 shows no number in place of those it could not read; each part read when the page was made
@@ -24,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -34,6 +40,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlencode
 
 import jinja2
+import markupsafe
 from pymongo.errors import PyMongoError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -43,7 +50,14 @@ from starlette.staticfiles import StaticFiles
 
 from mongo_outbox.cli.common import Connection, Target, age, hide, one_line
 from mongo_outbox.cli.console import data
-from mongo_outbox.cli.console.auth import COOKIE, SESSION_LIFETIME, Credentials, Session, Sessions
+from mongo_outbox.cli.console.auth import (
+    COOKIE,
+    SESSION_LIFETIME,
+    Credentials,
+    Session,
+    Sessions,
+)
+from mongo_outbox.cli.console.bidi import visible
 from mongo_outbox.cli.console.hosts import HostCheck, allowed_hosts
 from mongo_outbox.cli.console.limits import OVERALL, PER_CLIENT, Rate, SignInLimit, retry_after
 from mongo_outbox.cli.console.redaction import redacted
@@ -51,6 +65,8 @@ from mongo_outbox.errors import OutboxError
 from mongo_outbox.events import as_utc, utc_now
 
 log = logging.getLogger("mongo_outbox.cli")
+audit = logging.getLogger("mongo_outbox.cli.console.audit")
+"""One line per requeue (and per refused one): who, from where, what, how many."""
 T = TypeVar("T")
 
 HERE = Path(__file__).parent
@@ -61,6 +77,26 @@ READ_TIMEOUT = 10.0
 (a connection hung without a reset) shows as an outage, not as a page that never comes. A
 MongoDB that refuses connections fails sooner, at the client's server selection timeout (3 s)."""
 READ_ONLY = "the console is read-only: no credentials are configured"
+SITE_URL: str | None = None
+"""The documentation site, mkdocs.yml's ``site_url`` (a test keeps the two the same)."""
+RUNBOOK_URL = f"{SITE_URL}operating/" if SITE_URL else "docs/operating.md"
+"""Where the runbooks are by default (``--runbook-url``): their page on the documentation site,
+else docs/operating.md relative to the page (for a proxy that serves the docs beside it)."""
+RUNBOOKS = {
+    "parked": ("runbook-parked-events", "Runbook: parked events"),
+    "inbox": ("inbox-dead-letters", "Inbox dead letters"),
+    "no-owner": ("what-a-crash-costs", "What a crash costs"),
+    "outage": ("what-a-crash-costs", "What a crash costs"),
+}
+"""Each problem the page shows, and the heading of docs/operating.md (its anchor, its title)
+that says what to do about it."""
+FAVICON = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
+    b'<rect width="16" height="16" rx="3" fill="#13aa52"/>'
+    b'<path d="M4 8h8M9 5l3 3-3 3" stroke="#fff" stroke-width="2" fill="none"/></svg>'
+)
+"""The console's icon, an arrow leaving a box: served, so that a browser's request for it is
+no 404, and drawn here, so that there is nothing to build."""
 SIGN_IN_TO_READ = "sign in to read this console"
 
 HEADERS = {
@@ -81,7 +117,8 @@ class Settings:
     act, the host it listens on and the other names it answers to (``allowed_hosts``), whether
     reading needs a sign-in, its cookies' ``Secure`` (always, or when a trusted proxy says the
     request came over HTTPS), the proxies whose ``X-Forwarded-For`` and ``X-Forwarded-Proto``
-    it believes, the sign-in guesses it checks, and the chart's sampling."""
+    it believes, the sign-in guesses it checks, the chart's sampling, and where its links to
+    the runbooks go (the page of docs/operating.md, without an anchor)."""
 
     target: Target
     places: data.Places
@@ -96,6 +133,7 @@ class Settings:
     read_timeout: float = READ_TIMEOUT
     sample_every: float = 5.0
     samples_kept: int = 180
+    runbook_url: str = RUNBOOK_URL
 
 
 class Refused(Exception):
@@ -133,12 +171,17 @@ class Console:
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True,
             undefined=jinja2.StrictUndefined,
+            # Every {{ value }} a template shows, whatever it is: none can be forgotten.
+            finalize=_finalize,
         )
         self.templates.filters["age"] = _age
         self.templates.filters["when"] = _when
+        self.templates.filters["verbatim"] = Verbatim
+        self.templates.globals["runbook"] = self._runbook
         self.app = Starlette(
             routes=[
                 Route("/", self.page),
+                Route("/favicon.ico", self.favicon),
                 Route("/api/overview", self.overview_json),
                 Route("/api/history", self.history_json),
                 Route("/api/outboxes", self.outboxes_json),
@@ -175,6 +218,10 @@ class Console:
         """``value`` as it may be shown: every text in it redacted."""
         return redacted(value, self.credentials.secrets)
 
+    def _runbook(self, problem: str) -> dict[str, str]:
+        anchor, title = RUNBOOKS[problem]
+        return {"href": f"{self.settings.runbook_url}#{anchor}", "title": title}
+
     def _cookie_secure(self, request: Request) -> bool:
         # request.url.scheme is https only when a trusted proxy said so (X-Forwarded-Proto):
         # the console itself speaks plain HTTP.
@@ -201,7 +248,9 @@ class Console:
         # Through JSON first, so that whatever json.dumps would turn into text (a time, an
         # ObjectId) is text when it is redacted.
         plain = json.loads(json.dumps(content, default=str, ensure_ascii=False))
-        text = json.dumps(self._shown(plain), ensure_ascii=False)
+        # The page's script shows some of it (an error, what the relays' signature is built
+        # of): its bidirectional controls are made visible here, as the page's are.
+        text = json.dumps(_visible_all(self._shown(plain)), ensure_ascii=False)
         response = Response(text, status, media_type="application/json")
         return self._finish(request, response, None, False)
 
@@ -237,14 +286,29 @@ class Console:
     def _render(self, name: str, **context: Any) -> str:
         return self.templates.get_template(name).render(**context)
 
-    async def page(self, request: Request) -> Response:
-        session, fresh = self._session(request)
-        common = {
+    def _common(self, session: Session) -> dict[str, Any]:
+        """What every page of a session needs: its CSRF token, who it is and what it may do,
+        and the sign-in form's fields."""
+        return {
             "csrf": session.csrf,
             "configured": self.credentials.configured,
             "token_login": self.credentials.token is not None,
-            "password_login": self.credentials.password is not None,
+            "password_login": self.credentials.named_login,
+            "signed_in": session.signed_in,
+            "user": session.user.name if session.user else None,
+            "may_act": session.user is not None and session.user.may_act,
         }
+
+    async def favicon(self, request: Request) -> Response:
+        # Browsers ask for it on every load: an answer, not a 404 in every log.
+        response = Response(FAVICON, media_type="image/svg+xml")
+        response = self._finish(request, response, None, False)
+        response.headers["Cache-Control"] = "public, max-age=86400"
+        return response
+
+    async def page(self, request: Request) -> Response:
+        session, fresh = self._session(request)
+        common = self._common(session)
         if not session.signed_in and self.settings.require_sign_in:
             html = self._render("sign-in.html", **common)
             return self._finish(request, HTMLResponse(html, 401), session, fresh)
@@ -302,7 +366,6 @@ class Console:
             uri=self.shown_uri,
             read_at=read_at,
             relays_signature=_signature(shown["overview"]),
-            signed_in=session.signed_in,
             sample_every=self.settings.sample_every,
         )
         response = HTMLResponse(html, 503 if error else 200)
@@ -349,8 +412,8 @@ class Console:
     async def _form(
         self, request: Request, *, signed_in: bool
     ) -> tuple[Session, dict[str, list[str]]]:
-        """The POST's session and fields, once its CSRF token (and, if asked, its sign-in)
-        passed: else ``Refused``."""
+        """The POST's session and fields, once its CSRF token (and, if asked, the sign-in of an
+        operator) passed: else ``Refused``."""
         body = await _bounded_body(request)
         kind = request.headers.get("content-type", "").split(";")[0].strip()
         if kind not in ("application/x-www-form-urlencoded", ""):
@@ -364,17 +427,29 @@ class Console:
             raise Refused(403, "the form's CSRF token is missing or wrong: reload the page")
         if signed_in and not self.credentials.configured:
             raise Refused(403, READ_ONLY)
-        if signed_in and not session.signed_in:
+        if signed_in and session.user is None:
             raise Refused(401, "sign in to act")
+        if signed_in and session.user is not None and not session.user.may_act:
+            audit.warning(
+                "%s (%s) from %s refused %s: a reader may not requeue",
+                _quoted(session.user.name),
+                session.user.role.value,
+                _client(request),
+                request.url.path,
+            )
+            raise Refused(403, f"{session.user.name} may only read: requeueing needs an operator")
         return session, fields
 
     def _refused(
         self, request: Request, refused: Refused, headers: dict[str, str] | None = None
     ) -> Response:
-        client = request.client.host if request.client else "?"
         reason = self._shown(refused.reason)
         log.warning(
-            "console: refused %s %s from %s: %s", request.method, request.url.path, client, reason
+            "console: refused %s %s from %s: %s",
+            request.method,
+            request.url.path,
+            _client(request),
+            visible(reason),
         )
         html = self._render("refused.html", reason=reason)
         response = HTMLResponse(html, refused.status, headers=headers)
@@ -385,42 +460,101 @@ class Console:
         where = "/?" + urlencode({"db": db}) if db else "/"
         return self._finish(request, RedirectResponse(where, 303), None, False)
 
-    async def _act(
-        self,
-        request: Request,
-        action: Callable[[Connection, dict[str, list[str]]], Awaitable[str]],
-    ) -> Response:
+    def _confirmation(self, request: Request, session: Session, fields: Fields) -> str:
+        """The token of this action with exactly these fields, for this session."""
+        kept = sorted((k, v) for k, vs in fields.items() if k not in _UNCONFIRMED for v in vs)
+        return self.sessions.confirmation(session, f"{request.url.path}?{urlencode(kept)}")
+
+    async def _act(self, request: Request, action: Action) -> Response:
+        """Run ``action`` for a signed-in operator: a requeue of everything answers a confirm
+        page first, unless the form is that page's (its confirmation token matches); what it
+        did is the next page's notice and an audit line."""
+        plan: Plan | None = None
         try:
             session, fields = await self._form(request, signed_in=True)
-            notice = await action(self._conn(_field(fields, "db")), fields)
+            conn = self._conn(_field(fields, "db"))
+            plan = await action.plan(conn, fields)
+            confirmation = self._confirmation(request, session, fields)
+            if plan.asks is not None and not _same_text(_field(fields, "confirm"), confirmation):
+                return self._confirm(request, session, fields, plan, confirmation)
+            done = await action.run(conn, fields, plan)
         except Refused as refused:
             return self._refused(request, refused)
         except (OutboxError, PyMongoError) as problem:
+            assert session.user is not None  # _form let it through signed in
+            audit.warning(
+                "%s (%s) from %s: requeue of %s in %s failed: %s",
+                _quoted(session.user.name),
+                session.user.role.value,
+                _client(request),
+                plan.what if plan else action.kind,
+                _quoted(conn.db.name),
+                _quoted(one_line(problem)),
+            )
             return self._refused(request, Refused(503, one_line(problem)))
-        log.info("console: %s", self._shown(notice))
-        session.notice = notice
+        assert session.user is not None
+        audit.info(
+            "%s (%s) from %s requeued %d %s in %s: %s",
+            _quoted(session.user.name),
+            session.user.role.value,
+            _client(request),
+            done.count,
+            action.kind,
+            _quoted(conn.db.name),
+            plan.what,
+        )
+        session.notice = done.notice
         return self._back(request, fields)
+
+    def _confirm(
+        self, request: Request, session: Session, fields: Fields, plan: Plan, confirmation: str
+    ) -> Response:
+        # The fields go back as they came (the hidden inputs keep them verbatim), with the
+        # token that says this very action was confirmed on this page.
+        carried = [(k, v) for k, vs in fields.items() if k not in _UNCONFIRMED for v in vs]
+        db = _field(fields, "db")
+        html = self._render(
+            "confirm.html",
+            **self._common(session),
+            asks=self._shown(plan.asks),
+            action=request.url.path,
+            carried=carried,
+            confirmation=confirmation,
+            back="/?" + urlencode({"db": db}) if db else "/",
+        )
+        return self._finish(request, HTMLResponse(html), None, False)
 
     async def login(self, request: Request) -> Response:
         try:
             session, fields = await self._form(request, signed_in=False)
             if not self.credentials.configured:
                 raise Refused(403, READ_ONLY)
-            # The guess takes its place before its answer is checked, with no await between
-            # the two: guesses sent at once are refused unchecked once the places are taken.
-            wait = self.guesses.take(request.client.host if request.client else "")
+            # The guess takes its place before its answer is checked: guesses sent at once are
+            # refused unchecked once the places are taken.
+            wait = self.guesses.take(_client(request, ""))
             if wait:
                 refused = Refused(429, "too many sign-in attempts: try again later")
                 return self._refused(request, refused, {"Retry-After": retry_after(wait)})
             answers = (_field(fields, "token"), _field(fields, "user"), _field(fields, "password"))
-            if not self.credentials.accept(*answers):
+            # In a thread: a users file's scrypt takes tens of milliseconds, which the other
+            # requests (the page's polls) need not wait for; the limit above bounds how many
+            # run at once.
+            user = await asyncio.to_thread(self.credentials.accept, *answers)
+            if user is None:
                 raise Refused(401, "wrong credentials")
         except Refused as refused:
             return self._refused(request, refused)
         # A new id on signing in: an id someone planted before is worth nothing now.
         self.sessions.end(session)
-        signed = self.sessions.sign_in()
-        signed.notice = "signed in"
+        signed = self.sessions.sign_in(user)
+        reads = "" if user.may_act else " (reading only)"
+        signed.notice = f"signed in as {user.name}{reads}"
+        log.info(
+            "console: %s (%s) signed in from %s",
+            _quoted(user.name),
+            user.role.value,
+            _client(request),
+        )
         response = self._back(request, fields)
         return self._finish(request, response, signed, True)
 
@@ -441,45 +575,161 @@ class Console:
         return response
 
     async def requeue_parked(self, request: Request) -> Response:
-        async def action(conn: Connection, fields: dict[str, list[str]]) -> str:
-            if _field(fields, "matching") == "1":
-                # Every parked event the page's filters keep, as parked requeue --type
-                # --aggregate (or --all, with no filter) does.
-                types = [t for t in fields.get("type", []) if t]
-                aggregates = [a for a in fields.get("aggregate", []) if a]
-                ids = (await data.parked(conn, types, aggregates, read=0)).chosen
-                if not ids:
-                    return "no parked event matches: nothing was requeued"
-            else:
-                ids = [i for i in fields.get("event_id", []) if i]
-                if not ids:
-                    raise Refused(400, "choose the parked events to requeue")
-            requeued = await data.requeue_parked(conn, ids)
-            earlier = requeued - len(ids)
-            if earlier < 0:
-                return f"requeued {requeued} of {len(ids)} events: the rest are no longer parked"
-            also = f", and {earlier} earlier parked events of their aggregates" if earlier else ""
-            return f"requeued {len(ids)} parked events{also}"
-
-        return await self._act(request, action)
+        return await self._act(request, RequeueParked())
 
     async def requeue_failed(self, request: Request) -> Response:
-        async def action(conn: Connection, fields: dict[str, list[str]]) -> str:
-            consumer = _field(fields, "consumer")
-            if not consumer:
-                raise Refused(400, "name the consumer")
-            ids = [i for i in fields.get("message_id", []) if i]
-            everything = _field(fields, "all") == "1"
-            if not ids and not everything:
-                raise Refused(400, "choose the failed messages to requeue")
-            chosen = None if everything else ids
-            count = await data.requeue_failed(conn, self.settings.places, consumer, chosen)
-            return (
-                f"requeued {count} failed messages of {consumer}: their next delivery runs the "
-                "handler again"
-            )
+        return await self._act(request, RequeueFailed(self.settings.places))
 
-        return await self._act(request, action)
+
+Fields = dict[str, list[str]]
+_UNCONFIRMED = frozenset({"csrf", "confirm"})
+"""The fields a confirmation does not cover: the session's token, and the confirmation's own."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a requeue is about to do: what it chose, as the audit line says it (its texts
+    quoted, so that no value can forge a line), and, for a requeue of everything, the question
+    its confirm page asks (else ``None``)."""
+
+    what: str
+    asks: str | None = None
+    ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Done:
+    """What a requeue did: the notice shown, and how many came back."""
+
+    notice: str
+    count: int
+
+
+class Action:
+    """A requeue of the console: planned (checked, and asked to be confirmed if it takes
+    everything), then run."""
+
+    kind: str
+
+    async def plan(self, conn: Connection, fields: Fields) -> Plan:
+        raise NotImplementedError
+
+    async def run(self, conn: Connection, fields: Fields, plan: Plan) -> Done:
+        raise NotImplementedError
+
+
+class RequeueParked(Action):
+    """Chosen parked events, or every one the page's filters keep (``matching``), as
+    ``parked requeue`` (``--type --aggregate``, or ``--all`` with no filter) does."""
+
+    kind = "parked events"
+
+    async def plan(self, conn: Connection, fields: Fields) -> Plan:
+        if _field(fields, "matching") == "1":
+            types = [t for t in fields.get("type", []) if t]
+            aggregates = [a for a in fields.get("aggregate", []) if a]
+            filters = [
+                f"{name} in {_quoted(values)}"
+                for name, values in (("type", types), ("aggregate", aggregates))
+                if values
+            ]
+            what = "every parked event" + (" with " + " and ".join(filters) if filters else "")
+            shown = [
+                f"{name} {' or '.join(values)}"
+                for name, values in (("of type", types), ("of aggregate", aggregates))
+                if values
+            ]
+            count = len((await data.parked(conn, types, aggregates, read=0)).chosen)
+            asks = f"Requeue all {count} parked events" + (f" {', '.join(shown)}" if shown else "")
+            return Plan(what, f"{asks} in {conn.db.name}?")
+        ids = tuple(i for i in fields.get("event_id", []) if i)
+        if not ids:
+            raise Refused(400, "choose the parked events to requeue")
+        return Plan(f"event ids {_quoted(list(ids))}", ids=ids)
+
+    async def run(self, conn: Connection, fields: Fields, plan: Plan) -> Done:
+        ids: Sequence[str] = plan.ids
+        if plan.asks is not None:
+            # Read again once confirmed: what matches now, not what matched on the confirm page.
+            types = [t for t in fields.get("type", []) if t]
+            aggregates = [a for a in fields.get("aggregate", []) if a]
+            ids = (await data.parked(conn, types, aggregates, read=0)).chosen
+            if not ids:
+                return Done("no parked event matches: nothing was requeued", 0)
+        requeued = await data.requeue_parked(conn, list(ids))
+        earlier = requeued - len(ids)
+        if earlier < 0:
+            notice = f"requeued {requeued} of {len(ids)} events: the rest are no longer parked"
+            return Done(notice, requeued)
+        also = f", and {earlier} earlier parked events of their aggregates" if earlier else ""
+        return Done(f"requeued {len(ids)} parked events{also}", requeued)
+
+
+class RequeueFailed(Action):
+    """Chosen failed messages of a consumer, or all of them (``all``), as ``inbox requeue``."""
+
+    kind = "failed messages"
+
+    def __init__(self, places: data.Places) -> None:
+        self.places = places
+
+    async def plan(self, conn: Connection, fields: Fields) -> Plan:
+        consumer = _field(fields, "consumer")
+        if not consumer:
+            raise Refused(400, "name the consumer")
+        ids = tuple(i for i in fields.get("message_id", []) if i)
+        of = f"of consumer {_quoted(consumer)}"
+        if _field(fields, "all") == "1":
+            asks = f"Requeue every failed message of {consumer} in {conn.db.name}?"
+            return Plan(f"every failed message {of}", asks)
+        if not ids:
+            raise Refused(400, "choose the failed messages to requeue")
+        return Plan(f"message ids {_quoted(list(ids))} {of}", ids=ids)
+
+    async def run(self, conn: Connection, fields: Fields, plan: Plan) -> Done:
+        consumer = _field(fields, "consumer")
+        chosen = None if plan.asks is not None else list(plan.ids)
+        count = await data.requeue_failed(conn, self.places, consumer, chosen)
+        notice = (
+            f"requeued {count} failed messages of {consumer}: their next delivery runs the "
+            "handler again"
+        )
+        return Done(notice, count)
+
+
+def _quoted(value: Any) -> str:
+    """``value`` as an audit or log line writes it: JSON, every control and non-ASCII
+    character escaped, so that no name or id can end the line or reorder it."""
+    return json.dumps(value)
+
+
+def _client(request: Request, unknown: str = "?") -> str:
+    return request.client.host if request.client else unknown
+
+
+def _same_text(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+class Verbatim(str):
+    """A value a template sends back as it is (a hidden field's, an option's value): not
+    made visible, so that the form carries the stored text."""
+
+
+def _finalize(value: Any) -> Any:
+    if isinstance(value, str) and not isinstance(value, (Verbatim, markupsafe.Markup)):
+        return visible(value)
+    return value
+
+
+def _visible_all(value: Any) -> Any:
+    if isinstance(value, str):
+        return visible(value)
+    if isinstance(value, dict):
+        return {key: _visible_all(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_visible_all(item) for item in value]
+    return value
 
 
 def _signature(overview: dict[str, Any] | None) -> str:

@@ -57,8 +57,8 @@ class _Bucket:
 class SignInLimit:
     """The places for sign-in guesses, per client and overall.
 
-    ``take`` is synchronous and awaits nothing, so no other request runs between a guess taking
-    its place and its answer being checked."""
+    ``take`` is synchronous and awaits nothing, so two guesses never take one place: a guess's
+    answer is checked (in a thread, for a users file's scrypt) only once its place is taken."""
 
     def __init__(
         self,

@@ -102,6 +102,13 @@ function showOutage(problem) {
   strong.textContent = problem;
   banner.append(strong, " (since " + clock(since) + "). The numbers below are from "
     + clock(shown) + ", " + ago(shown) + ", and are not updated.");
+  if (banner.dataset.runbook) {
+    const runbook = document.createElement("a");
+    runbook.className = "runbook";
+    runbook.href = banner.dataset.runbook;
+    runbook.textContent = "runbook";
+    banner.append(" ", runbook);
+  }
   banner.hidden = false;
 }
 
@@ -172,6 +179,8 @@ async function poll() {
     set("parked-count", String(overview.parked));
     const card = document.getElementById("parked-count");
     if (card) card.closest(".card").classList.toggle("bad", overview.parked > 0);
+    const runbook = document.getElementById("parked-runbook");
+    if (runbook) runbook.hidden = overview.parked === 0;
     if (table) {
       for (const o of outboxes.outboxes) {
         const row = [...table.querySelectorAll("tr.outbox")].find((r) => r.dataset.database === o.database);
