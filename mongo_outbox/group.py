@@ -39,7 +39,7 @@ from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
-from mongo_outbox._write.steps import run_async
+from mongo_outbox._steps import run_async
 from mongo_outbox.changestream.checkpoint import Checkpoint
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
