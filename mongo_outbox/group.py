@@ -41,11 +41,11 @@ from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox._steps import run_async
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import (
     Duration,
     RelaySettings,

@@ -28,6 +28,7 @@ from mongo_outbox import metrics
 from mongo_outbox._relay.lease import FencedLease, LeaseLost
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
     ChangeSource,
@@ -38,7 +39,6 @@ from mongo_outbox.changestream.source import (
 from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import (
     Duration,
     RelaySettings,
