@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks.bench_publishers import bounded, make_events
 from benchmarks.common import NATS_URL, RABBITMQ_URL, client, header, say, standalone, unique
 from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay, Saved
-from mongo_outbox._write.steps import run_async
+from mongo_outbox._steps import run_async
 from mongo_outbox.changestream import ChangeBatch, ChangeStream, WatchSource
 from mongo_outbox.changestream.source import ENDS_STREAM
 from mongo_outbox.publishers import NatsPublisher, Publisher, RabbitMQPublisher

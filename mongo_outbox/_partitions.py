@@ -29,7 +29,7 @@ import bson
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
-from mongo_outbox._write.steps import Steps, call
+from mongo_outbox._steps import Steps, call
 from mongo_outbox.errors import ConfigurationError
 
 log = logging.getLogger("mongo_outbox")

@@ -30,6 +30,7 @@ without parsing the message.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 
@@ -197,6 +198,11 @@ class BrokerFullError(BrokerUnavailableError):
     ``reject-publish``, or a JetStream stream at its limits with the discard-new policy. Like an
     outage it is retried without counting an attempt, so it never parks an event or lets a
     later event of its aggregate overtake it."""
+
+
+def unavailable(error: BaseException) -> bool:
+    """Whether a publish failed for want of a broker rather than because of its message."""
+    return isinstance(error, (BrokerUnavailableError, OSError, asyncio.TimeoutError))
 
 
 class ChangeStreamError(OutboxError):

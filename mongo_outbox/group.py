@@ -6,7 +6,7 @@ a group beats a heartbeat in the members collection (``_relay.group``), counts t
 runs a worker that stands by until it holds that partition's lease, then publishes it: polling
 rounds filtered on the partition, or a change stream ``$match``-ed on it with its own checkpoint.
 
-A partition lease is a ``changestream.checkpoint.Checkpoint`` named ``<group>/<partition>``:
+A partition lease is a ``_relay.lease.FencedLease`` named ``<group>/<partition>``:
 taking it over sets a new fence, every renewal (and every checkpoint write) is conditional on
 the fence, and the holder stops publishing (before its next wave) once a renewal fails or eight
 tenths of the lease passed without one, before another member can take the lease. So a
@@ -35,17 +35,17 @@ from pymongo.errors import PyMongoError
 from mongo_outbox._partitions import check_config
 from mongo_outbox._relay.group.members import Membership, share
 from mongo_outbox._relay.group.workers import PollingWorker, StreamWorker, Worker
+from mongo_outbox._relay.lease import FencedLease
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
-from mongo_outbox._write.steps import run_async
-from mongo_outbox.changestream.checkpoint import Checkpoint
+from mongo_outbox._steps import run_async
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import (
     Duration,
     RelaySettings,
@@ -272,7 +272,7 @@ class RelayGroup(Lifecycle):
             relay.checkpoint.owner = self.member
             relay.turns = self.turns
             return StreamWorker(relay)
-        lease = Checkpoint(self._leases, name, self.member_lease)
+        lease = FencedLease(self._leases, name, self.member_lease)
         lease.owner = self.member
         rounds = Rounds(self.outbox, self.publisher, self.settings, k, relay=name)
         rounds.command_wait = max(rounds.command_wait, self.member_lease.total_seconds())

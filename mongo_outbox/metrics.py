@@ -56,9 +56,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, get_args
 
-from mongo_outbox.errors import BrokerFullError, ConfigurationError, InvalidEventError
+from mongo_outbox.errors import (
+    BrokerFullError,
+    ConfigurationError,
+    InvalidEventError,
+    unavailable,
+)
 from mongo_outbox.events import as_utc, utc_now
-from mongo_outbox.publishers.base import unavailable
 from mongo_outbox.status import RelayStatus, State
 
 __all__ = ["FAILURE_REASONS", "METER_NAME", "REFRESH_EVERY", "use"]

@@ -27,11 +27,11 @@ from typing import Any
 from pymongo.errors import PyMongoError
 
 from mongo_outbox._driver import start_session
+from mongo_outbox._steps import run_async
 from mongo_outbox._write.engine import WriteEngine
 from mongo_outbox._write.layout import Mode
 from mongo_outbox._write.plan import Plan, Written
 from mongo_outbox._write.sessions import abandons, check_free, lent
-from mongo_outbox._write.steps import run_async
 from mongo_outbox.events import Event
 
 __all__ = ["Mode", "Outbox", "Saved"]

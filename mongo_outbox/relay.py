@@ -12,9 +12,9 @@ from pymongo.errors import PyMongoError
 from mongo_outbox import metrics
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import PROBE_EVERY, Rounds, pause
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import (
     Duration,
     RelaySettings,

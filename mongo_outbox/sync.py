@@ -15,10 +15,10 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
+from mongo_outbox._steps import run_sync
 from mongo_outbox._write.engine import WriteEngine
 from mongo_outbox._write.plan import Plan, Written
 from mongo_outbox._write.sessions import abandons, check_free, lent
-from mongo_outbox._write.steps import run_sync
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Saved
 

@@ -15,9 +15,8 @@ from datetime import timedelta
 
 from mongo_outbox import metrics
 from mongo_outbox._relay.store.base import Claim, PublishFailure
-from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe
+from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe, unavailable
 from mongo_outbox.events import Event, utc_now
-from mongo_outbox.publishers.base import unavailable
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.status import RelayStats
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from mongo_outbox._relay.rounds import Rounds
 from mongo_outbox._relay.store import store_for
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.errors import describe
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import RelaySettings
 
 CHUNK = 1000

@@ -28,17 +28,17 @@ from mongo_outbox._relay.failures import Classifier
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox._relay.turns import Turns
-from mongo_outbox.errors import (
-    BrokerUnavailableError,
-)
-from mongo_outbox.events import Event, utc_now
-from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import (
+from mongo_outbox.brokers._publishing import (
     BatchPublisher,
     Publisher,
     check_publisher,
     client_call,
 )
+from mongo_outbox.errors import (
+    BrokerUnavailableError,
+)
+from mongo_outbox.events import Event, utc_now
+from mongo_outbox.outbox import Outbox
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.status import RelayStats, RelayStatus, State
 from mongo_outbox.tracing import publishing, tracer

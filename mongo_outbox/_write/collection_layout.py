@@ -25,11 +25,11 @@ from typing import Any
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox._write.aggregates import check_size
 from mongo_outbox._write.layout import COUNTERS, DocumentWrite, encoded
 from mongo_outbox._write.plan import Kind, Plan, Written
 from mongo_outbox._write.refusals import duplicate_id, duplicate_key, write_errors
-from mongo_outbox._write.steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError, DuplicateSequenceError
 from mongo_outbox.events import Event
 

@@ -33,6 +33,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
+from mongo_outbox._steps import Steps, call
 from mongo_outbox._write.layout import Layout
 from mongo_outbox._write.plan import Plan
 from mongo_outbox._write.refusals import (
@@ -42,7 +43,6 @@ from mongo_outbox._write.refusals import (
     on_id,
     too_large,
 )
-from mongo_outbox._write.steps import Steps, call
 from mongo_outbox._write.updates import guarded, with_operators
 from mongo_outbox.errors import InvalidAggregateError, InvalidCountersError
 

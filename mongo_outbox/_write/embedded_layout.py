@@ -21,11 +21,11 @@ import bson
 from bson.errors import InvalidDocument
 from pymongo.errors import OperationFailure, PyMongoError, WriteConcernError
 
+from mongo_outbox._steps import Steps, call
 from mongo_outbox._write.aggregates import check_size
 from mongo_outbox._write.event_ids import EventIds, forget, mark
 from mongo_outbox._write.layout import COUNTERS, DocumentWrite, encoded
 from mongo_outbox._write.plan import Kind, Plan, Written
-from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     InvalidAggregateError,
     InvalidCountersError,

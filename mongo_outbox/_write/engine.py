@@ -1,5 +1,5 @@
 """What the async ``Outbox`` and ``mongo_outbox.sync.Outbox`` share: the settings, the storage
-layout the relays read, and every write as steps (``steps.py``), so the two APIs store the same
+layout the relays read, and every write as steps (``_steps.py``), so the two APIs store the same
 documents by the same rules.
 
 A write with events: the rules make it a ``Plan`` (``rules.py``); the layout of the outbox's mode
@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from mongo_outbox._driver import driver_kind, is_async
 from mongo_outbox._partitions import check_config, config_collection, partition_of
+from mongo_outbox._steps import Steps
 from mongo_outbox._write.aggregates import type_map
 from mongo_outbox._write.collection_layout import CollectionLayout
 from mongo_outbox._write.documents import DocumentWriter, bump
@@ -27,7 +28,6 @@ from mongo_outbox._write.event_ids import EventIds
 from mongo_outbox._write.layout import Layout, Mode
 from mongo_outbox._write.plan import Plan, Written
 from mongo_outbox._write.rules import Rules, reserved_collection
-from mongo_outbox._write.steps import Steps
 from mongo_outbox.errors import ConfigurationError, UsageError
 from mongo_outbox.events import utc_now
 from mongo_outbox.settings import Duration, check_count, check_name, check_timedelta

@@ -63,8 +63,8 @@ from pymongo.errors import BulkWriteError
 
 from mongo_outbox._commands import chunked
 from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._steps import Steps, call, listing
 from mongo_outbox._write.refusals import duplicate_id, write_errors
-from mongo_outbox._write.steps import Steps, call, listing
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import Event
 

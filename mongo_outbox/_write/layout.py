@@ -23,9 +23,9 @@ from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from mongo_outbox._codec import encode
+from mongo_outbox._steps import Steps
 from mongo_outbox._write.aggregates import encoded_size
 from mongo_outbox._write.plan import Kind, Plan, Written
-from mongo_outbox._write.steps import Steps
 from mongo_outbox.events import Event
 
 Mode = Literal["collection", "embedded"]

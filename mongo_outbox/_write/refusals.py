@@ -16,8 +16,8 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mongo_outbox._codec import counter
 from mongo_outbox._driver import DUPLICATE_KEY
+from mongo_outbox._steps import Steps, call
 from mongo_outbox._write.plan import Plan
-from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,

@@ -2,7 +2,8 @@
 publishes within milliseconds of a commit.
 
 Three modules, one concern each: ``source`` adapts the driver's change streams (and triages
-their errors), ``relay`` is the loop, ``checkpoint`` holds the resume token and leader lease.
+their errors), ``relay`` is the loop, ``checkpoint`` names the resume token and leader lease
+(``mongo_outbox._relay.lease``, the relay's fenced lease).
 """
 
 from mongo_outbox.changestream.relay import ChangeStreamRelay

@@ -8,7 +8,7 @@ whenever the token cannot be used (history lost, invalid token, invalidate, drop
 relay captures a cluster time, sweeps what is pending from the collections themselves, then
 watches from that time. One relay per name is active: a leader lease in the checkpoint document,
 renewed in the background while the relay works, with a fencing token that every checkpoint
-write must still match (see ``checkpoint``). The moment a renewal fails, publishing stops.
+write must still match (see ``_relay.lease``). The moment a renewal fails, publishing stops.
 
 Publishing, ordering, retries and parking are the polling relay's (``_relay.rounds``); every outbox
 query goes through the store: the stream only tells the relay what to claim.
@@ -26,9 +26,10 @@ from pymongo.errors import NetworkTimeout, PyMongoError, ServerSelectionTimeoutE
 
 from mongo_outbox import metrics
 from mongo_outbox._driver import answered
+from mongo_outbox._relay.lease import FencedLease, LeaseLost
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
-from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
+from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
     ChangeBatch,
@@ -40,7 +41,6 @@ from mongo_outbox.changestream.source import (
 from mongo_outbox.errors import ChangeStreamError, ConfigurationError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import (
     Duration,
     RelaySettings,
@@ -125,7 +125,7 @@ class ChangeStreamRelay(Lifecycle):
         self.outbox = outbox
         self.publisher = publisher
         self.source: ChangeSource = source or WatchSource.for_outbox(outbox, partition=partition)
-        self.checkpoint = Checkpoint(outbox.db[checkpoints], name, self.leader_lease)
+        self.checkpoint = FencedLease(outbox.db[checkpoints], name, self.leader_lease)
         self._rounds = Rounds(outbox, publisher, self.settings, partition, relay=name)
         lease = self.leader_lease.total_seconds()
         self._rounds.command_wait = max(self._rounds.command_wait, lease)

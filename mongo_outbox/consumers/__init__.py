@@ -2,8 +2,8 @@
 
 Each broker's client is an extra (``mongo-outbox[rabbitmq]``, ``[nats]``, ``[redis]``), imported
 only when its helpers are asked for: they live with the rest of their broker in
-``mongo_outbox.brokers.<name>.consumer`` (``mongo_outbox.brokers.BROKERS`` says where). ``base``
-holds what they share, including the outcome-to-broker table.
+``mongo_outbox.brokers.<name>.consumer`` (``mongo_outbox.brokers.BROKERS`` says where), and
+what they share, including the outcome-to-broker table, in ``mongo_outbox.brokers._consuming``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mongo_outbox.brokers import front
-from mongo_outbox.consumers.base import Rejected
+from mongo_outbox.brokers._consuming import Rejected
 
 if TYPE_CHECKING:
     from mongo_outbox.brokers.nats.consumer import consume_nats, handle_nats_message

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mongo_outbox.brokers import front
-from mongo_outbox.publishers.base import BatchPublisher, Publisher
+from mongo_outbox.brokers._publishing import BatchPublisher, Publisher
 from mongo_outbox.publishers.memory import MemoryPublisher
 
 if TYPE_CHECKING:

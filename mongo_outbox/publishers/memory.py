@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from mongo_outbox.brokers._publishing import closed_error
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import closed_error
 
 
 class MemoryPublisher:

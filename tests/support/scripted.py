@@ -1,4 +1,4 @@
-"""Scripted replies for the write side's step generators (``mongo_outbox/_write/steps.py``), so the
+"""Scripted replies for the write side's step generators (``mongo_outbox/_steps.py``), so the
 rules they hold can be tested without a database.
 
 A step generator yields each database call it needs and receives the reply back, or has the
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mongo_outbox._write.steps import Steps
+from mongo_outbox._steps import Steps
 
 T = TypeVar("T")
 

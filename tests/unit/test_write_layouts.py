@@ -15,10 +15,10 @@ from pymongo import WriteConcern
 from pymongo.errors import BulkWriteError, WriteConcernError
 
 from mongo_outbox import Event
+from mongo_outbox._steps import Steps, call
 from mongo_outbox._write.layout import Layout
 from mongo_outbox._write.plan import Plan, Written
 from mongo_outbox._write.rules import Rules
-from mongo_outbox._write.steps import Steps, call
 from mongo_outbox.errors import (
     ConcurrencyError,
     DuplicateEventError,

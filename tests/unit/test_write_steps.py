@@ -1,7 +1,7 @@
 """The write side's step generators with scripted replies, no database: which calls a write makes
 in which order, and what it concludes from the replies (``_write/refusals.py``,
 ``_write/documents.py``), and the two drivers that perform the calls for the async and sync APIs
-(``_write/steps.py``)."""
+(``_steps.py``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from mongo_outbox import Event
+from mongo_outbox._steps import Steps, call, listing, run_async, run_sync
 from mongo_outbox._write.documents import DocumentWriter, bump
 from mongo_outbox._write.plan import Plan
 from mongo_outbox._write.refusals import explain
 from mongo_outbox._write.rules import Rules
-from mongo_outbox._write.steps import Steps, call, listing, run_async, run_sync
 from mongo_outbox.errors import (
     AggregateNotFoundError,
     ConcurrencyError,

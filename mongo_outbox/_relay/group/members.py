@@ -11,7 +11,7 @@ The share is a pure function of the live members' ids and ``P``: member ``r`` (b
 wants the partitions ``k`` with ``k % N == r``, so each wants ``P // N`` or ``P // N + 1`` of
 them, and members that see the same membership want disjoint sets that cover every partition.
 Members that see different memberships for a beat may both want one partition: its lease
-(``changestream.checkpoint``) still gives it to one at a time.
+(``_relay.lease``) still gives it to one at a time.
 """
 
 from __future__ import annotations

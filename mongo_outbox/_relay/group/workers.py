@@ -11,11 +11,10 @@ from typing import Protocol
 from pymongo.errors import PyMongoError
 
 from mongo_outbox import metrics
+from mongo_outbox._relay.lease import FencedLease
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
-from mongo_outbox.changestream.checkpoint import Checkpoint
-from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import describe
-from mongo_outbox.status import RelayStatus, State, transition
+from mongo_outbox.status import RelayStats, RelayStatus, State, transition
 
 log = logging.getLogger("mongo_outbox.group")
 
@@ -45,7 +44,7 @@ class PollingWorker:
         self,
         group: str,
         partition: int,
-        lease: Checkpoint,
+        lease: FencedLease,
         rounds: Rounds,
         interval: float,
         database: str,
@@ -142,10 +141,25 @@ class PollingWorker:
                 await pause(self._stopping, self.interval)
 
 
+class PartitionRelay(Protocol):
+    """What a stream worker runs: a ``ChangeStreamRelay`` ``$match``-ed on its partition, which
+    ``group`` makes; the workers need no more of it than this."""
+
+    @property
+    def checkpoint(self) -> FencedLease: ...
+
+    @property
+    def stats(self) -> RelayStats: ...
+
+    async def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class StreamWorker:
     """One partition's change-stream relay (its own checkpoint and lease)."""
 
-    def __init__(self, relay: ChangeStreamRelay) -> None:
+    def __init__(self, relay: PartitionRelay) -> None:
         self.relay = relay
         self._stopping = False
 

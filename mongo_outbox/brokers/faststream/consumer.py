@@ -12,7 +12,7 @@ producer set none. So the handler reads the raw message, as ``mongo_outbox.consu
 the ``Nats-Msg-Id`` header on NATS, the AMQP ``message_id`` property on RabbitMQ; a message
 without one is rejected (NATS: term; RabbitMQ: reject without requeue, to the queue's
 dead-letter exchange if it has one), never handled blindly. Outcomes settle the message as in
-``mongo_outbox.consumers.base``: handled, duplicate and dead-lettered are acked; a retry is
+``mongo_outbox.brokers._consuming``: handled, duplicate and dead-lettered are acked; a retry is
 nak'ed with its delay on NATS; on RabbitMQ (which has no delayed nack) a confirmed copy waits
 out the delay in a retry queue next to the subscriber's queue, as with ``consume_rabbitmq``
 (``brokers/rabbitmq/_retry_queues.py``), and the original is acked: the wait holds no prefetch slot
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel
 
-from mongo_outbox.consumers.base import (
+from mongo_outbox.brokers._consuming import (
     Rejected,
     check_source,
     delivery_limit_of,
@@ -101,7 +101,7 @@ class _Delivery:
             self.headers = raw.headers or {}
             self.message_id = raw.message_id
             self.body = raw.body
-            self.content_type = raw.content_type  # a CloudEvent's mode (consumers.base)
+            self.content_type = raw.content_type  # a CloudEvent's mode (brokers._consuming)
             delivered = self.headers.get("x-delivery-count", 0)  # none on a first delivery
         else:
             # FastStream's Redis subscribers deliver a dict, its batch subscribers a list.

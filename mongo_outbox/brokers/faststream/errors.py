@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable
 
 from mongo_outbox.brokers import BROKERS
+from mongo_outbox.brokers._publishing import unavailable_error
 from mongo_outbox.errors import InvalidEventError, PublishError, describe
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import unavailable_error
 
 try:
     from faststream import exceptions as faststream_errors

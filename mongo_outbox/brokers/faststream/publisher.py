@@ -27,6 +27,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 from mongo_outbox.brokers import BROKERS
+from mongo_outbox.brokers._publishing import (
+    Naming,
+    check_naming,
+    client_call,
+    closed_error,
+    message_headers,
+    render,
+)
 from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
     BrokerUnavailableError,
@@ -35,14 +43,6 @@ from mongo_outbox.errors import (
     PublishError,
 )
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import (
-    Naming,
-    check_naming,
-    client_call,
-    closed_error,
-    message_headers,
-    render,
-)
 from mongo_outbox.settings import Duration, check_seconds
 
 try:

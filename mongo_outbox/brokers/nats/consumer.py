@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mongo_outbox.consumers.base import (
+from mongo_outbox.brokers._consuming import (
     Dispatcher,
     Rejected,
     being_cancelled,

@@ -22,9 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mongo_outbox.brokers.rabbitmq._confirms import server_major
-from mongo_outbox.brokers.rabbitmq._retry_queues import RetryQueues
-from mongo_outbox.consumers.base import (
+from mongo_outbox.brokers._consuming import (
     Dispatcher,
     Rejected,
     being_cancelled,
@@ -34,6 +32,8 @@ from mongo_outbox.consumers.base import (
     settle,
     stopped_within,
 )
+from mongo_outbox.brokers.rabbitmq._confirms import server_major
+from mongo_outbox.brokers.rabbitmq._retry_queues import RetryQueues
 from mongo_outbox.errors import describe
 from mongo_outbox.guard import Guarded
 from mongo_outbox.inbox import Outcome
@@ -64,7 +64,7 @@ class _Delivery:
         self.message_id: object = message.message_id
         self.body = message.body
         self.headers: Mapping[str, Any] = message.headers or {}
-        self.content_type = message.content_type  # a CloudEvent's mode (consumers.base)
+        self.content_type = message.content_type  # a CloudEvent's mode (brokers._consuming)
         # A first delivery carries no count: 0 (with a limit of 0 it is the last).
         delivered = self.headers.get("x-delivery-count", 0)
         self.last = (

@@ -12,17 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
-from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
-from mongo_outbox.errors import (
-    BrokerFullError,
-    BrokerUnavailableError,
-    ConfigurationError,
-    InvalidEventError,
-    PublishError,
-    describe,
-)
-from mongo_outbox.events import SHORT_STRING_BYTES, Event
-from mongo_outbox.publishers.base import (
+from mongo_outbox.brokers._publishing import (
     Naming,
     NamingFailed,
     check_naming,
@@ -33,6 +23,16 @@ from mongo_outbox.publishers.base import (
     render,
     unavailable_error,
 )
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
+from mongo_outbox.errors import (
+    BrokerFullError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    InvalidEventError,
+    PublishError,
+    describe,
+)
+from mongo_outbox.events import SHORT_STRING_BYTES, Event
 from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:

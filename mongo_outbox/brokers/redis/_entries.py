@@ -25,8 +25,8 @@ from typing import Any
 
 import redis.exceptions
 
+from mongo_outbox.brokers._consuming import decode_delivery
 from mongo_outbox.brokers.redis.errors import is_outage
-from mongo_outbox.consumers.base import decode_delivery
 from mongo_outbox.errors import ConfigurationError
 
 log = logging.getLogger("mongo_outbox.brokers.redis.consumer")  # the logger users configure
@@ -122,7 +122,7 @@ async def answer(command: Awaitable[Any], blocks: float = 0.0) -> Any:
 
 class PendingEntry:
     """An entry this consumer read and has not acknowledged yet: pending in its group until it
-    is settled (a ``consumers.base.Delivery``)."""
+    is settled (a ``brokers._consuming.Delivery``)."""
 
     def __init__(
         self,

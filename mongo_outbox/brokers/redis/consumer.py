@@ -24,7 +24,7 @@ import os
 import socket
 import uuid
 
-from mongo_outbox.consumers.base import (
+from mongo_outbox.brokers._consuming import (
     Dispatcher,
     Rejected,
     being_cancelled,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+from mongo_outbox.brokers._publishing import full_error, unavailable_error
 from mongo_outbox.errors import PublishError
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import full_error, unavailable_error
 
 try:
     import redis.exceptions

@@ -15,15 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
-from mongo_outbox.errors import (
-    BrokerUnavailableError,
-    ConfigurationError,
-    InvalidEventError,
-    describe,
-)
-from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import (
+from mongo_outbox.brokers._publishing import (
     Naming,
     NamingFailed,
     check_naming,
@@ -33,6 +25,14 @@ from mongo_outbox.publishers.base import (
     redact_url,
     render,
 )
+from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
+from mongo_outbox.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    InvalidEventError,
+    describe,
+)
+from mongo_outbox.events import Event
 from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:

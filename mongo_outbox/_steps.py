@@ -6,7 +6,8 @@ exception thrown in at the ``yield``. The control flow (retry a refused upsert, 
 update matched nothing, release event-id reservations after a refusal) lives in those
 generators; ``run_async`` and ``run_sync`` only perform the calls, awaiting them or not. So
 ``mongo_outbox.Outbox`` and ``mongo_outbox.sync.Outbox`` cannot drift apart: they run the same
-steps.
+steps. It lies beside ``_driver`` rather than in ``_write``: the partition count's check
+(``_partitions``), which a relay group runs too, is written as steps as well.
 """
 
 from __future__ import annotations
