@@ -6,7 +6,7 @@ MongoDB: MONGODB_URI, else the mongoeco emulator started here (mongo_outbox.test
 mongo-outbox[testing] and Python >= 3.13). It migrates the ``shop`` app, places three orders
 (one refused by validation: nothing written), pays one in ``django_mongodb_backend``'s
 ``transaction.atomic()`` with a ``Payment`` beside it, fails another payment inside the block
-(rolled back: no payment, no event), then drains the outbox through ``PollingRelay`` into an
+(aborted: no payment, no event), then drains the outbox through ``PollingRelay`` into an
 in-memory publisher and prints what was published.
 """
 
@@ -66,7 +66,7 @@ def main() -> int:
         try:
             orders.pay(shop, Order.objects.get(pk=bob.pk), fail_after=True)
         except RuntimeError as error:
-            print("rolled back  ", error)
+            print("aborted      ", error)
 
         async def relay() -> MemoryPublisher:
             client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(uri, tz_aware=True)

@@ -157,8 +157,11 @@ class DjangoOutbox:
                 setattr(instance, pk_field.attname, ObjectId())
             body = self._body(instance, connection, meta.local_concrete_fields, None, add=True)
             body["_id"] = pk_field.get_db_prep_save(instance.pk, connection=connection)
+            # An insert, as Django's (which raises IntegrityError on a stored pk): the outbox's
+            # create refuses a stored _id with ConcurrencyError, and needs no findAndModify.
+            create = 0 if expected_version is None else expected_version
             saved = self.outbox.save_with_events(
-                session, collection, body, events, expected_version=expected_version
+                session, collection, body, events, expected_version=create
             )
         version = saved.version
         if session is None:
