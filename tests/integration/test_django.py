@@ -329,3 +329,20 @@ def test_misuse_is_refused_before_anything_is_written(shop: DjangoOutbox, projec
     assert order.pk is None and order._state.adding
     assert project.orders.count_documents({}) == 0
     assert project.outbox.count_documents({}) == 0
+
+
+def test_force_insert_of_a_stored_pk_is_refused_and_writes_nothing(
+    shop: DjangoOutbox, project: Any
+) -> None:
+    """Django's forced insert of a stored pk fails (IntegrityError); the outbox's create does."""
+    from shop.models import Order
+
+    order = Order(customer="ada", total=1)
+    shop.save(order, [Event(type="order.placed")])
+    twin = Order(pk=order.pk, customer="eve", total=9)
+    with pytest.raises(ValidationError, match="already exists"):  # full_clean's unique check
+        shop.save(twin, [Event(type="order.placed")], force_insert=True)
+    with pytest.raises(ConcurrencyError):  # the write refuses it too
+        shop.save(twin, [Event(type="order.placed")], force_insert=True, validate=False)
+    assert project.orders.find_one({"_id": order.pk})["customer"] == "ada"
+    assert events_of(shop, project, order.pk) == [("order.placed", 1)]
