@@ -62,9 +62,9 @@ def project(mongo: MongoServer) -> Iterator[Any]:
 @pytest.fixture(params=MODES)
 def shop(project: Any, request: pytest.FixtureRequest) -> DjangoOutbox:
     """A DjangoOutbox in one mode over emptied collections; signals recorded."""
-    for name in ("orders", "payments", "outbox"):
+    for name in ("orders", "payments", "customers", "outbox"):
         project[name].delete_many({})
-    orders = DjangoOutbox.for_database(mode=request.param, collections=["orders"])
+    orders = DjangoOutbox.for_database(mode=request.param, collections=["orders", "customers"])
     orders.outbox.ensure_indexes()
     return orders
 
@@ -345,4 +345,90 @@ def test_force_insert_of_a_stored_pk_is_refused_and_writes_nothing(
     with pytest.raises(ConcurrencyError):  # the write refuses it too
         shop.save(twin, [Event(type="order.placed")], force_insert=True, validate=False)
     assert project.orders.find_one({"_id": order.pk})["customer"] == "ada"
+    assert events_of(shop, project, order.pk) == [("order.placed", 1)]
+
+
+@pytest.fixture(scope="module")
+def odd_models(project: Any) -> dict[str, Any]:
+    """Models of the shop app that only these tests declare: a proxy, a multi-table child, and
+    a model others point at. Declared once per process (Django keeps its registry)."""
+    from django.apps import apps
+    from django.db import models
+    from shop.models import Order
+
+    if "rushorder" in apps.all_models["shop"]:
+        names = ("rushorder", "giftorder", "customer", "address")
+        return {name: apps.get_model("shop", name) for name in names}
+
+    class RushOrder(Order):
+        class Meta:
+            app_label = "shop"
+            proxy = True
+
+    class GiftOrder(Order):  # multi-table inheritance: a table of its own, a link to orders
+        message = models.CharField(max_length=100)
+
+        class Meta:
+            app_label = "shop"
+
+    class Customer(models.Model):
+        name = models.CharField(max_length=100)
+
+        class Meta:
+            app_label = "shop"
+            db_table = "customers"
+
+    class Address(models.Model):
+        customer = models.ForeignKey(Customer, on_delete=models.CASCADE)
+
+        class Meta:
+            app_label = "shop"
+
+    return {
+        "rushorder": RushOrder,
+        "giftorder": GiftOrder,
+        "customer": Customer,
+        "address": Address,
+    }
+
+
+def test_a_proxy_model_saves_its_concrete_table_and_sends_signals_as_itself(
+    shop: DjangoOutbox, project: Any, odd_models: dict[str, Any]
+) -> None:
+    proxy = odd_models["rushorder"]
+    senders: list[Any] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        senders.append(sender)
+
+    signals.post_save.connect(receiver, sender=proxy)
+    try:
+        rush = proxy(customer="ada", total=3)
+        shop.save(rush, [Event(type="order.rushed")])
+    finally:
+        signals.post_save.disconnect(receiver, sender=proxy)
+    assert senders == [proxy]
+    assert project.orders.find_one({"_id": rush.pk})["customer"] == "ada"
+    assert events_of(shop, project, rush.pk) == [("order.rushed", 1)]
+
+
+def test_models_whose_save_or_delete_is_several_writes_are_refused(
+    shop: DjangoOutbox, project: Any, odd_models: dict[str, Any]
+) -> None:
+    from django.db.models import F
+    from shop.models import Order
+
+    with pytest.raises(InvalidAggregateError, match="inherits fields"):
+        gift = odd_models["giftorder"](customer="ada", total=1, message="hi")
+        shop.save(gift, [Event(type="order.placed")], validate=False)
+    customer = odd_models["customer"](name="ada")
+    shop.save(customer, [Event(type="customer.joined")])
+    with pytest.raises(InvalidAggregateError, match="cascade"):
+        shop.delete(customer, [Event(type="customer.left")])
+    order = Order(customer="ada", total=1)
+    shop.save(order, [Event(type="order.placed")])
+    order.total = F("total") + 1
+    with pytest.raises(InvalidAggregateError, match="expression"):
+        shop.save(order, [Event(type="order.repriced")], validate=False)
+    assert project.orders.find_one({"_id": order.pk})["total"] == 1
     assert events_of(shop, project, order.pk) == [("order.placed", 1)]
