@@ -153,16 +153,18 @@ class DjangoOutbox:
                 # The document is gone: Django's save inserts the row again.
         created = saved is None
         if saved is None:
-            if instance.pk is None:
-                setattr(instance, pk_field.attname, ObjectId())
+            # A new pk is the model's once the insert succeeds, as Django's: a refused save
+            # leaves the model as it was.
+            pk_value = ObjectId() if instance.pk is None else instance.pk
             body = self._body(instance, connection, meta.local_concrete_fields, None, add=True)
-            body["_id"] = pk_field.get_db_prep_save(instance.pk, connection=connection)
+            body["_id"] = pk_field.get_db_prep_save(pk_value, connection=connection)
             # An insert, as Django's (which raises IntegrityError on a stored pk): the outbox's
             # create refuses a stored _id with ConcurrencyError, and needs no findAndModify.
             create = 0 if expected_version is None else expected_version
             saved = self.outbox.save_with_events(
                 session, collection, body, events, expected_version=create
             )
+            setattr(instance, pk_field.attname, pk_value)
         version = saved.version
         if session is None:
             _set_version(instance, meta.local_concrete_fields, version)

@@ -27,7 +27,7 @@ from django.db.models import signals
 from django_mongodb_backend import transaction
 
 from mongo_outbox import ConcurrencyError, ConfigurationError, Event
-from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError
+from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError, InvalidEventError
 from mongo_outbox.odm.django import DjangoOutbox
 from tests.support.servers import MongoServer
 
@@ -431,4 +431,16 @@ def test_models_whose_save_or_delete_is_several_writes_are_refused(
     with pytest.raises(InvalidAggregateError, match="expression"):
         shop.save(order, [Event(type="order.repriced")], validate=False)
     assert project.orders.find_one({"_id": order.pk})["total"] == 1
+    assert events_of(shop, project, order.pk) == [("order.placed", 1)]
+
+
+def test_a_refused_insert_leaves_a_new_model_without_a_pk(shop: DjangoOutbox, project: Any) -> None:
+    from shop.models import Order
+
+    order = Order(customer="ada", total=1)
+    with pytest.raises(InvalidEventError):  # an event id used twice in one save
+        shop.save(order, [Event(id="e1", type="a"), Event(id="e1", type="b")])
+    assert order.pk is None and order._state.adding
+    assert project.orders.count_documents({}) == 0
+    shop.save(order, [Event(type="order.placed")])
     assert events_of(shop, project, order.pk) == [("order.placed", 1)]
