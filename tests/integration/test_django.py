@@ -26,7 +26,7 @@ from django.db import connections
 from django.db.models import signals
 from django_mongodb_backend import transaction
 
-from mongo_outbox import ConcurrencyError, ConfigurationError, Event
+from mongo_outbox import ConcurrencyError, ConfigurationError, DuplicateSequenceError, Event
 from mongo_outbox.errors import AggregateNotFoundError, InvalidAggregateError, InvalidEventError
 from mongo_outbox.odm.django import DjangoOutbox
 from tests.support.servers import MongoServer
@@ -443,4 +443,27 @@ def test_a_refused_insert_leaves_a_new_model_without_a_pk(shop: DjangoOutbox, pr
     assert order.pk is None and order._state.adding
     assert project.orders.count_documents({}) == 0
     shop.save(order, [Event(type="order.placed")])
+    assert events_of(shop, project, order.pk) == [("order.placed", 1)]
+
+
+def test_a_save_that_aborts_the_blocks_transaction_itself_leaves_nothing_of_the_block(
+    shop: DjangoOutbox, project: Any
+) -> None:
+    """Refused for repeated sequences after the document's write, the outbox aborts the joined
+    transaction; the backend's atomic() then fails to abort it again (docs/django.md)."""
+    from pymongo.errors import InvalidOperation
+    from shop.models import Order, Payment
+
+    if shop.outbox.mode == "embedded":
+        pytest.skip("embedded mode keeps no sequences outside the document")
+    order = Order(customer="ada", total=1)
+    shop.save(order, [Event(type="order.placed")])
+    project.orders.delete_one({"_id": order.pk})  # its sequence 1 stays in the outbox
+    with pytest.raises(InvalidOperation, match="abortTransaction twice") as ended:
+        with transaction.atomic():
+            Payment.objects.create(order_id=order.pk, amount=1)
+            shop.save(order, [Event(type="order.restored")])
+    assert isinstance(ended.value.__context__, DuplicateSequenceError)
+    assert project.orders.count_documents({}) == 0
+    assert project.payments.count_documents({}) == 0
     assert events_of(shop, project, order.pk) == [("order.placed", 1)]
