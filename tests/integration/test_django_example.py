@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FROM_FILE = re.compile(r"<!-- not-tested: (examples/\S+), [^>]*-->\s*```python\n(.*?)```", re.S)
 
 
+@pytest.mark.slow  # a Python process that imports Django, migrates and relays: about 4 s
 @pytest.mark.timeout(200)
 def test_the_django_shop_saves_orders_with_their_events_and_relays_them(mongo: MongoServer) -> None:
     env = dict(os.environ, MONGODB_URI=mongo.uri)
