@@ -26,6 +26,7 @@ OPTIONAL = (
     "bench_metrics",
     "bench_group",
     "bench_odm",
+    "bench_django",
     "bench_tenants",
 )
 

@@ -61,6 +61,9 @@ PARAMETERS = {"getParameter", "setParameter"}
 FAIL_POINTS = "configureFailPoint"
 KILL_ALL_SESSIONS = "killAllSessions"
 HELLOS = {"hello", "isMaster", "ismaster"}
+# A server also answers these commands under a second name that mongoeco does not know: PyMongo's
+# ``server_info()`` sends ``buildinfo`` (Django's MongoDB backend checks the version through it).
+ALIASES = {"buildinfo": "buildInfo"}
 SET_NAME = "emulator"
 ELECTION = ObjectId("000000000000000000000001")  # one primary, never re-elected
 SCRATCH = "__emulator"
@@ -243,6 +246,9 @@ class ChangeStreamsOverWire:
         return self._build(body, **options)
 
     def _build(self, body: dict[str, Any], **options: Any) -> Any:
+        first = next(iter(body), "")
+        if first in ALIASES:
+            body = {ALIASES[first] if key == first else key: value for key, value in body.items()}
         # Before mongoeco sees it: mongoeco would run a dead transaction's command outside it.
         refusal = self.transactions.refuse(body)
         if refusal is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, MongoClient
 
 import mongo_outbox.testing
 from mongo_outbox import ConfigurationError, Event, Outbox
@@ -181,3 +181,15 @@ def test_a_transaction_past_its_lifetime_is_aborted_and_none_of_its_writes_lands
             assert list(orders.find().sort("_id", 1)) == [{"_id": 1, "n": 10}]
         finally:
             client.close()
+
+
+def test_build_info_answers_under_both_of_its_names_as_a_server_does(
+    sync_client: MongoClient[Any], mongo: Any
+) -> None:
+    """PyMongo's server_info() sends ``buildinfo``: django-mongodb-backend checks the server's
+    version (7.0 or later) through it."""
+    if mongo.kind != "emulator":
+        pytest.skip("a real server answers both names anyway")
+    info = sync_client.server_info()
+    assert info["versionArray"] == sync_client.admin.command("buildInfo")["versionArray"]
+    assert tuple(info["versionArray"][:2]) >= (7, 0)
