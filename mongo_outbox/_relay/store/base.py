@@ -180,10 +180,13 @@ class Store(Protocol):
     async def next_due(self) -> datetime | None:
         """When the earliest pending entry comes due (it may be in the past)."""
 
-    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    async def parked(
+        self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Entries parked as dead-lettered, in id order (only those of ``event_ids`` when
         given): ``_id`` (the event id), the event's fields, ``status: "parked"``,
-        ``attempts`` and ``last_error``."""
+        ``attempts`` and ``last_error``. With ``fields``, only those are read (a projection:
+        a listing does not read every parked payload whole)."""
 
     async def parked_keys(self) -> list[ParkedKey]:
         """Every parked entry's id, type and aggregate id, in id order: a requeue by type, by

@@ -251,6 +251,7 @@ class Console:
         params = request.query_params
         types = [t for t in params.getlist("type") if t]
         aggregates = [a for a in params.getlist("aggregate") if a]
+        after = params.get("after") or None
         try:
             conn = self._conn(params.get("db"))
         except Refused as refused:
@@ -263,16 +264,23 @@ class Console:
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
                 outboxes = [await data.backlog(c) for c in self.conns.values()]
             overview = await data.overview(conn, target, places)
-            choice = await data.parked(conn, types, aggregates)
+            page = await data.parked(conn, types, aggregates, after)
             failed = await data.inbox_failures(conn, places)
+            more = {"db": conn.db.name, "type": types, "aggregate": aggregates}
             return {
                 "outboxes": outboxes,
                 "overview": overview,
                 "parked": {
-                    "entries": [data.parked_row(entry) for entry in choice.entries],
-                    "total": len(choice.keys),
-                    "matching": len(choice.chosen),
-                    "types": sorted({str(key.type) for key in choice.keys}),
+                    "entries": [data.parked_row(entry) for entry in page.entries],
+                    "total": page.total,
+                    "matching": page.matching,
+                    "types": list(page.types),
+                    "after": after,
+                    "next": (
+                        None
+                        if page.next_after is None
+                        else urlencode({**more, "after": page.next_after}, doseq=True)
+                    ),
                 },
                 "failed": [data.failed_row(record) for record in failed],
                 "error": None,
@@ -447,7 +455,7 @@ class Console:
                 # --aggregate (or --all, with no filter) does.
                 types = [t for t in fields.get("type", []) if t]
                 aggregates = [a for a in fields.get("aggregate", []) if a]
-                ids = (await data.parked(conn, types, aggregates, read=0)).chosen
+                ids = await data.matching(conn, types, aggregates)
                 if not ids:
                     return "no parked event matches: nothing was requeued"
             else:
