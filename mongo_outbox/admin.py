@@ -32,7 +32,16 @@ from mongo_outbox.publishers.base import Publisher
 from mongo_outbox.settings import RelaySettings
 from mongo_outbox.status import Replayed
 
-__all__ = ["Backlog", "Lease", "Member", "OutboxAdmin", "ParkedEntry", "ParkedPage", "Replayed"]
+__all__ = [
+    "SUMMARY",
+    "Backlog",
+    "Lease",
+    "Member",
+    "OutboxAdmin",
+    "ParkedEntry",
+    "ParkedPage",
+    "Replayed",
+]
 
 SUMMARY = (
     "_id",
