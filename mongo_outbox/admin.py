@@ -114,7 +114,7 @@ class ParkedEntry:
             aggregate_id=document.get("aggregate_id"),
             # An entry without a sequence cannot be put in order; without a version, it is
             # published as version 1 (Event's default).
-            sequence=typed("sequence", int, low=1) if "sequence" in document else None,
+            sequence=typed("sequence", int, low=1),
             version=typed("version", int, 1, low=1),
             attempts=typed("attempts", int),
             last_error=None if document.get("last_error") is None else str(document["last_error"]),
@@ -122,7 +122,7 @@ class ParkedEntry:
             unreadable=None,
             document=document,
         )
-        if "sequence" not in document:
+        if document.get("sequence") is None:
             problems.append("it has no sequence")
         if "entry" in document:
             problems.insert(0, f"its stored entry is not a document: {document['entry']!r}")

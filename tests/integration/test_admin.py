@@ -171,3 +171,22 @@ async def test_the_console_pages_parked_events_past_200_and_marks_an_unreadable_
     assert 'class="parked unreadable" data-event-id="odd"' in text
     assert "unreadable: sequence &#39;x&#39; is not a whole number from 1" in text
     assert 'id="parked-next"' not in text
+
+
+def test_a_record_of_odd_fields_says_what_is_wrong_and_never_raises() -> None:
+    assert ParkedEntry.of({"_id": "e", "type": "t", "sequence": 3}).unreadable is None
+    odd = {
+        "_id": {"a": 1},
+        "type": 5,
+        "sequence": None,
+        "version": True,
+        "attempts": "2",
+        "last_error": ValueError("boom"),
+    }
+    entry = ParkedEntry.of(odd)
+    assert (entry.type, entry.sequence, entry.version, entry.attempts) == (None, None, None, None)
+    assert entry.last_error == "boom" and entry.unreadable is not None
+    for said in ("type 5 is not text", "version True", "attempts '2'", "no sequence"):
+        assert said in entry.unreadable
+    wrapped = ParkedEntry.of({"_id": None, "entry": 7, "last_error": "not a document"})
+    assert wrapped.unreadable and wrapped.unreadable.startswith("its stored entry is not")

@@ -213,33 +213,6 @@ class Store(Protocol):
         sequence. Embedded mode keeps no published entries: ``UsageError``."""
 
 
-@dataclass(frozen=True)
-class ParkedChoice:
-    """Parked entries chosen by type and aggregate (``choose_parked``)."""
-
-    keys: list[ParkedKey]
-    """Every parked entry's key."""
-    chosen: list[Any]
-    """The ids of those the filters keep."""
-    entries: list[dict[str, Any]]
-    """Those read whole, as ``Store.parked`` lists them."""
-
-
-async def choose_parked(
-    store: Store, types: Sequence[str], aggregates: Sequence[str], read: int | None = None
-) -> ParkedChoice:
-    """The parked entries of any of ``types`` and any of ``aggregates`` (none: all), chosen by
-    their keys, so that only the chosen are read whole: all of them, or the first ``read``."""
-    keys = await store.parked_keys()
-    chosen = [key.id for key in keys if key.matches(types, aggregates)]
-    ids = chosen if read is None else chosen[:read]
-    found = await store.parked(ids) if ids else []
-    # By id, the store lists every parked entry of those ids: the filters again, for an id
-    # parked in two documents, or the entries of no id.
-    entries = [entry for entry in found if ParkedKey.of(entry).matches(types, aggregates)]
-    return ParkedChoice(keys, chosen, entries if read is None else entries[:read])
-
-
 def scope(outbox: Outbox, partition: int | None) -> dict[str, Any]:
     """The filter that narrows a store's queries to ``partition`` (none with one partition)."""
     if partition is None or outbox.partitions == 1:
