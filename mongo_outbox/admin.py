@@ -226,7 +226,8 @@ class OutboxAdmin:
     ) -> ParkedPage:
         """Parked entries of any of ``types`` and any of ``aggregates`` (ids as text; none:
         all), in id order: the first ``limit`` (None: all) of those whose id comes ``after``
-        this one. Only their ``SUMMARY`` fields are read, unless ``whole``."""
+        this one (ids compared as text, as the page's ``next_after`` is). Only their
+        ``SUMMARY`` fields are read, unless ``whole``."""
         fields = None if whole else SUMMARY
         if not types and not aggregates and limit is None and after is None:
             # Every one of them: one read, not their keys first.
