@@ -12,6 +12,7 @@ from pymongo.errors import PyMongoError
 from mongo_outbox import metrics
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import PROBE_EVERY, Rounds, pause
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.errors import describe
 from mongo_outbox.outbox import Outbox
@@ -168,10 +169,12 @@ class PollingRelay(Lifecycle):
         """Entries parked as dead-lettered: ``_id`` (the event id), the event's fields,
         ``status: "parked"``, ``attempts`` and ``last_error``; in embedded mode also
         ``collection``, as they stay in their aggregate's document."""
-        return await self._rounds.store.parked()
+        # As every operator's tool reads them: through the outbox's admin, read whole.
+        page = await OutboxAdmin(self.outbox).parked(whole=True)
+        return [dict(entry.document) for entry in page.entries]
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make parked entries due again, with a fresh set of attempts, together with the
         earlier parked entries of their aggregates, so none overtakes another. Returns how
         many were requeued (ids that are not parked are ignored)."""
-        return await self._rounds.store.requeue(event_ids)
+        return await OutboxAdmin(self.outbox).requeue(event_ids)

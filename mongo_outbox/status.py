@@ -1,9 +1,10 @@
 """What relays report about themselves: counters of their own work, the status an operator
-reads, and the one log line each change of state gets."""
+reads, the one log line each change of state gets, and what a replay did."""
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -65,3 +66,18 @@ class GroupStatus:
     pending: int
     published: int
     last_error: str | None
+
+
+@dataclass
+class Replayed:
+    """What a replay (``OutboxAdmin.replay``, ``mongo-outbox replay``) found and sent."""
+
+    found: int = 0
+    published: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """(event id, error) of each event the broker did not confirm."""
+    skipped: int = 0
+    """Events not sent because an earlier event of their aggregate failed."""
+    aggregates: int = 0
+    versions: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """How many of the events found are of each (type, version): what consumers will read."""

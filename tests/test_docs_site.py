@@ -34,6 +34,7 @@ REFERENCE = {
     "settings": "mongo_outbox.settings",
     "metrics": "mongo_outbox.metrics",
     "cloudevents": "mongo_outbox.cloudevents",
+    "admin": "mongo_outbox.admin",
 }
 NEEDS = (
     "mkdocs",

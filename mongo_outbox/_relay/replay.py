@@ -11,9 +11,7 @@ Nothing is written to MongoDB.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -24,22 +22,10 @@ from mongo_outbox.errors import describe
 from mongo_outbox.events import Event
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.settings import RelaySettings
+from mongo_outbox.status import Replayed
 
 CHUNK = 1000
 """Events held in memory at once."""
-
-
-@dataclass
-class Replayed:
-    found: int = 0
-    published: int = 0
-    failed: list[tuple[str, str]] = field(default_factory=list)
-    """(event id, error) of each event the broker did not confirm."""
-    skipped: int = 0
-    """Events not sent because an earlier event of their aggregate failed."""
-    aggregates: int = 0
-    versions: Counter[tuple[str, int]] = field(default_factory=Counter)
-    """How many of the events found are of each (type, version): what consumers will read."""
 
 
 async def replay(

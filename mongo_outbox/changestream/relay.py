@@ -29,6 +29,7 @@ from mongo_outbox._driver import answered
 from mongo_outbox._relay.lease import FencedLease, LeaseLost
 from mongo_outbox._relay.lifecycle import Lifecycle
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.source import (
     ENDS_STREAM,
@@ -196,13 +197,15 @@ class ChangeStreamRelay(Lifecycle):
     async def parked(self) -> list[dict[str, Any]]:
         """Entries parked as dead-lettered, with their ``last_error``: see
         ``PollingRelay.parked()``."""
-        return await self._rounds.store.parked()
+        # As every operator's tool reads them: through the outbox's admin, read whole.
+        page = await OutboxAdmin(self.outbox).parked(whole=True)
+        return [dict(entry.document) for entry in page.entries]
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make parked entries pending again, with a fresh set of attempts (see
         ``PollingRelay.requeue()``); the active relay's next sweep publishes them (this one's
         at once). Returns how many were requeued."""
-        requeued = await self._rounds.store.requeue(event_ids)
+        requeued = await OutboxAdmin(self.outbox).requeue(event_ids)
         self._sweep_due = 0.0
         return requeued
 

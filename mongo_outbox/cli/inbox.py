@@ -12,8 +12,9 @@ from typing import Any
 
 import click
 
-from mongo_outbox._inbox.store import failures
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.cli.common import (
+    Connection,
     Failure,
     Target,
     connected,
@@ -93,12 +94,16 @@ async def _failed(
 ) -> tuple[list[dict[str, Any]], str]:
     """The failed records, and for a consumer that has none, which ones do (a misspelling?)."""
     async with connected(target) as conn:
-        consumers = [consumer] if consumer else list(await failures(conn.db[collection]))
+        consumers = (
+            [consumer]
+            if consumer
+            else list(await OutboxAdmin(conn.outbox, inbox=collection).inbox_failures())
+        )
         records: list[dict[str, Any]] = []
         for name in consumers:
             box = Inbox(conn.db, consumer=name, collection=collection)
             records += await box.failed(**filters)
-        who = await _who(conn.db[collection], consumer) if consumer and not records else ""
+        who = await _who(conn, collection, consumer) if consumer and not records else ""
         return [{k: v for k, v in r.items() if k != "_id"} for r in records], who
 
 
@@ -148,24 +153,24 @@ async def _requeue(
                 kind = f" of type {event_type}" if event_type else ""
                 raise Failure(
                     f"not a failed message{kind} of {consumer}: {', '.join(missing)} "
-                    f"(nothing was requeued){await _who(conn.db[collection], consumer)}"
+                    f"(nothing was requeued){await _who(conn, collection, consumer)}"
                 )
         requeued = await box.requeue(ids, event_type=event_type, all_failed=everything)
         if not requeued:
             kind = f" of type {event_type}" if event_type else ""
             raise Failure(
                 f"no failed messages{kind} of {consumer} to requeue"
-                f"{await _who(conn.db[collection], consumer)}"
+                f"{await _who(conn, collection, consumer)}"
             )
         return requeued
 
 
-async def _who(coll: Any, consumer: str) -> str:
+async def _who(conn: Connection, collection: str, consumer: str) -> str:
     """Which consumers have failed messages, when ``consumer`` has none (a misspelling?)."""
-    counts = await failures(coll)
+    counts = await OutboxAdmin(conn.outbox, inbox=collection).inbox_failures()
     if consumer in counts:
         return ""
     if not counts:
-        return f"; {coll.database.name}.{coll.name} holds no failed message of any consumer"
+        return f"; {conn.db.name}.{collection} holds no failed message of any consumer"
     named = ", ".join(f"{name} ({n})" for name, n in counts.items())
     return f"; {consumer} has none, these consumers have failed messages: {named}"

@@ -1,10 +1,10 @@
 """``mongo-outbox parked list|show|requeue``: events the relay set aside as dead-lettered.
 
-Everything goes through the relay's store, as the relays' own ``parked()`` and ``requeue()``
-do: a requeue brings back the earlier parked events of each chosen event's aggregate as well,
-so none overtakes another. The active relay publishes requeued events at its next sweep
-(``--sweep-interval``, 30 s by default; at once in embedded mode, whose requeue is a write the
-change stream sees).
+Everything goes through the outbox's admin (``mongo_outbox.admin``), as the relays' own
+``parked()`` and ``requeue()`` do: a requeue brings back the earlier parked events of each
+chosen event's aggregate as well, so none overtakes another. The active relay publishes
+requeued events at its next sweep (``--sweep-interval``, 30 s by default; at once in embedded
+mode, whose requeue is a write the change stream sees).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any
 
 import click
 
-from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import ParkedKey, batches, choose_parked, hashable
+from mongo_outbox.admin import OutboxAdmin, ParkedEntry
 from mongo_outbox.cli.common import (
     Failure,
     Target,
@@ -37,18 +36,18 @@ def parked() -> None:
 
 
 async def _parked(
-    target: Target, types: tuple[str, ...] = (), aggregates: tuple[str, ...] = ()
-) -> list[dict[str, Any]]:
+    target: Target,
+    types: tuple[str, ...] = (),
+    aggregates: tuple[str, ...] = (),
+    whole: bool = False,
+) -> list[ParkedEntry]:
     async with connected(target) as conn:
-        store = store_for(conn.outbox)
-        if not types and not aggregates:
-            return await store.parked()
-        return (await choose_parked(store, types, aggregates)).entries
+        return list((await OutboxAdmin(conn.outbox).parked(types, aggregates, whole=whole)).entries)
 
 
-async def _parked_one(target: Target, event_id: str) -> list[dict[str, Any]]:
+async def _parked_one(target: Target, event_id: str) -> list[ParkedEntry]:
     async with connected(target) as conn:
-        return await store_for(conn.outbox).parked([event_id])
+        return await OutboxAdmin(conn.outbox).parked_entries([event_id])
 
 
 def _short(text: Any, width: int = 60) -> str:
@@ -65,22 +64,24 @@ def list_parked(
     target: Target, types: tuple[str, ...], aggregates: tuple[str, ...], as_json: bool
 ) -> None:
     """List parked events with their last error."""
-    entries = run(_parked(target, types, aggregates))
+    # Read whole only for --json, which prints them whole: the table shows a few fields.
+    entries = run(_parked(target, types, aggregates, whole=as_json))
     if as_json:
-        say(to_json(entries))
+        say(to_json([dict(entry.document) for entry in entries]))
         return
     if not entries:
         say("no parked events")
         return
     rows = [
         [
-            e.get("_id"),
-            e.get("type"),
-            _version(e),
-            f"{e.get('aggregate_type')}/{e.get('aggregate_id')}",
-            e.get("sequence"),
-            e.get("attempts"),
-            _short(e.get("last_error")),
+            e.event_id,
+            _raw(e, "type"),
+            # As in ``inbox failed``: the version consumers will meet once it is requeued.
+            "?" if e.version is None else f"v{e.version}",
+            f"{_raw(e, 'aggregate_type')}/{e.aggregate_id}",
+            _raw(e, "sequence"),
+            e.attempts,
+            _short(e.last_error),
         ]
         for e in entries
     ]
@@ -88,11 +89,10 @@ def list_parked(
     say(table(headings, rows, ""))
 
 
-def _version(entry: dict[str, Any]) -> str:
-    # As in ``inbox failed``: the version consumers will meet once it is requeued. An entry
-    # without one is published as version 1 (Event's default); one the relay cannot read, "?".
-    version = entry.get("version", 1)
-    return f"v{version}" if isinstance(version, int) and not isinstance(version, bool) else "?"
+def _raw(entry: ParkedEntry, name: str) -> Any:
+    """A field as stored, also one in a type the record cannot hold (an unreadable entry's
+    ``sequence: "x"``): the operator fixing it by hand needs to see it."""
+    return entry.document.get(name)
 
 
 @parked.command("show")
@@ -104,7 +104,7 @@ def show_parked(target: Target, event_id: str, as_json: bool) -> None:
     found = run(_parked_one(target, event_id))
     if not found:
         raise Failure(f"no parked event {event_id!r}")
-    entry = found[0]
+    entry = dict(found[0].document)
     if as_json:
         say(to_json(entry))
         return
@@ -138,28 +138,23 @@ async def _requeue(
     target: Target, event_ids: tuple[str, ...], types: tuple[str, ...], aggregates: tuple[str, ...]
 ) -> str:
     async with connected(target) as conn:
-        store = store_for(conn.outbox)
+        admin = OutboxAdmin(conn.outbox)
         # Ids, types and aggregate ids only: a requeue of every parked entry must not hold
         # them all whole (an outbox can have parked a broker outage's worth).
         if event_ids:
-            keys = [ParkedKey.of(entry) for entry in await store.parked(list(event_ids))]
+            chosen = [e.event_id for e in await admin.parked_entries(event_ids)]
         else:
-            keys = await store.parked_keys()
-        chosen = [
-            key.id
-            for key in keys
-            if (not event_ids or key.id in event_ids) and key.matches(types, aggregates)
-        ]
-        missing = sorted(set(event_ids) - {hashable(c) for c in chosen})
+            chosen = await admin.matching(types, aggregates)
+        missing = sorted(set(event_ids) - {str(c) for c in chosen})
         if missing:
             raise Failure(f"not parked: {', '.join(missing)} (nothing was requeued)")
         if not chosen:  # a misspelled --type or --aggregate must not pass for a done requeue
-            present = sorted({str(key.type) for key in keys})
+            present = (await admin.parked(limit=0)).types
             raise Failure(
                 "no parked event matches: nothing was requeued"
                 + (f" (parked types: {', '.join(present)})" if present else " (none is parked)")
             )
-        requeued = await _in_batches(store, chosen)
+        requeued = await _in_batches(admin, chosen)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (
@@ -171,16 +166,19 @@ async def _requeue(
     return f"requeued {len(chosen)} parked events{also}"
 
 
-async def _in_batches(store: Any, chosen: list[Any]) -> int:
-    """Requeue ``chosen`` a batch at a time (``REQUEUE_BATCH`` ids per command), with progress
-    on stderr; interrupted, say how far it got: whole batches are requeued, the rest parked."""
-    requeued = done = 0
+async def _in_batches(admin: OutboxAdmin, chosen: list[Any]) -> int:
+    """Requeue ``chosen`` (a batch of ids at a time, in the admin), with progress on stderr;
+    interrupted, say how far it got: whole batches are requeued, the rest parked."""
+    done = 0
+
+    def add(n: int) -> None:
+        nonlocal done
+        done += n
+        shown.add(n)
+
     async with progress("requeue", "events", total=len(chosen)) as shown:
         try:
-            for batch in batches(chosen):
-                requeued += await store.requeue(batch)
-                done += len(batch)
-                shown.add(len(batch))
+            return await admin.requeue(chosen, progress=add)
         except (asyncio.CancelledError, KeyboardInterrupt):
             click.echo(
                 f"requeue interrupted after {done} of {len(chosen)} chosen parked events: the "
@@ -188,4 +186,3 @@ async def _in_batches(store: Any, chosen: list[Any]) -> int:
                 err=True,
             )
             raise
-    return requeued

@@ -12,7 +12,7 @@ from datetime import datetime
 
 import click
 
-from mongo_outbox._relay.replay import Replayed, replay
+from mongo_outbox.admin import OutboxAdmin, Replayed
 from mongo_outbox.cli.brokers import (
     Broker,
     name_one_broker,
@@ -137,8 +137,7 @@ async def _replay(
             return await broker.connect(sample_event(target.collections), waits=False)
 
         async with progress("replay", "events") as shown:
-            replayed = await replay(
-                conn.outbox,
+            replayed = await OutboxAdmin(conn.outbox).replay(
                 None if dry_run else connect,
                 since=since,
                 until=until,

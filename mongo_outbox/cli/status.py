@@ -1,8 +1,9 @@
 """``mongo-outbox status``: the outbox's health as an operator reads it, from MongoDB alone.
 
-The backlog and the parked entries come from the relay's store; each change-stream relay's state,
-lease holder and checkpoint age from its checkpoint document (``outbox_relays``); the inbox
-failures from the inbox collection. Polling relays keep no record in MongoDB, so only
+Everything is read through the outbox's admin (``mongo_outbox.admin``): the backlog and the
+parked count; each change-stream relay's lease (shown as its state: ``active`` while its lease
+runs, ``inactive`` once it ran out or was given up), holder and checkpoint age; the inbox
+failures. Polling relays keep no record in MongoDB, so only
 change-stream relays are listed.
 """
 
@@ -13,8 +14,7 @@ from typing import Any
 
 import click
 
-from mongo_outbox._inbox.store import failures
-from mongo_outbox._relay.store import store_for
+from mongo_outbox.admin import Lease, OutboxAdmin
 from mongo_outbox.cli.common import (
     Connection,
     Target,
@@ -28,7 +28,7 @@ from mongo_outbox.cli.common import (
     target_options,
     to_json,
 )
-from mongo_outbox.events import as_utc, utc_now
+from mongo_outbox.events import utc_now
 
 
 @click.command()
@@ -51,44 +51,36 @@ async def _report(target: Target, checkpoints: str, inbox_collection: str) -> di
 async def gather(
     conn: Connection, target: Target, checkpoints: str, inbox_collection: str
 ) -> dict[str, Any]:
-    store = store_for(conn.outbox)
-    backlog = await store.backlog()
+    admin = OutboxAdmin(conn.outbox, checkpoints=checkpoints, inbox=inbox_collection)
+    backlog = await admin.backlog()
     now = utc_now()
-    oldest = ago(backlog.oldest, now)
-    relays = [_relay(doc, now) async for doc in conn.db[checkpoints].find().sort("_id", 1)]
+    oldest = backlog.oldest_age(now)
     return {
         "database": conn.db.name,
         "mode": target.mode,
         "outbox": target.describe(conn.db.name),
         "pending": backlog.pending,
         "oldest_pending_age_seconds": oldest.total_seconds() if oldest else None,
-        "parked": await store.parked_count(),
-        "relays": relays,
+        "parked": backlog.parked,
+        "relays": [relay_row(lease, now) for lease in await admin.leases()],
         "inbox_failures": [
             {"consumer": consumer, "failed": n}
-            for consumer, n in (await failures(conn.db[inbox_collection])).items()
+            for consumer, n in (await admin.inbox_failures()).items()
         ],
     }
 
 
-def _relay(doc: dict[str, Any], now: datetime) -> dict[str, Any]:
-    lease_until = _date(doc.get("lease_until"))
-    checkpoint_at = _date(doc.get("checkpoint_at"))
-    # A relay that stopped gave its lease up; one that died lets it run out.
-    active = lease_until is not None and lease_until > now
-    checkpoint_age = ago(checkpoint_at, now)
+def relay_row(lease: Lease, now: datetime) -> dict[str, Any]:
+    """A relay's row of the report: ``state`` is its lease's, ``active`` while it runs."""
+    checkpoint_age = ago(lease.checkpoint_at, now)
     return {
-        "name": str(doc["_id"]),
-        "state": "active" if active else "inactive",
-        "lease_holder": doc.get("owner") if active else None,
-        "lease_until": lease_until,
-        "checkpoint_at": checkpoint_at,
+        "name": lease.name,
+        "state": "active" if lease.held else "inactive",
+        "lease_holder": lease.holder,
+        "lease_until": lease.until,
+        "checkpoint_at": lease.checkpoint_at,
         "checkpoint_age_seconds": checkpoint_age.total_seconds() if checkpoint_age else None,
     }
-
-
-def _date(value: Any) -> datetime | None:
-    return as_utc(value) if isinstance(value, datetime) else None
 
 
 def _seconds(value: float | None) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Event, Inbox, Outbox
-from mongo_outbox._relay.store import store_for
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.cli.console.auth import hash_secret
 from tests.support.console import (
     TOKEN,
@@ -57,7 +57,7 @@ async def browser() -> AsyncIterator[Any]:
 
 
 async def parked_ids(db: Any) -> set[str]:
-    return {e["_id"] for e in await store_for(Outbox(db)).parked()}
+    return {e.event_id for e in (await OutboxAdmin(Outbox(db)).parked()).entries}
 
 
 @pytest.mark.slow

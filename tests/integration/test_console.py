@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import Event, Inbox, Outbox
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.cli.console.auth import Credentials, CredentialsError
 from tests.support.console import (
     TOKEN,
@@ -32,9 +33,7 @@ SIGNED = Credentials(token=TOKEN)
 
 async def parked_ids(db: Any, mode: str = "collection") -> set[str]:
     outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
-    from mongo_outbox._relay.store import store_for
-
-    return {e["_id"] for e in await store_for(outbox).parked()}
+    return {e.event_id for e in (await OutboxAdmin(outbox).parked()).entries}
 
 
 @pytest.mark.parametrize("mode", ["collection", "embedded"])

@@ -205,9 +205,9 @@ async def test_entries_of_odd_ids_are_chosen_listed_and_requeued_without_a_crash
     assert len(keys) == 4
     conn = types.SimpleNamespace(outbox=outbox)
     odd = await console_data.parked(conn, ["odd"], [])  # type: ignore[arg-type]
-    assert sorted(map(repr, (e["_id"] for e in odd.entries))) == ["7", "{'a': 1}"]
+    assert sorted(map(repr, (e.event_id for e in odd.entries))) == ["7", "{'a': 1}"]
     none = await console_data.parked(conn, ["none"], [])  # type: ignore[arg-type]
-    assert [(e["_id"], e["type"]) for e in none.entries] == [(None, "none")]
+    assert [(e.event_id, e.type) for e in none.entries] == [(None, "none")]
     assert [e["_id"] for e in await store.parked([{"a": 1}])] == [{"a": 1}]
     # The two with an id come back; the two without one cannot be named (fixed by hand).
     assert await store.requeue([key.id for key in keys]) == 2

@@ -226,3 +226,30 @@ def test_the_cloudevents_front_is_its_all() -> None:
     }
     for name in mongo_outbox.cloudevents.__all__:
         assert getattr(mongo_outbox.cloudevents, name) is not None
+
+
+def test_the_admin_surface_is_public_typed_and_names_no_private_type() -> None:
+    import dataclasses
+
+    import mongo_outbox.admin
+
+    assert set(mongo_outbox.admin.__all__) == {
+        "SUMMARY",
+        "Backlog",
+        "Lease",
+        "Member",
+        "OutboxAdmin",
+        "ParkedEntry",
+        "ParkedPage",
+        "Replayed",
+    }
+    records = ["Backlog", "Lease", "Member", "ParkedEntry", "ParkedPage"]
+    for name in records:
+        record = getattr(mongo_outbox.admin, name)
+        assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen, name
+    for name in mongo_outbox.admin.__all__:
+        obj = getattr(mongo_outbox.admin, name)
+        assert not getattr(obj, "__module__", "mongo_outbox").startswith("mongo_outbox._"), name
+        for _, member in inspect.getmembers(obj, inspect.isfunction):
+            for annotation in inspect.get_annotations(member).values():
+                assert "mongo_outbox._" not in str(annotation), (name, member, annotation)

@@ -180,10 +180,13 @@ class Store(Protocol):
     async def next_due(self) -> datetime | None:
         """When the earliest pending entry comes due (it may be in the past)."""
 
-    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    async def parked(
+        self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Entries parked as dead-lettered, in id order (only those of ``event_ids`` when
         given): ``_id`` (the event id), the event's fields, ``status: "parked"``,
-        ``attempts`` and ``last_error``."""
+        ``attempts`` and ``last_error``. With ``fields``, only those are read (a projection:
+        a listing does not read every parked payload whole)."""
 
     async def parked_keys(self) -> list[ParkedKey]:
         """Every parked entry's id, type and aggregate id, in id order: a requeue by type, by
@@ -208,33 +211,6 @@ class Store(Protocol):
         occurred at or after ``since`` (and before ``until``), of ``types`` and
         ``aggregates`` (their ``aggregate_id``) when given, sorted by aggregate and then
         sequence. Embedded mode keeps no published entries: ``UsageError``."""
-
-
-@dataclass(frozen=True)
-class ParkedChoice:
-    """Parked entries chosen by type and aggregate (``choose_parked``)."""
-
-    keys: list[ParkedKey]
-    """Every parked entry's key."""
-    chosen: list[Any]
-    """The ids of those the filters keep."""
-    entries: list[dict[str, Any]]
-    """Those read whole, as ``Store.parked`` lists them."""
-
-
-async def choose_parked(
-    store: Store, types: Sequence[str], aggregates: Sequence[str], read: int | None = None
-) -> ParkedChoice:
-    """The parked entries of any of ``types`` and any of ``aggregates`` (none: all), chosen by
-    their keys, so that only the chosen are read whole: all of them, or the first ``read``."""
-    keys = await store.parked_keys()
-    chosen = [key.id for key in keys if key.matches(types, aggregates)]
-    ids = chosen if read is None else chosen[:read]
-    found = await store.parked(ids) if ids else []
-    # By id, the store lists every parked entry of those ids: the filters again, for an id
-    # parked in two documents, or the entries of no id.
-    entries = [entry for entry in found if ParkedKey.of(entry).matches(types, aggregates)]
-    return ParkedChoice(keys, chosen, entries if read is None else entries[:read])
 
 
 def scope(outbox: Outbox, partition: int | None) -> dict[str, Any]:

@@ -349,14 +349,19 @@ class CollectionStore:
         )
         return as_utc(doc["available_at"]) if doc else None
 
-    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    async def parked(
+        self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        projection = dict.fromkeys(fields, 1) if fields else None
+        # Projected, an entry is shown as read: the defaults of the fields left out would lie.
+        listed = shown if projection is None else dict
         if event_ids is None:
-            found = await self.coll.find({"status": "parked"}).sort("_id", 1).to_list(None)
-            return [shown(entry) for entry in found]
+            found = self.coll.find({"status": "parked"}, projection=projection).sort("_id", 1)
+            return [listed(entry) async for entry in found]
         chosen: list[dict[str, Any]] = []
         for batch in batches(event_ids):
-            asked = self.coll.find({"_id": {"$in": batch}, "status": "parked"})
-            chosen += [shown(entry) async for entry in asked]
+            asked = self.coll.find({"_id": {"$in": batch}, "status": "parked"}, projection)
+            chosen += [listed(entry) async for entry in asked]
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
 
     async def parked_keys(self) -> list[ParkedKey]:

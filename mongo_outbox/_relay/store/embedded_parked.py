@@ -75,27 +75,37 @@ class ParkedEntries:
         for name, writes in parks.items():
             await tolerant(self.colls[name].bulk_write(writes, ordered=False))
 
-    async def parked(self, event_ids: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    async def parked(
+        self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        paths = None if fields is None else self._paths(fields)
         if event_ids is None:
-            found = [listed async for listed in self._parked({f"{self.field}.parked": True})]
+            query = {f"{self.field}.parked": True}
+            found = [listed async for listed in self._parked(query, paths)]
             return sorted(found, key=lambda entry: str(entry["_id"]))
         chosen: list[dict[str, Any]] = []
         for batch in batches(event_ids):
             wanted = {hashable(i) for i in batch}
-            async for listed in self._parked(self._holding(batch)):
+            async for listed in self._parked(self._holding(batch), paths):
                 if hashable(listed["_id"]) in wanted:
                     chosen.append(listed)
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
 
+    def _paths(self, fields: Sequence[str]) -> list[str]:
+        """The projection of ``fields`` of every entry of a document (of a wrapped one, of its
+        original), with what tells a parked entry: its flag and its error."""
+        names = ["id" if name == "_id" else name for name in fields if name != "collection"]
+        return [
+            *(f"{self.field}.{wrap}{name}" for wrap in ("", "entry.") for name in names),
+            f"{self.field}.parked",
+            f"{self.field}.last_error",
+        ]
+
     async def parked_keys(self) -> list[ParkedKey]:
         # Of each entry only what a key holds (of a wrapped one, of its original): not the
         # payloads of every entry of every document that holds a parked one.
-        keys = [
-            f"{self.field}.{wrap}{key}"
-            for wrap in ("", "entry.")
-            for key in ("id", "type", "aggregate_id")
-        ]
-        found = self._parked({f"{self.field}.parked": True}, [*keys, f"{self.field}.parked"])
+        paths = self._paths(("_id", "type", "aggregate_id"))
+        found = self._parked({f"{self.field}.parked": True}, paths)
         chosen = [ParkedKey.of(listed) async for listed in found]
         return sorted(chosen, key=lambda key: str(key.id))
 
@@ -109,7 +119,7 @@ class ParkedEntries:
             async for doc in coll.find(query, projection=projection):
                 for entry in doc.get(self.field) or ():
                     if isinstance(entry, dict) and entry.get("parked"):
-                        yield self._listed(entry, name)
+                        yield self._listed(entry, name, whole=fields is None)
 
     def _holding(self, event_ids: list[Any]) -> dict[str, Any]:
         """The documents holding any of ``event_ids`` parked, or parked wrapped (an unreadable
@@ -122,13 +132,14 @@ class ParkedEntries:
         }
 
     @staticmethod
-    def _listed(entry: dict[str, Any], collection: str) -> dict[str, Any]:
+    def _listed(entry: dict[str, Any], collection: str, whole: bool = True) -> dict[str, Any]:
         # An unreadable entry was parked wrapped, its original under "entry": show its fields.
+        # Projected, as read: the defaults of the fields left out would lie.
         original = entry.get("entry", entry)
         if not isinstance(original, dict):
             fields: dict[str, Any] = {"entry": original}
         else:
-            fields = original if "entry" in entry else shown(original)
+            fields = original if "entry" in entry or not whole else shown(original)
         rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
         return {
             "_id": fields.get("id"),

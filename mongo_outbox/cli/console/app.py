@@ -315,6 +315,7 @@ class Console:
         params = request.query_params
         types = [t for t in params.getlist("type") if t]
         aggregates = [a for a in params.getlist("aggregate") if a]
+        after = params.get("after") or None
         try:
             conn = self._conn(params.get("db"))
         except Refused as refused:
@@ -327,16 +328,23 @@ class Console:
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
                 outboxes = [await data.backlog(c) for c in self.conns.values()]
             overview = await data.overview(conn, target, places)
-            choice = await data.parked(conn, types, aggregates)
+            page = await data.parked(conn, types, aggregates, after)
             failed = await data.inbox_failures(conn, places)
+            more = {"db": conn.db.name, "type": types, "aggregate": aggregates}
             return {
                 "outboxes": outboxes,
                 "overview": overview,
                 "parked": {
-                    "entries": [data.parked_row(entry) for entry in choice.entries],
-                    "total": len(choice.keys),
-                    "matching": len(choice.chosen),
-                    "types": sorted({str(key.type) for key in choice.keys}),
+                    "entries": [data.parked_row(entry) for entry in page.entries],
+                    "total": page.total,
+                    "matching": page.matching,
+                    "types": list(page.types),
+                    "after": after,
+                    "next": (
+                        None
+                        if page.next_after is None
+                        else urlencode({**more, "after": page.next_after}, doseq=True)
+                    ),
                 },
                 "failed": [data.failed_row(record) for record in failed],
                 "error": None,
@@ -639,7 +647,7 @@ class RequeueParked(Action):
                 for name, values in (("of type", types), ("of aggregate", aggregates))
                 if values
             ]
-            count = len((await data.parked(conn, types, aggregates, read=0)).chosen)
+            count = len(await data.matching(conn, types, aggregates))
             asks = f"Requeue all {count} parked events" + (f" {', '.join(shown)}" if shown else "")
             return Plan(what, f"{asks} in {conn.db.name}?")
         ids = tuple(i for i in fields.get("event_id", []) if i)
@@ -653,7 +661,7 @@ class RequeueParked(Action):
             # Read again once confirmed: what matches now, not what matched on the confirm page.
             types = [t for t in fields.get("type", []) if t]
             aggregates = [a for a in fields.get("aggregate", []) if a]
-            ids = (await data.parked(conn, types, aggregates, read=0)).chosen
+            ids = await data.matching(conn, types, aggregates)
             if not ids:
                 return Done("no parked event matches: nothing was requeued", 0)
         requeued = await data.requeue_parked(conn, list(ids))

@@ -1,6 +1,6 @@
-"""What the console shows, read through the same functions as ``status``, ``parked list`` and
-``inbox failed``: one look at the outbox for each page, and a sampler that keeps the last
-minutes of backlog and publishing for the chart.
+"""What the console shows, read through the outbox's admin (``mongo_outbox.admin``) as
+``status``, ``parked list`` and ``inbox failed`` read it: one look at the outbox for each page,
+and a sampler that keeps the last minutes of backlog and publishing for the chart.
 
 The one reading of its own is how many events were published between two samples. Nothing
 counts them in MongoDB, but every published entry gets ``expire_at`` = its publication time
@@ -17,16 +17,13 @@ import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox._inbox.store import failures
-from mongo_outbox._relay.group.members import Membership
-from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import ParkedChoice, choose_parked
-from mongo_outbox.cli.common import Connection, Target, ago, one_line
+from mongo_outbox.admin import OutboxAdmin, ParkedEntry, ParkedPage
+from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
 from mongo_outbox.events import utc_now
@@ -35,8 +32,8 @@ from mongo_outbox.inbox import Inbox
 log = logging.getLogger("mongo_outbox.cli")
 
 SHOWN = 200
-"""Rows a table shows at most (parked events, failed messages per consumer): the page stays
-quick; the command line lists them all."""
+"""Rows a table shows at most (parked events, a page of them; failed messages per consumer):
+the page stays quick; the command line lists them all."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +45,19 @@ class Places:
     members: str = "outbox_relay_members"
 
 
+def admin(conn: Connection, places: Places | None = None) -> OutboxAdmin:
+    """The admin of ``conn``'s outbox, with the collections of ``places`` beside it."""
+    places = places or Places()
+    return OutboxAdmin(
+        conn.outbox, checkpoints=places.checkpoints, inbox=places.inbox, members=places.members
+    )
+
+
 async def overview(conn: Connection, target: Target, places: Places) -> dict[str, Any]:
     """``mongo-outbox status``'s report, with the relay groups' partitions set apart: each
     partition of each group with its owner, also those nobody ever held."""
     report = await gather(conn, target, places.checkpoints, places.inbox)
-    config = await conn.outbox.config.find_one({"_id": "partitions"})
-    count = int(config.get("count", 1)) if config else 1
+    count = await admin(conn, places).partitions()
     relays: list[dict[str, Any]] = []
     groups: dict[str, dict[int, dict[str, Any]]] = {}
     for relay in report["relays"]:
@@ -80,51 +84,56 @@ async def overview(conn: Connection, target: Target, places: Places) -> dict[str
 async def backlog(conn: Connection) -> dict[str, Any]:
     """One outbox's row of the ``--databases`` table: its backlog and parked count, as
     ``status`` reads them."""
-    store = store_for(conn.outbox)
-    counts = await store.backlog()
-    oldest = ago(counts.oldest, utc_now())
+    counts = await admin(conn).backlog()
+    oldest = counts.oldest_age()
     return {
         "database": conn.db.name,
         "pending": counts.pending,
         "oldest_pending_age_seconds": oldest.total_seconds() if oldest else None,
-        "parked": await store.parked_count(),
+        "parked": counts.parked,
     }
 
 
 async def _members(conn: Connection, places: Places, group: str) -> list[dict[str, Any]]:
     """The group's live members and the partitions each said it holds at its last beat, read
     as the group's own ``status()`` reads them."""
-    beats = Membership(conn.db[places.members], group, me="", lease=timedelta(0))
     return [
-        {"member": str(doc["_id"]), "partitions": list(doc.get("partitions") or ())}
-        for doc in await beats.live()
+        {"member": member.name, "partitions": list(member.partitions)}
+        for member in await admin(conn, places).members(group)
     ]
 
 
 async def parked(
-    conn: Connection, types: list[str], aggregates: list[str], read: int | None = SHOWN
-) -> ParkedChoice:
-    """As ``parked list --type --aggregate``: any of the types, any of the aggregate ids; the
-    first ``read`` of them read whole."""
-    return await choose_parked(store_for(conn.outbox), types, aggregates, read)
+    conn: Connection, types: list[str], aggregates: list[str], after: str | None = None
+) -> ParkedPage:
+    """As ``parked list --type --aggregate``: any of the types, any of the aggregate ids; a
+    page of ``SHOWN`` of them after the id ``after``, of which only the shown fields are
+    read."""
+    return await admin(conn).parked(types, aggregates, limit=SHOWN, after=after)
 
 
-PARKED_FIELDS = (
-    "_id",
-    "type",
-    "aggregate_type",
-    "aggregate_id",
-    "sequence",
-    "attempts",
-    "last_error",
-)
+async def matching(conn: Connection, types: list[str], aggregates: list[str]) -> list[Any]:
+    """The ids of every parked event the filters keep (none read whole), for a requeue."""
+    return await admin(conn).matching(types, aggregates)
+
+
+def parked_row(entry: ParkedEntry) -> dict[str, Any]:
+    """What the page shows of a parked entry (not its payload): a field the entry holds in a
+    type it cannot have is shown as stored, and the entry marked unreadable, with why."""
+    raw = entry.document
+    return {
+        "_id": entry.event_id,
+        "type": raw.get("type"),
+        "aggregate_type": raw.get("aggregate_type"),
+        "aggregate_id": entry.aggregate_id,
+        "sequence": raw.get("sequence"),
+        "attempts": entry.attempts,
+        "last_error": entry.last_error,
+        "unreadable": entry.unreadable,
+    }
+
+
 FAILED_FIELDS = ("consumer", "message_id", "event_type", "failed_at", "attempts", "last_error")
-
-
-def parked_row(entry: dict[str, Any]) -> dict[str, Any]:
-    """What the page shows of a parked entry: these fields only (not its payload), each
-    ``None`` when the entry has none."""
-    return {name: entry.get(name) for name in PARKED_FIELDS}
 
 
 def failed_row(record: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +144,7 @@ def failed_row(record: dict[str, Any]) -> dict[str, Any]:
 async def inbox_failures(conn: Connection, places: Places) -> list[dict[str, Any]]:
     """The failed messages of every consumer, the latest first, at most ``SHOWN`` each."""
     records: list[dict[str, Any]] = []
-    for consumer in await failures(conn.db[places.inbox]):
+    for consumer in await admin(conn, places).inbox_failures():
         box = Inbox(conn.db, consumer=consumer, collection=places.inbox)
         records += await box.failed(limit=SHOWN)
     return records
@@ -143,7 +152,7 @@ async def inbox_failures(conn: Connection, places: Places) -> list[dict[str, Any
 
 async def requeue_parked(conn: Connection, event_ids: list[str]) -> int:
     """As ``parked requeue``: the earlier parked events of their aggregates come back too."""
-    return await store_for(conn.outbox).requeue(event_ids)
+    return await admin(conn).requeue(event_ids)
 
 
 async def requeue_failed(
@@ -190,9 +199,7 @@ class Sampler:
         return latest.get("expire_at") if latest else None
 
     async def sample(self) -> Sample:
-        store = store_for(self.conn.outbox)
-        backlog = await store.backlog()
-        parked_count = await store.parked_count()
+        backlog = await admin(self.conn).backlog()
         published: int | None = None
         latest = await self._latest_expiry()
         if not self._first:
@@ -204,7 +211,7 @@ class Sampler:
                 )
         self._first = False
         self._mark = latest if latest is not None else self._mark
-        taken = Sample(utc_now(), backlog.pending, parked_count, published)
+        taken = Sample(utc_now(), backlog.pending, backlog.parked, published)
         self.samples.append(taken)
         return taken
 
