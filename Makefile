@@ -36,8 +36,9 @@ test-fast: $(BIN)/.installed
 # The whole suite on Python 3.10; the MongoDB emulator (Python >= 3.13) runs from .venv. The tests
 # of the emulator itself (`testground`: its transactions, MongoDB's spec tests) run once, in `make
 # test`: this leg starts the same emulator from the same .venv, so they would check it twice. The
-# relay's model check searches the same interleavings on any Python: this leg runs a quarter of
-# its examples (every rule and assertion still runs on 3.10), `make test` all of them.
+# relay's model check and the RabbitMQ confirm window's search the same interleavings on any
+# Python: this leg runs a quarter of their examples (every rule and assertion still runs on
+# 3.10), `make test` all of them.
 OLDEST_MODEL_EXAMPLES ?= 25
 OLDEST_VENV := .venv-oldest
 $(OLDEST_VENV)/bin/.installed: pyproject.toml
@@ -49,6 +50,7 @@ $(OLDEST_VENV)/bin/.installed: pyproject.toml
 
 test-oldest: $(BIN)/.installed $(OLDEST_VENV)/bin/.installed
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) RELAY_MODEL_EXAMPLES=$(OLDEST_MODEL_EXAMPLES) \
+		CONFIRM_WINDOW_EXAMPLES=$$(( $(OLDEST_MODEL_EXAMPLES) * 10 )) \
 		$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) -m 'not testground' $(PYTEST_ARGS)
 
 # The whole suite under coverage.py, for the line-coverage figure of mongo_outbox (in-process only).
