@@ -7,7 +7,8 @@ old module's path gives the module that holds its names now, and an old ``module
 object that it is now, where it moved to another module or got another name. A finder at the end
 of ``sys.meta_path`` (installed by ``mongo_outbox/__init__.py``) answers for an old module that no
 file provides: importing it warns once, and each name is looked up where it lives, when first
-asked for, so an old path of a broker still needs only that broker's extra.
+asked for, so an old path of a broker still needs only that broker's extra. The warning sends
+users to a public path (``FRONTS``), never to a private module.
 
 The library and its tests import the new paths only, so that ``-W error::DeprecationWarning``
 holds for them. This module imports none of the library: it is a leaf.
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["FRONTS", "MOVED", "advice", "install"]
 
 MOVED: dict[str, str] = {
     # -- the seam below the brokers (brokers/_publishing.py, brokers/_consuming.py) ------------
@@ -49,6 +50,25 @@ MOVED: dict[str, str] = {
     "mongo_outbox.guard": "mongo_outbox.inbox",
 }
 """Old path -> new path: a module's, or a ``module.Name``'s where the name moved on its own."""
+
+FRONTS: dict[str, str] = {
+    "mongo_outbox.brokers._publishing": "mongo_outbox.publishers",
+    "mongo_outbox.brokers._consuming": "mongo_outbox.consumers",
+}
+"""The public front of a private new path, which the warning names instead."""
+
+
+def advice(old: str) -> str:
+    """What the warning says of ``old``: where to import from now, never a private module."""
+    new = MOVED[old]
+    if new in FRONTS:
+        return (
+            f"{old} is deprecated: import from {FRONTS[new]} instead "
+            "(what that does not offer is internal now)"
+        )
+    if any(part.startswith("_") for part in new.split(".")):
+        return f"{old} is deprecated: what it offered is internal now ({new})"
+    return f"{old} is deprecated: import from {new} instead"
 
 
 def _found(path: str) -> Any:
@@ -78,11 +98,7 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = module.__name__
         new = MOVED[old]
         # Skipping the import system's frames, the warning points at the line that imported.
-        warnings.warn(
-            f"{old} is deprecated: import from {new} instead",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn(advice(old), DeprecationWarning, stacklevel=2)
 
         def attribute(name: str) -> Any:
             if name.startswith("__"):

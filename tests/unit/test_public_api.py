@@ -12,7 +12,7 @@ import pytest
 
 import mongo_outbox
 import mongo_outbox.publishers
-from mongo_outbox._moved import MOVED
+from mongo_outbox._moved import MOVED, advice
 
 EXTRA = {
     "AggregateNotFoundError",
@@ -240,8 +240,9 @@ def unimported(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.mark.parametrize("unimported", sorted(OLD_PATHS), indirect=True)
 def test_an_old_import_path_warns_and_gives_the_objects_of_the_new_one(unimported: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"^{unimported} is deprecated: import from "):
+    with pytest.warns(DeprecationWarning, match=f"^{unimported} is deprecated: ") as warned:
         imported = importlib.import_module(unimported)
+    assert str(warned[0].message) == advice(unimported)
     for name, new in OLD_PATHS[unimported].items():
         assert getattr(imported, name) is getattr(importlib.import_module(new), name), name
     assert set(OLD_PATHS) == {path for path in MOVED if path.rpartition(".")[0] not in MOVED}
@@ -259,6 +260,20 @@ def test_an_old_path_s_renamed_names_are_the_new_objects() -> None:
         from mongo_outbox import guard  # type: ignore[attr-defined]
     with pytest.raises(AttributeError, match=r"'mongo_outbox\.guard' has no attribute 'nothing'"):
         guard.nothing  # noqa: B018
+
+
+def test_the_warning_names_a_public_path_and_never_a_private_one_as_the_one_to_use() -> None:
+    assert advice("mongo_outbox.publishers.base") == (
+        "mongo_outbox.publishers.base is deprecated: import from mongo_outbox.publishers "
+        "instead (what that does not offer is internal now)"
+    )
+    assert advice("mongo_outbox.guard") == (
+        "mongo_outbox.guard is deprecated: import from mongo_outbox.inbox instead"
+    )
+    assert advice("mongo_outbox.changestream.checkpoint") == (
+        "mongo_outbox.changestream.checkpoint is deprecated: what it offered is internal now "
+        "(mongo_outbox._relay.lease)"
+    )
 
 
 def test_the_warning_points_at_the_line_that_imported_the_old_path() -> None:
