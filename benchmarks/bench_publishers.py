@@ -42,8 +42,8 @@ from benchmarks.common import (
 from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox._relay.rounds import Rounds
 from mongo_outbox._relay.store.base import Claim
+from mongo_outbox.brokers._publishing import message_headers
 from mongo_outbox.publishers import MemoryPublisher, Publisher
-from mongo_outbox.publishers.base import message_headers
 
 MESSAGES = 5000
 IN_FLIGHT = 256

@@ -40,7 +40,7 @@ from typing import Any
 from pymongo import AsyncMongoClient
 
 from mongo_outbox import ConcurrencyError, ConfigurationError, Event, Outbox
-from mongo_outbox.publishers.base import redact_url
+from mongo_outbox.publishers import redact_url
 from mongo_outbox.testing import NatsServer, start_emulator, start_nats
 
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")

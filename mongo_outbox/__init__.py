@@ -6,6 +6,7 @@ relay them to a broker at least once and in order per aggregate (``PollingRelay`
 them effectively once.
 """
 
+from mongo_outbox import _moved
 from mongo_outbox.changestream import ChangeStreamRelay, RelayStatus
 from mongo_outbox.errors import (
     AggregateNotFoundError,
@@ -83,3 +84,6 @@ __all__ = [
     "inbox_guard",
     "new_event_id",
 ]
+
+# The import paths of before answer from one table, each with a DeprecationWarning.
+_moved.install()

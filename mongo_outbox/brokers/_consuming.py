@@ -1,6 +1,6 @@
 """What every consumer helper shares: the outcome-to-broker table, decoding, and the loop that
 runs a guarded handler on a delivery and settles it, one aggregate at a time in ordered mode.
-It is the seam below the brokers' consumers (also importable as ``mongo_outbox.consumers.base``).
+It is the seam below the brokers' consumers.
 
 Outcome to broker action:
 
@@ -47,8 +47,7 @@ from mongo_outbox.errors import (
     describe,
 )
 from mongo_outbox.events import Event
-from mongo_outbox.guard import MAX_ID_LENGTH, Guarded, check_message_id
-from mongo_outbox.inbox import Outcome
+from mongo_outbox.inbox import MAX_ID_LENGTH, Guarded, Outcome, check_message_id
 from mongo_outbox.settings import check_count
 from mongo_outbox.tracing import receiving
 

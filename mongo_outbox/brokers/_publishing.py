@@ -2,8 +2,7 @@
 how a client's failure becomes the error the relay acts on, and how a URL is shown in logs.
 
 It is the seam below the brokers' packages, which the relays publish through: users find
-``Publisher`` in the front ``mongo_outbox.publishers`` (and all of it at the path of before,
-``mongo_outbox.publishers.base``)."""
+``Publisher`` and ``redact_url`` in the front ``mongo_outbox.publishers``."""
 
 from __future__ import annotations
 

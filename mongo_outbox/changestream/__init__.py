@@ -1,9 +1,9 @@
 """The change-stream relay: ``ChangeStreamRelay`` follows an outbox's change stream and
 publishes within milliseconds of a commit.
 
-Three modules, one concern each: ``source`` adapts the driver's change streams (and triages
-their errors), ``relay`` is the loop, ``checkpoint`` names the resume token and leader lease
-(``mongo_outbox._relay.lease``, the relay's fenced lease).
+Two modules, one concern each: ``source`` adapts the driver's change streams (and triages
+their errors), ``relay`` is the loop. Its checkpoint, the resume token and leader lease, is the
+relay's fenced lease (``mongo_outbox._relay.lease``).
 """
 
 from mongo_outbox.changestream.relay import ChangeStreamRelay

@@ -29,7 +29,7 @@ from pymongo.errors import PyMongoError
 from mongo_outbox.errors import OutboxError, describe
 from mongo_outbox.events import utc_now
 from mongo_outbox.outbox import Outbox
-from mongo_outbox.publishers.base import redact_url, url_secrets
+from mongo_outbox.publishers import redact_url, url_secrets
 from mongo_outbox.tenants import current_database
 
 log = logging.getLogger("mongo_outbox.cli")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mongo_outbox.brokers import front
-from mongo_outbox.brokers._publishing import BatchPublisher, Publisher
-from mongo_outbox.publishers.memory import MemoryPublisher
+from mongo_outbox.brokers._publishing import BatchPublisher, Publisher, redact_url, url_secrets
 
 if TYPE_CHECKING:
     from mongo_outbox.brokers.faststream.publisher import FastStreamPublisher
+    from mongo_outbox.brokers.memory.publisher import MemoryPublisher
     from mongo_outbox.brokers.nats.publisher import NatsPublisher
     from mongo_outbox.brokers.rabbitmq.publisher import RabbitMQPublisher
     from mongo_outbox.brokers.redis.publisher import RedisStreamsPublisher
@@ -26,6 +26,8 @@ __all__ = [
     "Publisher",
     "RabbitMQPublisher",
     "RedisStreamsPublisher",
+    "redact_url",
+    "url_secrets",
 ]
 
 

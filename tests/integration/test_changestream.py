@@ -503,10 +503,10 @@ async def test_order_per_aggregate_holds_across_a_failure_and_a_recovery(
 async def test_a_deposed_leader_cannot_move_the_checkpoint(db: Any) -> None:
     from datetime import timedelta
 
-    from mongo_outbox.changestream.checkpoint import Checkpoint, LeaseLost
+    from mongo_outbox._relay.lease import FencedLease, LeaseLost
 
-    old = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=0.2))
-    new = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=30))
+    old = FencedLease(db.outbox_relays, "orders-relay", timedelta(seconds=0.2))
+    new = FencedLease(db.outbox_relays, "orders-relay", timedelta(seconds=30))
     assert await old.acquire()
     assert not await new.acquire()  # the lease is live
     await asyncio.sleep(0.3)  # the old leader stalls past its lease

@@ -14,7 +14,7 @@ from pymongo.errors import AutoReconnect
 
 from mongo_outbox import ChangeStreamRelay, Outbox
 from mongo_outbox.changestream.source import ChangeBatch
-from mongo_outbox.publishers.memory import MemoryPublisher
+from mongo_outbox.publishers import MemoryPublisher
 from tests.integration.test_cli_stop import MongoGate
 from tests.support.servers import MongoServer
 from tests.support.waiting import until

@@ -19,7 +19,7 @@ from mongo_outbox import (
     RelaySettings,
     inbox_guard,
 )
-from mongo_outbox.changestream.checkpoint import Checkpoint
+from mongo_outbox._relay.lease import FencedLease
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.cli import cli
 from tests.support.servers import MongoServer
@@ -46,10 +46,10 @@ async def test_status_shows_backlog_parked_relays_and_inbox_failures(
     await PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1)).drain()
     for n in (2, 3):
         await outbox.save_with_events(None, db.orders, {"_id": n}, [Event(type="placed")])
-    active = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=60))
+    active = FencedLease(db.outbox_relays, "orders-relay", timedelta(seconds=60))
     assert await active.acquire()
     await active.save({"_data": "t1"})
-    stopped = Checkpoint(db.outbox_relays, "old-relay", timedelta(seconds=60))
+    stopped = FencedLease(db.outbox_relays, "old-relay", timedelta(seconds=60))
     assert await stopped.acquire()
     await stopped.save({"_data": "t0"})
     await stopped.release()

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from mongo_outbox import Outbox
-from mongo_outbox.changestream.checkpoint import Checkpoint
+from mongo_outbox._relay.lease import FencedLease
 from tests.support.brokers import free_port
 from tests.support.cli import Service
 from tests.support.servers import NATS_URL, MongoServer
@@ -91,7 +91,7 @@ async def test_a_standby_stops_at_once_during_a_mongodb_outage(
     from tests.support.metrics import get
 
     await Outbox(db).ensure_indexes()
-    leader = Checkpoint(db.outbox_relays, "orders-relay", timedelta(seconds=120))
+    leader = FencedLease(db.outbox_relays, "orders-relay", timedelta(seconds=120))
     assert await leader.acquire()  # held by another process: the relay stands by
     gate = MongoGate(mongo.uri)
     await gate.start()

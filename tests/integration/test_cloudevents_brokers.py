@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from mongo_outbox import Event, Inbox, InvalidEventError, inbox_guard
 from mongo_outbox.cloudevents import CloudEvents, read_cloudevent
 from mongo_outbox.consumers import consume_nats, consume_rabbitmq, consume_redis
-from mongo_outbox.guard import Guarded
+from mongo_outbox.inbox import Guarded
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, RedisStreamsPublisher
 from tests.support.servers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from tests.support.waiting import until

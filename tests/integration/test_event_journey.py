@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pymongo import AsyncMongoClient
 
 from mongo_outbox import Event, InvalidEventError, PollingRelay
-from mongo_outbox.consumers.base import decode
+from mongo_outbox.brokers._consuming import decode
 from mongo_outbox.events import MAX_PAYLOAD_DEPTH
 from mongo_outbox.publishers import MemoryPublisher
 from tests.support.outboxes import MODES, make_outbox

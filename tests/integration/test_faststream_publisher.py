@@ -26,9 +26,9 @@ from mongo_outbox import (
     PollingRelay,
     RelaySettings,
 )
+from mongo_outbox.errors import unavailable
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import FastStreamPublisher
-from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker
 from tests.support.messages import bind_queue, drain_queue, read_stream
 from tests.support.redis_server import HAVE_REDIS_SERVER, RedisServer

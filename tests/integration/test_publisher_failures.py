@@ -31,8 +31,8 @@ from mongo_outbox import (
     PublishError,
 )
 from mongo_outbox.brokers.rabbitmq._confirms import UNCONFIRMED_BYTES
+from mongo_outbox.errors import unavailable
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from mongo_outbox.publishers.base import unavailable
 from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.servers import NATS_URL, RABBITMQ_URL

@@ -20,6 +20,8 @@ from mongo_outbox import (
     InvalidEventError,
     PublishError,
 )
+from mongo_outbox.brokers._publishing import NamingFailed
+from mongo_outbox.errors import unavailable
 from mongo_outbox.publishers import (
     BatchPublisher,
     MemoryPublisher,
@@ -27,7 +29,6 @@ from mongo_outbox.publishers import (
     Publisher,
     RabbitMQPublisher,
 )
-from mongo_outbox.publishers.base import NamingFailed, unavailable
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
 from tests.support.outboxes import assert_in_order
 from tests.support.servers import NATS_URL, RABBITMQ_URL

@@ -27,11 +27,11 @@ from mongo_outbox import (
     PoisonMessage,
     inbox_guard,
 )
+from mongo_outbox.brokers._publishing import message_headers
 from mongo_outbox.brokers.redis import _entries
 from mongo_outbox.brokers.redis.publisher import entry_of
 from mongo_outbox.consumers import consume_redis
 from mongo_outbox.publishers import RedisStreamsPublisher
-from mongo_outbox.publishers.base import message_headers
 from tests.support.billing import (
     concurrency,
     guarded_billing,

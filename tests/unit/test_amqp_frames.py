@@ -15,8 +15,8 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from mongo_outbox import Event
+from mongo_outbox.brokers._publishing import message_headers
 from mongo_outbox.brokers.rabbitmq._confirms import ConfirmWindow, Encoder
-from mongo_outbox.publishers.base import message_headers
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 

@@ -21,8 +21,17 @@ MODULES = {
 
 
 def expanded(name: str) -> list[str]:
-    """``brokers/<name>/...`` stands for every broker's package."""
-    return [name.replace("<name>", broker) for broker in BROKERS] if "<name>" in name else [name]
+    """``brokers/<name>/...`` stands for the package of every broker that has that part: its
+    command line (``cli.py``) where its entry names one, the rest where it has a client (the
+    in-process ``memory`` has a publisher only)."""
+    if "<name>" not in name:
+        return [name]
+    has_it = (
+        (lambda broker: broker.command_line is not None)
+        if name.rstrip("/").endswith("/cli.py")
+        else (lambda broker: bool(broker.extra))
+    )
+    return [name.replace("<name>", b.name) for b in BROKERS.values() if has_it(b)]
 
 
 def defines(module: str, name: str) -> bool:

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from mongo_outbox.errors import unavailable
 from mongo_outbox.events import Event
-from mongo_outbox.publishers.base import unavailable
 
 EVENT = Event(type="order.placed")
 DESTINATION = "orders.placed"

@@ -1,6 +1,6 @@
-"""The broker options of the publishing commands come from one table (``COMMAND_LINE``): one
-broker is named, another broker's options are refused with the ones to use instead, and the
-command receives the broker with its defaults filled in."""
+"""The broker options of the publishing commands come from the brokers' own packages, collected
+through ``BROKERS`` (``COMMAND_LINE``): one broker is named, another broker's options are refused
+with the ones to use instead, and the command receives the broker with its defaults filled in."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from mongo_outbox.brokers.nats.cli import Nats
+from mongo_outbox.brokers.rabbitmq.cli import RabbitMQ
 from mongo_outbox.cli.brokers import (
     COMMAND_LINE,
     Broker,
-    Nats,
-    RabbitMQ,
     broker_options,
     optional_broker_options,
 )
@@ -85,24 +85,28 @@ def test_another_broker_s_options_are_refused(args: tuple[str, ...], message: st
 
 def test_the_command_gets_the_named_broker_with_its_defaults() -> None:
     assert run("--nats", "nats://a").output.strip() == repr(
-        Nats("nats://a", "events.{aggregate_type}.{type}")
+        Broker(Nats("nats://a", "events.{aggregate_type}.{type}"))
     )
     assert run("--rabbitmq", "amqp://b").output.strip() == repr(
-        RabbitMQ("amqp://b", "{type}", "events", declare=True)
+        Broker(RabbitMQ("amqp://b", "{type}", "events", declare=True))
     )
 
 
 def test_a_named_rabbitmq_exchange_must_exist_unless_it_is_to_be_declared() -> None:
     named = run("--rabbitmq", "amqp://b", "--exchange", "orders", "--routing-key", "o.{type}")
-    assert named.output.strip() == repr(RabbitMQ("amqp://b", "o.{type}", "orders", declare=False))
+    assert named.output.strip() == repr(
+        Broker(RabbitMQ("amqp://b", "o.{type}", "orders", declare=False))
+    )
     declared = run("--rabbitmq", "amqp://b", "--exchange", "orders", "--declare-exchange")
-    assert declared.output.strip() == repr(RabbitMQ("amqp://b", "{type}", "orders", declare=True))
+    assert declared.output.strip() == repr(
+        Broker(RabbitMQ("amqp://b", "{type}", "orders", declare=True))
+    )
 
 
 def test_max_message_size_is_a_positive_number_of_bytes() -> None:
     sized = run("--rabbitmq", "amqp://b", "--max-message-size", "1048576")
     assert sized.output.strip() == repr(
-        RabbitMQ("amqp://b", "{type}", "events", declare=True, max_message_size=1048576)
+        Broker(RabbitMQ("amqp://b", "{type}", "events", declare=True, max_message_size=1048576))
     )
     for bad in ("0", "-5", "16MiB"):
         refused = run("--rabbitmq", "amqp://b", "--max-message-size", bad)
@@ -121,7 +125,7 @@ def test_a_command_that_may_run_without_a_broker_gets_none_and_one_broker_at_mos
     alone = CliRunner().invoke(maybe_publish, ["--subject", "s.{type}"], env={})
     assert alone.exit_code == 0 and alone.output.strip() == "None"
     named = CliRunner().invoke(maybe_publish, ["--nats", "nats://a"], env={})
-    assert named.exit_code == 0 and named.output.startswith("Nats(")
+    assert named.exit_code == 0 and named.output.startswith("Broker(chosen=Nats(")
     two = CliRunner().invoke(maybe_publish, ["--nats", "nats://a", "--rabbitmq", "amqp://b"])
     assert two.exit_code == 1 and "name one broker" in two.output
 
@@ -129,7 +133,7 @@ def test_a_command_that_may_run_without_a_broker_gets_none_and_one_broker_at_mos
 def test_either_broker_publishes_cloudevents_when_given_a_source() -> None:
     binary = run("--nats", "nats://a", "--cloudevents-source", "/orders")
     assert binary.output.strip() == repr(
-        Nats("nats://a", "events.{aggregate_type}.{type}", CloudEvents("/orders"))
+        Broker(Nats("nats://a", "events.{aggregate_type}.{type}", CloudEvents("/orders")))
     )
     structured = run(
         "--rabbitmq",
@@ -140,7 +144,9 @@ def test_either_broker_publishes_cloudevents_when_given_a_source() -> None:
         "structured",
     )
     assert structured.output.strip() == repr(
-        RabbitMQ("amqp://b", "{type}", "events", cloudevents=CloudEvents("urn:x", "structured"))
+        Broker(
+            RabbitMQ("amqp://b", "{type}", "events", cloudevents=CloudEvents("urn:x", "structured"))
+        )
     )
 
 

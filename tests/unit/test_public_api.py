@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 
 import mongo_outbox
 import mongo_outbox.publishers
+from mongo_outbox._moved import MOVED, advice
 
 EXTRA = {
     "AggregateNotFoundError",
@@ -66,9 +70,11 @@ def test_all_is_exactly_the_public_surface() -> None:
         "Publisher",
         "RabbitMQPublisher",
         "RedisStreamsPublisher",
+        "redact_url",
+        "url_secrets",
     }
     for name in mongo_outbox.publishers.__all__:
-        assert inspect.isclass(getattr(mongo_outbox.publishers, name))
+        assert callable(getattr(mongo_outbox.publishers, name))
 
 
 def test_errors_share_one_root() -> None:
@@ -149,19 +155,62 @@ IMPORT_PATHS = {
         "RabbitMQPublisher",
         "RedisStreamsPublisher",
     ],
-    "mongo_outbox.publishers.base": ["BatchPublisher", "Publisher"],
-    "mongo_outbox.publishers.faststream": ["FastStreamPublisher"],
-    "mongo_outbox.publishers.nats": ["NatsPublisher", "subject_of", "checked_subject"],
-    "mongo_outbox.publishers.rabbitmq": ["RabbitMQPublisher", "routing_key_of"],
-    "mongo_outbox.publishers.redis": ["RedisStreamsPublisher", "entry_of", "classify"],
-    "mongo_outbox.consumers.nats": ["consume_nats", "handle_nats_message"],
-    "mongo_outbox.consumers.rabbitmq": ["consume_rabbitmq", "handle_rabbitmq_message"],
-    "mongo_outbox.consumers.redis": ["consume_redis", "default_consumer_name"],
-    "mongo_outbox.backoff": ["Backoff"],
     "mongo_outbox.testing.emulator": ["CURSOR_NOT_FOUND", "server_error_code"],
-    "mongo_outbox.publishers.memory": ["MemoryPublisher"],
     "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
+}
+
+
+# The import paths of before that moved (mongo_outbox._moved.MOVED): each keeps working, with a
+# DeprecationWarning, and gives the very objects of the new path.
+OLD_PATHS = {
+    "mongo_outbox.publishers.base": {
+        "BatchPublisher": "mongo_outbox.brokers._publishing",
+        "Publisher": "mongo_outbox.brokers._publishing",
+        "redact_url": "mongo_outbox.brokers._publishing",
+        "unavailable": "mongo_outbox.errors",
+    },
+    "mongo_outbox.publishers.faststream": {
+        "FastStreamPublisher": "mongo_outbox.brokers.faststream.publisher"
+    },
+    "mongo_outbox.publishers.nats": {
+        "NatsPublisher": "mongo_outbox.brokers.nats.publisher",
+        "subject_of": "mongo_outbox.brokers.nats.publisher",
+        "checked_subject": "mongo_outbox.brokers.nats.publisher",
+    },
+    "mongo_outbox.publishers.rabbitmq": {
+        "RabbitMQPublisher": "mongo_outbox.brokers.rabbitmq.publisher",
+        "routing_key_of": "mongo_outbox.brokers.rabbitmq.publisher",
+    },
+    "mongo_outbox.publishers.redis": {
+        "RedisStreamsPublisher": "mongo_outbox.brokers.redis.publisher",
+        "entry_of": "mongo_outbox.brokers.redis.publisher",
+        "classify": "mongo_outbox.brokers.redis.errors",
+    },
+    "mongo_outbox.publishers.memory": {"MemoryPublisher": "mongo_outbox.brokers.memory.publisher"},
+    "mongo_outbox.consumers.base": {
+        "Delivery": "mongo_outbox.brokers._consuming",
+        "decode": "mongo_outbox.brokers._consuming",
+    },
+    "mongo_outbox.consumers.nats": {
+        "consume_nats": "mongo_outbox.brokers.nats.consumer",
+        "handle_nats_message": "mongo_outbox.brokers.nats.consumer",
+    },
+    "mongo_outbox.consumers.rabbitmq": {
+        "consume_rabbitmq": "mongo_outbox.brokers.rabbitmq.consumer",
+        "handle_rabbitmq_message": "mongo_outbox.brokers.rabbitmq.consumer",
+    },
+    "mongo_outbox.consumers.redis": {
+        "consume_redis": "mongo_outbox.brokers.redis.consumer",
+        "default_consumer_name": "mongo_outbox.brokers.redis.consumer",
+    },
+    "mongo_outbox.changestream.checkpoint": {"LeaseLost": "mongo_outbox._relay.lease"},
+    "mongo_outbox.backoff": {"Backoff": "mongo_outbox.settings"},
+    "mongo_outbox.guard": {
+        "inbox_guard": "mongo_outbox.inbox",
+        "Guarded": "mongo_outbox.inbox",
+        "check_message_id": "mongo_outbox.inbox",
+    },
 }
 
 
@@ -170,6 +219,87 @@ def test_every_public_import_path_of_the_first_version_still_works(module: str) 
     imported = importlib.import_module(module)
     for name in IMPORT_PATHS[module]:
         assert getattr(imported, name) is not None, f"{module}.{name}"
+
+
+def forget(module: str) -> None:
+    """Have the next import of ``module`` import it afresh (and warn again)."""
+    sys.modules.pop(module, None)
+    parent, _, name = module.rpartition(".")
+    if hasattr(sys.modules[parent], name):
+        delattr(sys.modules[parent], name)
+
+
+@pytest.fixture
+def unimported(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The old path, imported afresh by the test (and forgotten again after it)."""
+    module: str = request.param
+    forget(module)
+    yield module
+    forget(module)
+
+
+@pytest.mark.parametrize("unimported", sorted(OLD_PATHS), indirect=True)
+def test_an_old_import_path_warns_and_gives_the_objects_of_the_new_one(unimported: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"^{unimported} is deprecated: ") as warned:
+        imported = importlib.import_module(unimported)
+    assert str(warned[0].message) == advice(unimported)
+    for name, new in OLD_PATHS[unimported].items():
+        assert getattr(imported, name) is getattr(importlib.import_module(new), name), name
+    assert set(OLD_PATHS) == {path for path in MOVED if path.rpartition(".")[0] not in MOVED}
+
+
+def test_an_old_path_s_renamed_names_are_the_new_objects() -> None:
+    forget("mongo_outbox.changestream.checkpoint")
+    with pytest.warns(DeprecationWarning, match="checkpoint is deprecated"):
+        from mongo_outbox.changestream.checkpoint import Checkpoint  # type: ignore[attr-defined]
+    from mongo_outbox._relay.lease import FencedLease
+
+    assert Checkpoint is FencedLease
+    forget("mongo_outbox.guard")
+    with pytest.warns(DeprecationWarning, match="guard is deprecated"):
+        from mongo_outbox import guard  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match=r"'mongo_outbox\.guard' has no attribute 'nothing'"):
+        guard.nothing  # noqa: B018
+
+
+def test_the_warning_names_a_public_path_and_never_a_private_one_as_the_one_to_use() -> None:
+    assert advice("mongo_outbox.publishers.base") == (
+        "mongo_outbox.publishers.base is deprecated: import from mongo_outbox.publishers "
+        "instead (what that does not offer is internal now)"
+    )
+    assert advice("mongo_outbox.guard") == (
+        "mongo_outbox.guard is deprecated: import from mongo_outbox.inbox instead"
+    )
+    assert advice("mongo_outbox.changestream.checkpoint") == (
+        "mongo_outbox.changestream.checkpoint is deprecated: what it offered is internal now "
+        "(mongo_outbox._relay.lease)"
+    )
+
+
+def test_the_warning_points_at_the_line_that_imported_the_old_path() -> None:
+    forget("mongo_outbox.backoff")
+    with pytest.warns(DeprecationWarning, match="backoff is deprecated") as warned:
+        import mongo_outbox.backoff  # noqa: F401
+    assert warned[0].filename == __file__
+
+
+def test_the_library_and_its_new_paths_import_without_a_deprecation_warning() -> None:
+    names = [
+        "mongo_outbox",
+        "mongo_outbox.publishers",
+        "mongo_outbox.consumers",
+        "mongo_outbox.brokers",
+        "mongo_outbox.cli.app",
+        *sorted(IMPORT_PATHS),
+    ]
+    code = "".join(f"import {name}\n" for name in names)
+    result = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_sync_outbox_offers_every_write_of_the_async_one_without_await() -> None:

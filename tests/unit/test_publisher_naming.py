@@ -13,9 +13,13 @@ import redis.asyncio
 from faststream.redis import RedisBroker
 
 from mongo_outbox import ConfigurationError, Event
-from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, RedisStreamsPublisher
-from mongo_outbox.publishers.base import check_naming, render
-from mongo_outbox.publishers.faststream import FastStreamPublisher
+from mongo_outbox.brokers._publishing import check_naming, render
+from mongo_outbox.publishers import (
+    FastStreamPublisher,
+    NatsPublisher,
+    RabbitMQPublisher,
+    RedisStreamsPublisher,
+)
 
 # Never used to publish: the checks run before anything reaches a broker.
 MAKERS: dict[str, Any] = {

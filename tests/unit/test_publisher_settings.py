@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from mongo_outbox import ConfigurationError
-from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
-from mongo_outbox.publishers.base import redact_url, url_secrets
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher, redact_url, url_secrets
 
 
 @pytest.mark.parametrize(

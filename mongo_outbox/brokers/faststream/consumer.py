@@ -39,8 +39,7 @@ from mongo_outbox.brokers._consuming import (
 )
 from mongo_outbox.errors import ConfigurationError, InvalidEventError, PoisonMessage, describe
 from mongo_outbox.events import Event
-from mongo_outbox.guard import Guarded, inbox_guard
-from mongo_outbox.inbox import DeadLetter, Inbox, Outcome
+from mongo_outbox.inbox import DeadLetter, Guarded, Inbox, Outcome, inbox_guard
 from mongo_outbox.settings import Backoff
 from mongo_outbox.upcasters import Upcasters, version_of
 

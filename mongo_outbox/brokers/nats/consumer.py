@@ -25,8 +25,7 @@ from mongo_outbox.brokers._consuming import (
     settle,
 )
 from mongo_outbox.errors import ConfigurationError, describe
-from mongo_outbox.guard import Guarded
-from mongo_outbox.inbox import Outcome
+from mongo_outbox.inbox import Guarded, Outcome
 from mongo_outbox.settings import check_count
 
 try:

@@ -35,8 +35,7 @@ from mongo_outbox.brokers._consuming import (
 from mongo_outbox.brokers.rabbitmq._confirms import server_major
 from mongo_outbox.brokers.rabbitmq._retry_queues import RetryQueues
 from mongo_outbox.errors import describe
-from mongo_outbox.guard import Guarded
-from mongo_outbox.inbox import Outcome
+from mongo_outbox.inbox import Guarded, Outcome
 
 try:
     import aiormq.exceptions

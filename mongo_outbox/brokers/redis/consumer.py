@@ -32,7 +32,7 @@ from mongo_outbox.brokers._consuming import (
     ready,
 )
 from mongo_outbox.errors import ConfigurationError, describe
-from mongo_outbox.guard import Guarded
+from mongo_outbox.inbox import Guarded
 from mongo_outbox.settings import Duration, check_count, check_seconds
 
 try:

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from mongo_outbox.cli.common import scrub
-from mongo_outbox.publishers.base import redact_url
+from mongo_outbox.publishers import redact_url
 
 # A URL inside a text: a scheme, "://", then up to a space or a quote. The scheme starts where
 # a run of scheme characters starts (the lookbehind): tried from every letter of a long word,
