@@ -10,7 +10,11 @@ does, so the ratio is the library's own overhead. Where Go and Debian's amqp091-
 (``apt-get install golang-go golang-github-rabbitmq-amqp091-go-dev``), a Go client
 (``benchmarks/go``) publishes the same RabbitMQ messages with the same window, as a reference
 for what the broker takes; it reports its own time, from its first publish to its last confirm
-(its messages are built before that). Runs alternate baseline and library; each
+(its messages are built before that). Likewise with Debian's nats.go
+(``golang-github-nats-io-go-nats-dev``), a Go publisher sends the same NATS messages with
+``PublishMsgAsync`` and as many pending, against ``NatsPublisher.publish_many`` through the
+public API in chunks of that many, in turn and two half-size chunks at once (as the relay
+drives it); without Go the run says so and goes on. Runs alternate baseline and library; each
 takes a fresh stream or exchange and queue, deleted afterwards. The end-to-end figure (saved
 events, drained to the broker) is mostly the database's cost, and here that is whatever
 MongoDB the benchmark runs on.
@@ -100,8 +104,10 @@ async def compare(
     name: str,
     runs: dict[str, Callable[[], Awaitable[Run]]],
     cleanup: Callable[[], Awaitable[None]],
+    reference: str | None = None,
 ) -> list[str]:
-    """Time each run REPEATS times, alternating, with fresh events each time (brokers dedupe)."""
+    """Time each run REPEATS times, alternating, with fresh events each time (brokers dedupe);
+    the ratios are the library's to each other run, or with ``reference`` each run's to it."""
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     try:
         for _ in range(REPEATS):
@@ -115,6 +121,15 @@ async def compare(
     finally:
         await cleanup()
     rates = {label: MESSAGES / median(values) for label, values in seconds.items()}
+    if reference is not None:
+        # Each run against one reference (a client in another language, say).
+        base = rates.pop(reference)
+        lines = [f"{name:<9} {reference} {base:>9,.0f} msg/s"]
+        for label, rate in rates.items():
+            lines.append(f"{name:<9}   {label:<53} {rate:>9,.0f} msg/s  ratio {rate / base:.2f}")
+        for line in lines:
+            say(line)
+        return lines
     library = rates.pop("library")
     lines = [f"{name:<9} library {library:>9,.0f} msg/s"]
     for label, rate in rates.items():
@@ -291,31 +306,148 @@ async def bench_rabbitmq(mongo: Any) -> list[str]:
             shutil.rmtree(go[1], ignore_errors=True)
 
 
-def build_go_publisher() -> tuple[str, str] | str:
-    """The Go publisher built in a directory of its own (its path and that directory), or why
-    it cannot be."""
+def build_go_publisher(
+    program: str = "amqppublish", library: str = "github.com/rabbitmq/amqp091-go"
+) -> tuple[str, str] | str:
+    """The Go publisher ``program`` (a folder of ``benchmarks/go/src``) built in a directory of
+    its own (its path and that directory), or why it cannot be."""
     go = shutil.which("go")
     if go is None:
-        return "go is not installed"
-    if not os.path.isdir(os.path.join(GO_LIBRARIES, "src/github.com/rabbitmq/amqp091-go")):
-        return "amqp091-go is not installed"
+        return "go is not installed (apt-get install golang-go)"
+    if not os.path.isdir(os.path.join(GO_LIBRARIES, "src", library)):
+        package = {
+            "github.com/rabbitmq/amqp091-go": "golang-github-rabbitmq-amqp091-go-dev",
+            "github.com/nats-io/nats.go": "golang-github-nats-io-go-nats-dev",
+        }.get(library, library)
+        return f"{library} is not installed (apt-get install {package})"
     out = tempfile.mkdtemp(prefix="bench-go-")
-    binary = os.path.join(out, "amqppublish")
+    binary = os.path.join(out, program)
     environment = os.environ | {
         "GO111MODULE": "off",  # Debian's packages are a GOPATH, not modules
         "GOPATH": f"{GO_SOURCES}{os.pathsep}{GO_LIBRARIES}",
         "GOCACHE": os.path.join(out, "cache"),
     }
     built = subprocess.run(
-        [go, "build", "-o", binary, "amqppublish"],
+        [go, "build", "-o", binary, program],
         env=environment,
         capture_output=True,
         text=True,
         check=False,
     )
     if built.returncode:
+        shutil.rmtree(out, ignore_errors=True)
         return f"go build failed: {built.stderr.strip()[:200]}"
     return binary, out
+
+
+async def bench_nats_go(mongo: Any) -> list[str]:
+    """``NatsPublisher.publish_many`` in chunks of ``IN_FLIGHT``, through the public API,
+    against Go's nats.go publishing the same messages with ``PublishMsgAsync`` and as many
+    pending."""
+    import nats
+
+    from mongo_outbox.publishers import NatsPublisher
+
+    go = await asyncio.to_thread(build_go_publisher, "natspublish", "github.com/nats-io/nats.go")
+    if isinstance(go, str):
+        line = f"nats-go   no Go baseline: {go}"
+        say(line)
+        return [line]
+    nc = await nats.connect(NATS_URL, connect_timeout=5, max_reconnect_attempts=1)
+    js = nc.jetstream()
+    streams: list[str] = []
+
+    async def stream() -> str:
+        name = unique("bench")
+        await js.add_stream(name=name, subjects=[f"{name}.>"])
+        streams.append(name)
+        return name
+
+    async def library() -> Run:
+        publisher = NatsPublisher(js, subject=f"{await stream()}.{{aggregate_type}}.{{type}}")
+
+        async def run(events: list[Event]) -> None:
+            for start in range(0, len(events), IN_FLIGHT):
+                results = await publisher.publish_many(events[start : start + IN_FLIGHT])
+                if any(results):
+                    raise RuntimeError(f"publish_many failed: {next(r for r in results if r)}")
+
+        return run
+
+    async def pipelined() -> Run:
+        publisher = NatsPublisher(js, subject=f"{await stream()}.{{aggregate_type}}.{{type}}")
+        half = IN_FLIGHT // 2
+        turns = asyncio.Semaphore(2)
+
+        async def chunk(events: list[Event]) -> None:
+            async with turns:
+                results = await publisher.publish_many(events)
+            if any(results):
+                raise RuntimeError(f"publish_many failed: {next(r for r in results if r)}")
+
+        async def run(events: list[Event]) -> None:
+            # As the relay drives it: two chunks of half the window, one sent while the other
+            # awaits its acks.
+            await asyncio.gather(
+                *(chunk(events[start : start + half]) for start in range(0, len(events), half))
+            )
+
+        return run
+
+    async def go_publish() -> Run:
+        name = await stream()
+
+        async def run(events: list[Event]) -> float:
+            lines = "".join(
+                json.dumps(
+                    {
+                        "subject": f"{name}.orders.order.placed",
+                        "body": e.model_dump_json(),
+                        "headers": message_headers(e)
+                        | {"Nats-Msg-Id": e.id, "Content-Type": "application/json"},
+                    }
+                )
+                + "\n"
+                for e in events
+            )
+            return await go_process(go, lines, f"-url={NATS_URL}", f"-window={IN_FLIGHT}")
+
+        return run
+
+    async def cleanup() -> None:
+        try:
+            for name in streams:
+                await js.delete_stream(name)
+        finally:
+            await nc.close()
+            shutil.rmtree(go[1], ignore_errors=True)
+
+    go_label = f"Go nats.go PublishMsgAsync, {IN_FLIGHT} pending"
+    return await compare(
+        "nats-go",
+        {
+            go_label: go_publish,
+            f"library publish_many, chunks of {IN_FLIGHT} in turn": library,
+            f"library publish_many, 2 chunks of {IN_FLIGHT // 2} at once": pipelined,
+        },
+        cleanup,
+        reference=go_label,
+    )
+
+
+async def go_process(go: tuple[str, str], lines: str, *arguments: str) -> float:
+    """Run the Go publisher on ``lines``; the seconds it took, as it measured them."""
+    process = await asyncio.create_subprocess_exec(
+        go[0],
+        *arguments,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate(lines.encode())
+    if process.returncode:
+        raise RuntimeError(f"the Go publisher failed: {err.decode()[:300]}")
+    return float(out)
 
 
 async def go_run(go: tuple[str, str], exchange: str, events: list[Event]) -> float:
@@ -335,19 +467,9 @@ async def go_run(go: tuple[str, str], exchange: str, events: list[Event]) -> flo
         + "\n"
         for e in events
     )
-    process = await asyncio.create_subprocess_exec(
-        go[0],
-        f"-url={RABBITMQ_URL}",
-        f"-exchange={exchange}",
-        f"-window={IN_FLIGHT}",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    return await go_process(
+        go, lines, f"-url={RABBITMQ_URL}", f"-exchange={exchange}", f"-window={IN_FLIGHT}"
     )
-    out, err = await process.communicate(lines.encode())
-    if process.returncode:
-        raise RuntimeError(f"the Go publisher failed: {err.decode()[:300]}")
-    return float(out)
 
 
 async def end_to_end(uri: str, mode: str, name: str, connect: Callable[[], Awaitable[Any]]) -> str:
@@ -454,6 +576,7 @@ async def run(uri: str) -> list[str]:
         for name, bench in (
             ("memory", bench_memory),
             ("nats", bench_nats),
+            ("nats-go", bench_nats_go),
             ("rabbitmq", bench_rabbitmq),
         ):
             try:

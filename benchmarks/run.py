@@ -17,7 +17,14 @@ import traceback
 
 from benchmarks.common import NATS_URL, RABBITMQ_URL, header, say, start_backend
 
-BENCHMARKS = ("bench_relay", "bench_publishers", "bench_save", "bench_update", "bench_create")
+BENCHMARKS = (
+    "bench_relay",
+    "bench_relay_cpu",
+    "bench_publishers",
+    "bench_save",
+    "bench_update",
+    "bench_create",
+)
 OPTIONAL = (
     "bench_inbox",
     "bench_changestream",

@@ -154,6 +154,18 @@ def message_of(
     event's own JSON; binary mode adds the attributes under ``prefix`` and moves the trace
     context into them."""
     if config is None:
+        if type(event) is Event:
+            # An Event holds plain values, which pydantic_core writes as model_dump_json does,
+            # byte for byte, at a tenth of the cost (its JsonValue payload is serialised by
+            # inference either way): every message the relay sends is one. Only the fields, in
+            # their order (model_copy(update=...) can leave other keys in __dict__); a subclass
+            # may serialise fields of its own.
+            values = event.__dict__
+            return (
+                headers,
+                "application/json",
+                pydantic_core.to_json({name: values[name] for name in _EVENT_FIELDS}),
+            )
         return headers, "application/json", event.model_dump_json().encode()
     check_headers(event)
     if config.mode == "structured":
@@ -163,6 +175,9 @@ def message_of(
         if name != "datacontenttype":  # the message's own content type
             binary[prefix + name] = str(value)
     return binary, DATA_CONTENT_TYPE, pydantic_core.to_json(event.payload)
+
+
+_EVENT_FIELDS = tuple(Event.model_fields)
 
 
 def _time(at: datetime) -> str:

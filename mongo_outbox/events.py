@@ -93,9 +93,61 @@ most, and an embedded entry puts the payload three levels down (pydantic's JSON 
 consumer's side, stops at 200)."""
 
 
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def clean_json(value: Any, depth: int = 0, *, exact: bool = False) -> bool:
+    """Whether ``value`` passes ``_check_json``, found without building the paths its errors
+    name (most of its cost); with ``exact``, also whether it holds only dicts with str keys,
+    lists, str, int, float, bool and None, of exactly those types (no subclass, such as bson's
+    Int64), which pydantic's JsonValue validation returns as they are."""
+    if depth > MAX_PAYLOAD_DEPTH:
+        return False
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or _encodable(value)
+    if kind is float:
+        return math.isfinite(value)
+    if kind is int:
+        return bool(-_INT64 <= value < _INT64)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str and (exact or not isinstance(key, str)):
+                return False
+            if key.startswith("$") or "\x00" in key or not (key.isascii() or _encodable(key)):
+                return False
+            if not clean_json(item, depth + 1, exact=exact):
+                return False
+        return True
+    if kind is list:
+        return all(clean_json(item, depth + 1, exact=exact) for item in value)
+    if kind in _JSON_SCALARS:
+        return True
+    # Another type: _check_json's own isinstance tests decide.
+    return not exact and _raises_nothing(value, depth)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _raises_nothing(value: Any, depth: int) -> bool:
+    try:
+        _check_json(value, "payload", depth)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_json(value: Any, path: str, depth: int = 0) -> None:
     # pydantic's JsonValue admits NaN, unbounded ints, lone surrogates, any key and any depth;
     # BSON and JSON peers do not.
+    if depth == 0 and clean_json(value):
+        return  # the paths below are built only for an error's message
     if depth > MAX_PAYLOAD_DEPTH:
         raise ValueError(f"{path}: nested deeper than {MAX_PAYLOAD_DEPTH} levels")
     if isinstance(value, str):

@@ -11,7 +11,7 @@ import pytest
 from cloudevents.core.bindings import amqp, http, kafka
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mongo_outbox import ConfigurationError, Event, InvalidEventError
@@ -26,6 +26,7 @@ from mongo_outbox.cloudevents import (
     read_structured,
     structured_of,
 )
+from tests.unit.test_entry_codec import EVENTS, JSON, KEY
 
 SOURCE = "urn:example:orders"
 _text = st.text(
@@ -294,3 +295,17 @@ def test_headers_an_event_cannot_hold_are_left_out_not_fatal() -> None:
     }
     received = read_binary(headers, b"{}", content_type="application/json")
     assert received.event.headers == {"Tenant": "acme"}
+
+
+@settings(deadline=None)  # a slow example on a shared machine is no defect
+@given(event=EVENTS, payload=st.dictionaries(KEY, JSON | st.floats(-1e300, 1e300)))
+def test_without_cloudevents_the_body_is_the_events_own_json_byte_for_byte(
+    event: Event, payload: dict[str, Any]
+) -> None:
+    event = Event(**(event.__dict__ | {"payload": payload}))
+    # A copy may hold keys beside the fields in its __dict__: they are not sent.
+    for sent in (event, event.model_copy(update={"type": "other", "extra": 1})):
+        headers, content_type, body = message_of(sent, None, "ce-", {"a": "b"})
+        assert (headers, content_type) == ({"a": "b"}, "application/json")
+        assert body == sent.model_dump_json().encode()
+        assert Event.from_json(body).model_dump() == sent.model_dump()

@@ -20,6 +20,7 @@ from pydantic import computed_field
 from mongo_outbox import Event
 from mongo_outbox._codec import counter, decode, encode, numbered, shown
 from mongo_outbox.errors import InvalidEventError
+from mongo_outbox.events import MAX_PAYLOAD_DEPTH
 
 ID_KEYS = st.sampled_from(["_id", "id"])
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=8)
@@ -163,3 +164,59 @@ def test_an_entry_keeps_millisecond_dates_as_mongodb_stores_them() -> None:
     at = datetime(2026, 1, 2, 3, 4, 5, 678_000, tzinfo=timezone.utc)
     event = Event(type="x", sequence=1, occurred_at=at + timedelta(microseconds=999))
     assert decode(stored(encode(event, "id")), "id").occurred_at == at
+
+
+# Payload values another producer or a hand edit may leave in an entry: of JSON's types or not
+# (bson's Int64, dates, ObjectIds), and ones the Event's payload rules refuse (NaN, $-keys,
+# lone surrogates, ints past 64 bits): decoding takes a shortcut for plain payloads only.
+ODD = (
+    JSON
+    | st.floats()
+    | st.integers()
+    | st.builds(Int64, st.integers(-(2**63), 2**63 - 1))
+    | st.datetimes(timezones=st.just(timezone.utc))
+    | st.builds(bson.ObjectId)
+    | st.text(max_size=4)
+)
+ODD_PAYLOADS = st.recursive(
+    ODD,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+).filter(lambda value: isinstance(value, dict)) | st.dictionaries(st.text(max_size=4), ODD)
+
+
+def wholly_validated(entry: dict[str, Any], id_key: str) -> Event:
+    """The Event an entry holds by pydantic's whole validation, the reference for ``decode``."""
+    data = {k: v for k, v in entry.items() if k in Event.model_fields}
+    data["id"] = entry[id_key]
+    data["occurred_at"] = data["occurred_at"].astimezone(timezone.utc)
+    return Event.model_validate(data)
+
+
+@settings(deadline=None)  # a slow example on a shared machine is no defect
+@given(event=EVENTS, payload=ODD_PAYLOADS)
+def test_an_entry_reads_as_whole_validation_reads_it_whatever_its_payload(
+    event: Event, payload: dict[str, Any]
+) -> None:
+    entry = encode(event, "_id") | {"payload": payload}
+    try:
+        expected = wholly_validated(entry, "_id")
+    except (ValueError, TypeError):
+        with pytest.raises(InvalidEventError, match="cannot be read"):
+            decode(entry, "_id")
+        return
+    decoded = decode(entry, "_id")
+    assert decoded == expected and type(decoded) is Event
+    # What is sent is the same too: the JSON of the one is the JSON of the other.
+    assert decoded.model_dump_json() == expected.model_dump_json()
+
+
+def test_a_payload_nested_deeper_than_an_event_may_is_refused_when_read() -> None:
+    deep: dict[str, Any] = {}
+    for _ in range(MAX_PAYLOAD_DEPTH + 1):
+        deep = {"a": deep}
+    entry = encode(Event(type="placed", sequence=1), "_id") | {"payload": deep}
+    with pytest.raises(InvalidEventError, match="nested deeper"):
+        decode(entry, "_id")
+    shallower = deep["a"]
+    assert decode(entry | {"payload": shallower}, "_id").payload == shallower
