@@ -21,6 +21,7 @@ BENCHMARKS = ("bench_relay", "bench_publishers", "bench_save", "bench_update", "
 OPTIONAL = (
     "bench_inbox",
     "bench_changestream",
+    "bench_latency_defaults",
     "bench_tracing",
     "bench_redis",
     "bench_metrics",
