@@ -28,6 +28,7 @@ BENCHMARKS = (
 OPTIONAL = (
     "bench_inbox",
     "bench_changestream",
+    "bench_latency_defaults",
     "bench_tracing",
     "bench_redis",
     "bench_metrics",

@@ -199,6 +199,10 @@ class Transactions:
         return None  # a scratch copy mongoeco builds for itself (a rename, a rebuild)
 
     def _touch_document(self, collection: Any, storage_key: Any) -> None:
+        if not self.open:
+            # No transaction to conflict with or to record the write for: _touch would do
+            # nothing, so a plain write (the relay's claim, settle and checkpoint) skips it.
+            return
         place = self._locate(collection)
         if place is not None:
             db_name, coll_name, owner = place
@@ -209,6 +213,8 @@ class Transactions:
     def _touch_unique_keys(
         self, db_name: str, coll_name: str, document: Any, options: dict[str, Any]
     ) -> None:
+        if not self.open:
+            return  # as in _touch_document: nothing to conflict with
         index_data = options.get("index_data_view")
         owner = next(
             (txn for txn in self.open.values() if txn.state.index_data is index_data), None
