@@ -23,9 +23,9 @@ from pymongo.errors import BulkWriteError
 from benchmarks.common import NATS_URL, client, fresh_db, header, median, say, standalone, unique
 from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox._codec import encode
+from mongo_outbox.brokers._publishing import message_headers
 from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import MemoryPublisher, Publisher
-from mongo_outbox.publishers.base import message_headers
 
 EVENTS = 3000
 PER_AGGREGATE = 3
