@@ -43,6 +43,8 @@ RECENT = 2.0
 comes back)."""
 BUDGET = 0.25
 """Seconds one turn (a claim or a settle) may hold the others up: what sizes a round by time."""
+IDLE_SCALE = 4
+"""How many times ``budget`` a turn may last while no other tenant is active."""
 FIXED_DRIFT = 1.1
 """How much a tenant's shortest turn lately may rise at each round."""
 
@@ -63,6 +65,7 @@ class Turns:
         self._longest: dict[str, float] = {}  # each tenant's longest turn since its last round
         self._size: dict[str, int] = {}  # each tenant's round size that fits the budget
         self._fixed: dict[str, float] = {}  # each tenant's shortest turn lately, seconds
+        self._scale: dict[str, int] = {}  # the budget's scale of each tenant's last share
         self._used: dict[str, float] = {}  # each tenant's turns' time, seconds (see _release)
         self.history: deque[str] = deque(maxlen=1000)
         """The tenants of the latest turns, in order (for tests and diagnostics)."""
@@ -112,8 +115,12 @@ class Turns:
         if timed and len(self._order) > 1:
             # An idle tenant's next event waits for this round's turns too. A first round
             # takes one entry, and full rounds double until their turns outgrow the budget:
-            # a full one may take seconds.
-            share = min(share, self._size.get(tenant, 1))
+            # a full one may take seconds. While the others are idle, IDLE_SCALE times
+            # longer turns are allowed: the backlog drains faster, and one event waits for
+            # at most one of them.
+            scale = 1 if others else IDLE_SCALE
+            self._scale[tenant] = scale
+            share = min(share, self._size.get(tenant, 1) * scale)
         return share
 
     def join(self, tenant: str) -> None:
@@ -125,19 +132,21 @@ class Turns:
 
     def sized(self, tenant: str, asked: int, full: bool) -> None:
         """``tenant``'s round of ``asked`` (its claim's limit) ended; ``full``: it found as many
-        as it asked. If its longest turn held on past ``budget`` (or twice the shortest turn
-        lately, on a server slower than that for any command), its next round's size is
-        halved; if under half of that, and the round was full, doubled (a round that found
-        little says nothing of a full one's cost)."""
+        as it asked. If its longest turn held on past ``budget`` (``IDLE_SCALE`` times that if
+        the round was sized while the others were idle; or twice the shortest turn lately, on
+        a server slower than that for any command), its next round's size is halved; if
+        under half of that, and the round was full, doubled (a round that found little says
+        nothing of a full one's cost)."""
         held = self._longest.pop(tenant, 0.0)
         # The shortest turn drifts up, so that one fast turn long ago does not stand for ever.
         fixed = min(held, self._fixed.get(tenant, held) * FIXED_DRIFT)
         self._fixed[tenant] = fixed
-        target = max(self.budget, 2 * fixed)
+        scale = self._scale.get(tenant, 1)
+        target = max(self.budget * scale, 2 * fixed)
         if held > target:
-            self._size[tenant] = max(1, asked // 2)
+            self._size[tenant] = max(1, asked // scale // 2)
         elif full and held < target / 2:
-            self._size[tenant] = asked * 2
+            self._size[tenant] = max(1, asked // scale) * 2
 
     def _waits(self, tenant: str) -> bool:
         return any(not granted.done() for granted in self._waiting.get(tenant, ()))

@@ -78,10 +78,11 @@ async def test_a_tenant_waiting_for_a_turn_counts_as_active() -> None:
 async def test_beside_others_rounds_start_at_one_and_grow_while_their_turns_are_short() -> None:
     clock = Clock()
     turns = Turns(budget=0.25, clock=clock)
-    for tenant in ("a", "b"):  # as TenantRelays puts them in the rotation: b is idle
+    for tenant in ("a", "b"):  # as TenantRelays puts them in the rotation
         turns.join(tenant)
 
     async def round_of(seconds: float, full: bool = True) -> int:
+        turns.worked("b")  # b sends events all along
         size = turns.share("a", 100)
         async with turns.turn("a"):
             clock.now += seconds
@@ -94,6 +95,28 @@ async def test_beside_others_rounds_start_at_one_and_grow_while_their_turns_are_
     assert [await round_of(0.2) for _ in range(2)] == [8, 8]  # within budget, not well within
     alone = Turns(clock=clock)
     assert alone.share("a", 100) == 100  # a tenant alone takes full rounds
+
+
+async def test_while_the_others_are_idle_a_round_may_take_longer_turns() -> None:
+    clock = Clock()
+    turns = Turns(budget=0.25, clock=clock)
+    for tenant in ("a", "b"):
+        turns.join(tenant)
+
+    async def round_of(seconds: float) -> int:
+        size = turns.share("a", 100)
+        async with turns.turn("a"):
+            clock.now += seconds
+        turns.sized("a", size, full=True)
+        return size
+
+    # Four times the budget: 0.6 s turns hold steady, 2 s ones halve the size.
+    assert [await round_of(0.01) for _ in range(3)] == [4, 8, 16]
+    assert [await round_of(0.6) for _ in range(2)] == [32, 32]
+    assert await round_of(2.0) == 32
+    assert await round_of(0.6) == 16
+    turns.worked("b")  # b has events again: back to the budget's own size
+    assert turns.share("a", 100) == 4
 
 
 async def test_a_tenant_of_short_turns_goes_ahead_of_one_that_used_more_time() -> None:
