@@ -16,17 +16,18 @@ so that what another tenant waits for is short. A tenant alone takes full rounds
 turn, without waiting.
 
 A round's size is bounded by time as well as by count (``sized``): while other tenants relay
-here, a tenant's first round takes one entry, and its rounds double while their turns stay
-well within ``budget`` and halve once one outlasts it. A turn is what another tenant's claim
-waits for, and MongoDB's work for it delays their other commands too. Measured through
-``mongo-outbox relay --databases`` (benchmarks/bench_tenants.py, change streams, embedded
-mode, on the emulator): counting alone left the trickling tenants a p50 of 2-9 s and a max of
-6-16 s beside a backlog, its first full round's claim and settle holding the turn for 8 s;
-with the time bound and the time-fair rotation, p50 0.4 s, max 0.7 s. Most of those seconds are
-the emulator's: it serves one command at a time, and a settle of 100 documents takes it 6 s
-(a trickling tenant's claim of one change, not taking turns, waited 8 s inside it); a replica
-set serves commands side by side, in milliseconds, so there a full round fits the budget and
-the bound never bites.
+here, a tenant's first round takes one entry, and its rounds double while their turns stay well
+within ``budget`` and halve once one outlasts it (``IDLE_SCALE`` times the budget while the
+others are idle: their next event waits for one such turn, and the backlog drains faster). A
+turn is what another tenant's claim waits for, and MongoDB's work for it delays their other
+commands too. Measured through ``mongo-outbox relay --databases`` (benchmarks/bench_tenants.py,
+change streams, embedded mode, on the emulator): counting alone left the trickling tenants a
+p50 of 2-9 s and a max of 6-16 s beside a backlog, its first full round's claim and settle
+holding the turn for 8 s; with the time bound and the time-fair rotation, p50 0.4 s, max 0.7 s.
+Most of those seconds are the emulator's: it serves one command at a time, and a settle of 100
+documents takes it 6 s (a trickling tenant's claim of one change, not taking turns, waited 8 s
+inside it); a replica set serves commands side by side, in milliseconds, so there a full round
+fits the budget and the bound never bites.
 """
 
 from __future__ import annotations
