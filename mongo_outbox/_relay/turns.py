@@ -46,8 +46,8 @@ BUDGET = 0.25
 """Seconds one turn (a claim or a settle) may hold the others up: what sizes a round by time."""
 IDLE_SCALE = 4
 """How many times ``budget`` a turn may last while no other tenant is active."""
-FIXED_DRIFT = 1.1
-"""How much a tenant's shortest turn lately may rise at each round."""
+FIXED_ROUNDS = 16
+"""How many of a tenant's latest rounds its shortest turn is taken from (see ``sized``)."""
 
 
 class Turns:
@@ -65,7 +65,7 @@ class Turns:
         self._granted_at = 0.0  # when the turn under way was granted, monotonic
         self._longest: dict[str, float] = {}  # each tenant's longest turn since its last round
         self._size: dict[str, int] = {}  # each tenant's round size that fits the budget
-        self._fixed: dict[str, float] = {}  # each tenant's shortest turn lately, seconds
+        self._recent: dict[str, deque[float]] = {}  # each tenant's latest rounds' turns, s
         self._scale: dict[str, int] = {}  # the budget's scale of each tenant's last share
         self._used: dict[str, float] = {}  # each tenant's turns' time, seconds (see _release)
         self.history: deque[str] = deque(maxlen=1000)
@@ -134,19 +134,22 @@ class Turns:
     def sized(self, tenant: str, asked: int, full: bool) -> None:
         """``tenant``'s round of ``asked`` (its claim's limit) ended; ``full``: it found as many
         as it asked. If its longest turn held on past ``budget`` (``IDLE_SCALE`` times that if
-        the round was sized while the others were idle; or twice the shortest turn lately, on
-        a server slower than that for any command), its next round's size is halved; if
-        under half of that, and the round was full, doubled (a round that found little says
-        nothing of a full one's cost)."""
+        the round was sized while the others were idle; or twice its shortest of the latest
+        rounds, on a server slower than that for any command), its next round's size is
+        halved; if well under it, and the round was full, doubled (a round that found little
+        says nothing of a full one's cost)."""
         held = self._longest.pop(tenant, 0.0)
-        # The shortest turn drifts up, so that one fast turn long ago does not stand for ever.
-        fixed = min(held, self._fixed.get(tenant, held) * FIXED_DRIFT)
-        self._fixed[tenant] = fixed
+        # The shortest of its latest rounds' turns: what any command costs it on this server.
+        recent = self._recent.setdefault(tenant, deque(maxlen=FIXED_ROUNDS))
+        recent.append(held)
+        fixed = min(recent)
         scale = self._scale.get(tenant, 1)
         target = max(self.budget * scale, 2 * fixed)
         if held > target:
             self._size[tenant] = max(1, asked // scale // 2)
-        elif full and held < target / 2:
+        elif full and held < max(target / 2, 1.5 * fixed):
+            # Well within the budget, or little more than any command costs on a server
+            # slower than the budget: a larger round costs the others little more.
             self._size[tenant] = max(1, asked // scale) * 2
 
     def _waits(self, tenant: str) -> bool:

@@ -97,6 +97,30 @@ async def test_beside_others_rounds_start_at_one_and_grow_while_their_turns_are_
     assert alone.share("a", 100) == 100  # a tenant alone takes full rounds
 
 
+async def test_on_a_server_slower_than_the_budget_rounds_grow_while_entries_add_little() -> None:
+    clock = Clock()
+    turns = Turns(budget=0.25, clock=clock)
+    for tenant in ("a", "b"):
+        turns.join(tenant)
+
+    async def round_of(fixed: float, per_entry: float) -> int:
+        turns.worked("b")
+        size = turns.share("a", 100)
+        async with turns.turn("a"):
+            clock.now += fixed + per_entry * size
+        turns.sized("a", size, full=True)
+        return size
+
+    # Any command takes 0.5 s: a round grows while its entries add under half of that.
+    assert [await round_of(0.5, 0.05) for _ in range(5)] == [1, 2, 4, 8, 8]
+    slow = Turns(budget=0.25, clock=clock)
+    for tenant in ("a", "b"):
+        slow.join(tenant)
+    turns = slow
+    # Entries cost it all (0.2 s each): two fit in twice the shortest turn, no more.
+    assert [await round_of(0.0, 0.2) for _ in range(4)] == [1, 2, 2, 2]
+
+
 async def test_while_the_others_are_idle_a_round_may_take_longer_turns() -> None:
     clock = Clock()
     turns = Turns(budget=0.25, clock=clock)
