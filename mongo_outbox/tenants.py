@@ -133,6 +133,7 @@ class TenantRelays:
             _owners[id(relay)] = self._me
             if isinstance(relay, _TakesTurns):
                 relay.turns = self.turns
+                self.turns.join(relay.outbox.db.name)
 
     def _of_another(self, relay: Relay) -> bool:
         owner = _owners.get(id(relay))

@@ -119,6 +119,15 @@ class Rounds:
     def _turn(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
 
+    def limit(self, timed: bool = True) -> int:
+        """How many entries (documents, in embedded mode) the next round may take: the batch
+        size, or this tenant's share of it while it takes turns with others (``Turns.share``;
+        ``timed``: also bounded by the time its turns took)."""
+        limit = self.settings.batch_size
+        if self.turns is None:
+            return limit
+        return self.turns.share(self.tenant, limit, timed=timed)
+
     async def status(
         self,
         name: str,
@@ -172,15 +181,15 @@ class Rounds:
         async with self._turn():
             await self.probe()
             started = asyncio.get_running_loop().time()
-            limit = self.settings.batch_size
-            if self.turns is not None:
-                limit = self.turns.share(self.tenant, limit)
+            limit = self.limit()
             claim = await self.answered(
                 self.store.claim(limit, timedelta(seconds=self.settings.claim_lease), until)
             )
             if self.turns is not None and claim.events:
                 self.turns.worked(self.tenant)
         published, freed = await self._round(claim, started, lost)
+        if self.turns is not None:
+            self.turns.sized(self.tenant, limit, full=claim.more)
         # A park frees what queued behind it at once, so more may be due as well.
         return published, claim.more or bool(published or freed), bool(freed)
 

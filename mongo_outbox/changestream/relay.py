@@ -492,7 +492,9 @@ class ChangeStreamRelay(Lifecycle):
         """The stream's next batch, bounded as a round's commands are (beyond the batch's own
         ``max_wait``): a getMore on a connection hung without a reset waited for ever, while the
         lease's heartbeat, on another connection, kept the lease from any other relay."""
-        batch = stream.next_batch(self.settings.batch_size, self.max_wait)
+        # A batch's claim is a turn: bounded by the tenant's share, not by time (the sweep's
+        # rounds are), which could cut a trickle's batches to one change on a slow server.
+        batch = stream.next_batch(self._rounds.limit(timed=False), self.max_wait)
         return await answered(batch, self._rounds.command_wait + self.max_wait)
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T | None:

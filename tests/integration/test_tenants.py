@@ -326,3 +326,75 @@ async def test_the_databases_take_turns_one_round_each(databases: list[Any]) -> 
     # a turn for each of the 20 the quiet ones claim: at most 10 + 20 (and one in progress),
     # where its whole backlog (200) would have gone first without turns.
     assert busy_ahead <= 10 + 20 + 10, f"{busy_ahead} of the busy database's events went first"
+
+
+class GatedPublisher:
+    """A fake broker in front of the real ``MemoryPublisher``: the first publish of an event
+    of ``gated_type`` waits for ``gate()`` before it goes through; every other publish goes
+    through at once. It stands for a broker slow to confirm one tenant's wave."""
+
+    def __init__(self, gated_type: str, gate: Any) -> None:
+        self.inner = MemoryPublisher()
+        self.gated_type = gated_type
+        self.gate = gate
+        self.gated = False
+
+    async def publish(self, event: Event) -> None:
+        if event.type == self.gated_type and not self.gated:
+            self.gated = True
+            await self.gate()
+        await self.inner.publish(event)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.slow
+async def test_two_trickling_tenants_publish_before_a_backlogs_round_of_many_waves_ends(
+    databases: list[Any],
+) -> None:
+    """By the order of events, not by the clock: the backlog database's round of ten waves
+    (one order of ten events: a round beside other tenants starts at one document) is held at
+    its first wave until both trickling databases' events, saved only then, are published.
+    Were their claims to wait for that round to end (its waves or its settle holding the turn
+    they need), nothing would move and the test would fail at its deadline; a loaded machine
+    only makes it slower."""
+    busy, *quiet = databases
+    outboxes = [Outbox(db, mode="embedded", collections=["orders"]) for db in databases]
+    for outbox in outboxes:
+        await outbox.ensure_indexes()
+    for key in range(4):
+        events = [Event(type="line.added", payload={"n": n}) for n in range(10)]
+        await outboxes[0].save_with_events(None, busy.orders, {"_id": key}, events)
+    quiet_ids: list[str] = []
+
+    async def gate() -> None:
+        # The backlog's first wave is under way: now the two other databases each save one.
+        for outbox, db in zip(outboxes[1:], quiet, strict=True):
+            saved = await outbox.save_with_events(
+                None, db.orders, {"_id": "trickle"}, [Event(type="opened")]
+            )
+            quiet_ids.append(saved.events[0].id)
+        await until(lambda: set(quiet_ids) <= {e.id for e in publisher.inner.events}, timeout=120)
+
+    publisher = GatedPublisher("line.added", gate)
+    # A publish may wait for the gate that long: nothing else may cut the round short.
+    settings = {"publish_timeout": 150.0, "claim_lease": 600.0}
+    tenants = TenantRelays([relay(outbox, publisher, **settings) for outbox in outboxes])
+    task = asyncio.ensure_future(tenants.run())
+    try:
+        await publisher.inner.wait_for(40 + 2, timeout=180)
+    finally:
+        tenants.stop()
+        await asyncio.wait_for(task, 30)
+    published = publisher.inner.events
+    ids = [e.id for e in published]
+    first_round = [e for e in published if e.type == "line.added"][:10]
+    # The round's ten waves are one order's ten events, in their order.
+    assert [e.payload["n"] for e in first_round] == list(range(10))
+    last_wave = ids.index(first_round[-1].id)
+    assert all(ids.index(i) < last_wave for i in quiet_ids), (quiet_ids, ids)
+    assert len(set(ids)) == 42  # every event once
+    for key in range(4):  # every order's events in order
+        ns = [e.payload["n"] for e in published if str(e.aggregate_id) == str(key)]
+        assert ns == list(range(10))
