@@ -164,7 +164,9 @@ def message_of(
             return (
                 headers,
                 "application/json",
-                pydantic_core.to_json({name: values[name] for name in _EVENT_FIELDS}),
+                pydantic_core.to_json(
+                    {name: values[name] for name in _EVENT_FIELDS}, inf_nan_mode="null"
+                ),
             )
         return headers, "application/json", event.model_dump_json().encode()
     check_headers(event)
@@ -174,7 +176,7 @@ def message_of(
     for name, value in attributes_of(event, config.source).items():
         if name != "datacontenttype":  # the message's own content type
             binary[prefix + name] = str(value)
-    return binary, DATA_CONTENT_TYPE, pydantic_core.to_json(event.payload)
+    return binary, DATA_CONTENT_TYPE, pydantic_core.to_json(event.payload, inf_nan_mode="null")
 
 
 _EVENT_FIELDS = tuple(Event.model_fields)
@@ -215,7 +217,7 @@ def structured_of(event: Event, source: str) -> bytes:
     """``event`` as one ``application/cloudevents+json`` document."""
     document: dict[str, Any] = dict(attributes_of(event, source))
     document["data"] = event.payload
-    return pydantic_core.to_json(document)
+    return pydantic_core.to_json(document, inf_nan_mode="null")
 
 
 def check_headers(event: Event) -> None:

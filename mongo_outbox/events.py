@@ -137,16 +137,16 @@ def _encodable(text: str) -> bool:
 
 def _raises_nothing(value: Any, depth: int) -> bool:
     try:
-        _check_json(value, "payload", depth)
+        _check_json(value, "payload", depth, shortcut=False)  # it called us: no way back
     except ValueError:
         return False
     return True
 
 
-def _check_json(value: Any, path: str, depth: int = 0) -> None:
+def _check_json(value: Any, path: str, depth: int = 0, *, shortcut: bool = True) -> None:
     # pydantic's JsonValue admits NaN, unbounded ints, lone surrogates, any key and any depth;
     # BSON and JSON peers do not.
-    if depth == 0 and clean_json(value):
+    if shortcut and depth == 0 and clean_json(value):
         return  # the paths below are built only for an error's message
     if depth > MAX_PAYLOAD_DEPTH:
         raise ValueError(f"{path}: nested deeper than {MAX_PAYLOAD_DEPTH} levels")

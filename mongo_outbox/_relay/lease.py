@@ -76,7 +76,13 @@ class FencedLease:
         fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
         try:
             doc = await self.coll.find_one_and_update(
-                {"_id": self.name, "lease_until": {"$not": {"$gt": now}}},
+                # Or still ours: a take-over whose answer was lost (its command bounded, the
+                # reply never came) left the lease to this owner with a fence it never learnt;
+                # waiting for it to run out would keep every relay off it for a lease.
+                {
+                    "_id": self.name,
+                    "$or": [{"lease_until": {"$not": {"$gt": now}}}, {"owner": self.owner}],
+                },
                 [
                     {
                         "$set": {

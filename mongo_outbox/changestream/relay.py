@@ -495,6 +495,8 @@ class ChangeStreamRelay(Lifecycle):
         # A batch's claim is a turn: bounded by the tenant's share, not by time (the sweep's
         # rounds are), which could cut a trickle's batches to one change on a slow server.
         batch = stream.next_batch(self._rounds.limit(timed=False), self.max_wait)
+        if not getattr(stream, "interruptible", True):
+            return await batch  # Motor's: bounded by the client's socketTimeoutMS, if set
         return await answered(batch, self._rounds.command_wait + self.max_wait)
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T | None:

@@ -193,6 +193,9 @@ def database_of(target: Any) -> Any:
 class _WatchStream:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
+        # Motor reads in a thread that a cancelled await does not stop: a stream read must
+        # then not be abandoned (the relay would close the stream beside the running read).
+        self.interruptible = not type(stream).__module__.startswith("motor.")
 
     async def next_batch(self, max_size: int, max_wait: float) -> ChangeBatch:
         changes: list[dict[str, Any]] = []

@@ -7,6 +7,7 @@ active for good, and a wave wider than the in-flight window never outlives its c
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -123,3 +124,22 @@ async def test_a_wave_wider_than_the_in_flight_window_never_outlives_its_claim(
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert_in_order(broker.events, saved, once=True)
+
+
+async def test_a_take_over_whose_answer_was_lost_is_the_relays_again_at_once(db: Any) -> None:
+    """A bounded take-over that the server applied but whose reply never came (the bound
+    fired) leaves the lease to this relay under a fence it does not know. Its next attempt
+    takes it again at once, with a new fence, rather than waiting a lease for its own to run
+    out, while another relay still cannot take it."""
+    from mongo_outbox._relay.lease import FencedLease
+
+    lease = timedelta(seconds=60)
+    mine = FencedLease(db.outbox_relays, "orders", lease)
+    other = FencedLease(db.outbox_relays, "orders", lease)
+    assert await mine.acquire()
+    lost = mine.fence
+    mine.fence = None  # what a bound that fired after the server applied it leaves
+    assert not await other.acquire()
+    assert await mine.acquire()
+    assert mine.fence is not None and lost is not None and mine.fence > lost
+    assert not await other.acquire()

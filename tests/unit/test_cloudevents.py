@@ -309,3 +309,13 @@ def test_without_cloudevents_the_body_is_the_events_own_json_byte_for_byte(
         assert (headers, content_type) == ({"a": "b"}, "application/json")
         assert body == sent.model_dump_json().encode()
         assert Event.from_json(body).model_dump() == sent.model_dump()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_copy_with_a_value_json_cannot_hold_is_sent_as_the_model_writes_it(value: float) -> None:
+    # model_copy(update=...) skips validation, which refuses such a payload: the body must
+    # still be what model_dump_json writes (null), never the invalid JSON token NaN.
+    sent = Event(type="t").model_copy(update={"payload": {"x": value}})
+    body = message_of(sent, None, "ce-", {})[2]
+    assert body == sent.model_dump_json().encode()
+    assert b"null" in body

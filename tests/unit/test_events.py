@@ -262,3 +262,13 @@ def test_an_entry_holds_only_the_fields_of_an_event_copied_with_other_keys() -> 
     entry = encode(event, "_id")
     assert "foo" not in entry and "_given" not in entry
     assert entry == encode(Event(**event.model_dump()), "_id")
+
+
+def test_a_payload_of_a_dict_subclass_is_checked_not_recursed_for_ever() -> None:
+    from collections import OrderedDict
+
+    from mongo_outbox.events import _check_json, clean_json
+
+    assert clean_json(OrderedDict(a=1))
+    with pytest.raises(ValueError, match="not a JSON number"):
+        _check_json(OrderedDict(a=float("nan")), "payload")
