@@ -50,7 +50,7 @@ $(OLDEST_VENV)/bin/.installed: pyproject.toml
 
 test-oldest: $(BIN)/.installed $(OLDEST_VENV)/bin/.installed
 	MONGOECO_PYTHON=$(abspath $(BIN)/python) RELAY_MODEL_EXAMPLES=$(OLDEST_MODEL_EXAMPLES) \
-		CONFIRM_WINDOW_EXAMPLES=$$(( $(OLDEST_MODEL_EXAMPLES) * 10 )) \
+		CONFIRM_WINDOW_EXAMPLES=$$(( $(OLDEST_MODEL_EXAMPLES) * 5 )) \
 		$(OLDEST_VENV)/bin/python -m pytest $(PARALLEL) -m 'not testground' $(PYTEST_ARGS)
 
 # The whole suite under coverage.py, for the line-coverage figure of mongo_outbox (in-process only).

@@ -100,7 +100,17 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         # Skipping the import system's frames, the warning points at the line that imported.
         warnings.warn(advice(old), DeprecationWarning, stacklevel=2)
 
+        def public() -> list[str]:
+            # What ``from old import *`` and dir() see: every public name of the new module
+            # (the old one may have offered more than the new one's __all__), and those that
+            # moved on their own.
+            names = [n for n in vars(importlib.import_module(new)) if not n.startswith("_")]
+            moved = [path.rpartition(".")[2] for path in MOVED if path.startswith(f"{old}.")]
+            return names + moved
+
         def attribute(name: str) -> Any:
+            if name == "__all__":
+                return public()
             if name.startswith("__"):
                 raise AttributeError(f"module {old!r} has no attribute {name!r}")
             moved = MOVED.get(f"{old}.{name}")
@@ -112,6 +122,7 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 raise AttributeError(f"module {old!r} has no attribute {name!r}") from None
 
         module.__getattr__ = attribute  # type: ignore[method-assign]
+        module.__dir__ = public  # type: ignore[method-assign]
         module.__doc__ = f"Deprecated: the names of {old} are in {new}."
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mongo_outbox._moved import MOVED
+
 __all__ = ["BROKERS", "BrokerPackage", "front", "resolve"]
 
 
@@ -100,6 +102,9 @@ def front(module: str, part: str) -> Callable[[str], Any]:
     optional extra."""
 
     def attribute(name: str) -> Any:
+        if f"{module}.{name}" in MOVED:
+            # An old submodule, as a package's attribute once its import ran (it warns).
+            return importlib.import_module(f"{module}.{name}")
         try:
             return resolve(name, part)
         except AttributeError:

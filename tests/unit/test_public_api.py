@@ -225,8 +225,8 @@ def forget(module: str) -> None:
     """Have the next import of ``module`` import it afresh (and warn again)."""
     sys.modules.pop(module, None)
     parent, _, name = module.rpartition(".")
-    if hasattr(sys.modules[parent], name):
-        delattr(sys.modules[parent], name)
+    # Not hasattr: the package's __getattr__ would import the old submodule (and warn).
+    vars(sys.modules[parent]).pop(name, None)
 
 
 @pytest.fixture
@@ -274,6 +274,24 @@ def test_the_warning_names_a_public_path_and_never_a_private_one_as_the_one_to_u
         "mongo_outbox.changestream.checkpoint is deprecated: what it offered is internal now "
         "(mongo_outbox._relay.lease)"
     )
+
+
+@pytest.mark.parametrize("unimported", sorted(OLD_PATHS), indirect=True)
+def test_a_star_import_of_an_old_path_gives_what_it_gave(unimported: str) -> None:
+    names: dict[str, object] = {}
+    with pytest.warns(DeprecationWarning, match="is deprecated"):
+        exec(f"from {unimported} import *", names)
+    assert set(OLD_PATHS[unimported]) <= set(names)
+
+
+def test_an_old_submodule_is_an_attribute_of_its_package_as_before() -> None:
+    import mongo_outbox.publishers
+
+    forget("mongo_outbox.publishers.memory")
+    with pytest.warns(DeprecationWarning, match="publishers.memory is deprecated"):
+        memory = mongo_outbox.publishers.memory  # type: ignore[attr-defined]
+    assert memory.MemoryPublisher is mongo_outbox.publishers.MemoryPublisher
+    assert "MemoryPublisher" in dir(memory)
 
 
 def test_the_warning_points_at_the_line_that_imported_the_old_path() -> None:
