@@ -25,7 +25,7 @@ from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.replay import replay
 from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import ParkedKey, batches
+from mongo_outbox._relay.store.base import ParkedKey, chunks
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.events import as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -268,13 +268,13 @@ class OutboxAdmin:
     ) -> int:
         """Make these parked entries due again, with a fresh set of attempts, together with
         the earlier parked entries of their aggregates, so none overtakes another; return how
-        many. In batches of bounded commands, ``progress(n)`` told of each batch's ``n`` ids:
-        interrupted, the whole batches done are requeued and the rest still parked."""
+        many. In chunks of bounded commands, ``progress(n)`` told of each chunk's ``n`` ids:
+        interrupted, the whole chunks done are requeued and the rest still parked."""
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._store.requeue(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._store.requeue(chunk)
             if progress is not None:
-                progress(len(batch))
+                progress(len(chunk))
         return requeued
 
     async def replay(

@@ -65,7 +65,7 @@ Source = Literal["polling", "changestream"]
 REBALANCE_EVERY = 1.0
 """Longest time in seconds between two heartbeats (and looks at the membership) of a member."""
 
-ASSIGN_BATCH = 1000
+ASSIGN_CHUNK = 1000
 """How many entries without a partition one query gives theirs."""
 
 
@@ -81,7 +81,7 @@ class RelayGroup(Lifecycle):
         name: the group's name: its leases and heartbeats.
         source: ``"polling"`` (rounds of claims per partition) or ``"changestream"`` (a change
             stream per partition, with its own checkpoint).
-        settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
+        settings: entries per round, in-flight window, timeouts, claim lease, attempts, backoff.
         member_lease: how long a member's heartbeat and partition leases last without renewal
             (they are renewed every third of it); a dead member's partitions are taken over
             within about this and a second. At least 2.5 times ``settings.publish_timeout``: a
@@ -162,7 +162,7 @@ class RelayGroup(Lifecycle):
             await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
             # Entries saved before the outbox had partitions (or by a writer that read the
             # record before it existed) have none, so no partition's worker would ever claim them.
-            while await self._assign_partitions() == ASSIGN_BATCH:
+            while await self._assign_partitions() == ASSIGN_CHUNK:
                 pass
             self._enter("active", f"member {self.member}")
             await self._beat()
@@ -230,7 +230,7 @@ class RelayGroup(Lifecycle):
                 del self._tasks[k]
                 self._workers.pop(k, None)
         # A writer that checked the partition record before it existed writes entries without
-        # a partition until it restarts: one batch of them each beat.
+        # a partition until it restarts: one chunk of them each beat.
         await self._assign_partitions()
         live = await self._membership.beat(self.owned)
         wanted = set(share(live, self.member, self.partitions))
@@ -244,7 +244,7 @@ class RelayGroup(Lifecycle):
             self._tasks[k] = asyncio.ensure_future(worker.run())
 
     async def _assign_partitions(self) -> int:
-        assigned = await self._store.assign_partitions(ASSIGN_BATCH)
+        assigned = await self._store.assign_partitions(ASSIGN_CHUNK)
         if assigned:
             log.warning(
                 "group %s: %d pending entries had no partition (saved before the outbox had "

@@ -1,6 +1,6 @@
 """The relay's store for collection mode: one document per event in the outbox collection.
 
-Round trips per batch are constant: find + updateMany + find to claim, one bulkWrite to settle.
+Round trips per round are constant: find + updateMany + find to claim, one bulkWrite to settle.
 An entry is ``pending`` (due at ``available_at``, held while it carries a ``claim`` token),
 ``published`` (pruned by the TTL index after the outbox's retention) or ``parked``.
 """
@@ -26,7 +26,7 @@ from mongo_outbox._relay.store.base import (
     Claim,
     ParkedKey,
     PublishFailure,
-    batches,
+    chunks,
     hashable,
     scope,
     tolerant,
@@ -265,7 +265,7 @@ class CollectionStore:
                 )
             )
             # What queues behind a failed entry waits as long (and is woken with it), so it is
-            # not claimed in vain and the batch is not filled with entries that cannot go yet.
+            # not claimed in vain and the claim is not filled with entries that cannot go yet.
             ops.append(
                 UpdateMany(
                     {
@@ -359,8 +359,8 @@ class CollectionStore:
             found = self.coll.find({"status": "parked"}, projection=projection).sort("_id", 1)
             return [listed(entry) async for entry in found]
         chosen: list[dict[str, Any]] = []
-        for batch in batches(event_ids):
-            asked = self.coll.find({"_id": {"$in": batch}, "status": "parked"}, projection)
+        for chunk in chunks(event_ids):
+            asked = self.coll.find({"_id": {"$in": chunk}, "status": "parked"}, projection)
             chosen += [listed(entry) async for entry in asked]
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
 
@@ -373,8 +373,8 @@ class CollectionStore:
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._requeue(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._requeue(chunk)
         return requeued
 
     async def _requeue(self, event_ids: list[str]) -> int:

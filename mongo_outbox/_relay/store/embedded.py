@@ -6,7 +6,7 @@ relay claims the document by setting ``<field>_claim``, publishes its entries, m
 published in the event-id registry (``_write.event_ids``: they stay taken for ``retention``), then
 pulls the published entries from the array. Parked entries stay in their document, flagged
 ``parked``: parking is one single-document write like every other, so no crash can lose an
-entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
+entry or leave it in two places. Round trips per round: find + updateMany + find per collection
 and one insertMany of the registry (the ids taken for their documents; a bulkWrite more for ids
 already there) to claim, one updateMany of the registry and one bulkWrite per collection to
 settle.

@@ -15,7 +15,7 @@ from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._relay.store.base import ParkedKey, batches, hashable, tolerant
+from mongo_outbox._relay.store.base import ParkedKey, chunks, hashable, tolerant
 from mongo_outbox._write.event_ids import Holder, Taken
 from mongo_outbox.events import Event, utc_now
 
@@ -84,9 +84,9 @@ class ParkedEntries:
             found = [listed async for listed in self._parked(query, paths)]
             return sorted(found, key=lambda entry: str(entry["_id"]))
         chosen: list[dict[str, Any]] = []
-        for batch in batches(event_ids):
-            wanted = {hashable(i) for i in batch}
-            async for listed in self._parked(self._holding(batch), paths):
+        for chunk in chunks(event_ids):
+            wanted = {hashable(i) for i in chunk}
+            async for listed in self._parked(self._holding(chunk), paths):
                 if hashable(listed["_id"]) in wanted:
                     chosen.append(listed)
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
@@ -165,15 +165,15 @@ class ParkedEntries:
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._requeue_batch(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._requeue_chunk(chunk)
         return requeued
 
-    async def _requeue_batch(self, batch: list[str]) -> int:
+    async def _requeue_chunk(self, chunk: list[str]) -> int:
         requeued = 0
-        wanted = {hashable(i) for i in batch}
+        wanted = {hashable(i) for i in chunk}
         for coll in self.colls.values():
-            docs = coll.find(self._holding(batch), projection={self.field: 1})
+            docs = coll.find(self._holding(chunk), projection={self.field: 1})
             async for doc in docs:
                 # The entries are in their aggregate's order (each write appends its own), so
                 # the earlier parked ones are those before the last one asked for.
