@@ -41,6 +41,7 @@ from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox._steps import run_async
+from mongo_outbox._storage import LEASE_UNTIL, OWNER
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
@@ -286,9 +287,9 @@ class RelayGroup(Lifecycle):
         now = utc_now()
         owners: dict[int, str | None] = dict.fromkeys(range(self.partitions))
         async for doc in self._leases.find({"_id": {"$in": names}}):
-            until = doc.get("lease_until")
+            until = doc.get(LEASE_UNTIL)
             if until is not None and until.replace(tzinfo=now.tzinfo) > now:
-                owners[int(str(doc["_id"]).rsplit("/", 1)[1])] = doc.get("owner")
+                owners[int(str(doc["_id"]).rsplit("/", 1)[1])] = doc.get(OWNER)
         live = await self._membership.live()
         backlog = await Rounds(self.outbox, self.publisher, self.settings).store.backlog()
         return GroupStatus(

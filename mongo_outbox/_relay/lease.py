@@ -28,6 +28,7 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
+from mongo_outbox._storage import CHECKPOINT_AT, FENCE, LEASE_UNTIL, OWNER, TOKEN
 from mongo_outbox.errors import describe
 from mongo_outbox.events import utc_now
 
@@ -64,7 +65,7 @@ class FencedLease:
 
     @property
     def _mine(self) -> dict[str, Any]:
-        return {"_id": self.name, "owner": self.owner, "fence": self.fence}
+        return {"_id": self.name, OWNER: self.owner, FENCE: self.fence}
 
     async def acquire(self) -> bool:
         """Renew the lease if it is ours, or take it once the holder's ran out. Returns whether
@@ -73,16 +74,16 @@ class FencedLease:
             return True
         sent = asyncio.get_running_loop().time()
         now = utc_now()
-        fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
+        fence = {"$add": [{"$ifNull": ["$" + FENCE, 0]}, 1]}
         try:
             doc = await self.coll.find_one_and_update(
-                {"_id": self.name, "lease_until": {"$not": {"$gt": now}}},
+                {"_id": self.name, LEASE_UNTIL: {"$not": {"$gt": now}}},
                 [
                     {
                         "$set": {
-                            "owner": self.owner,
-                            "lease_until": {"$literal": now + self.lease},
-                            "fence": {"$max": [fence, int(now.timestamp() * 1000)]},
+                            OWNER: self.owner,
+                            LEASE_UNTIL: {"$literal": now + self.lease},
+                            FENCE: {"$max": [fence, int(now.timestamp() * 1000)]},
                         }
                     }
                 ],
@@ -92,7 +93,7 @@ class FencedLease:
         except DuplicateKeyError:
             # The document exists with a live lease, so the upsert collided: another holds it.
             return False
-        self.fence = int(doc["fence"])
+        self.fence = int(doc[FENCE])
         self._sent = sent
         return True
 
@@ -102,7 +103,7 @@ class FencedLease:
             return False
         sent = asyncio.get_running_loop().time()
         renewed = await self.coll.update_one(
-            self._mine, {"$set": {"lease_until": utc_now() + self.lease}}
+            self._mine, {"$set": {LEASE_UNTIL: utc_now() + self.lease}}
         )
         if not renewed.matched_count:
             self.fence = None
@@ -162,7 +163,7 @@ class FencedLease:
         now = utc_now()
         result = await self.coll.update_one(
             self._mine,
-            {"$set": {"token": token, "checkpoint_at": now, "lease_until": now + self.lease}},
+            {"$set": {TOKEN: token, CHECKPOINT_AT: now, LEASE_UNTIL: now + self.lease}},
         )
         if not result.matched_count:
             self.fence = None
@@ -177,8 +178,8 @@ class FencedLease:
         # it, the server had it already) matches nothing once it lands.
         self.fence = None
         await self.coll.update_one(
-            {"_id": self.name, "owner": self.owner},
-            {"$set": {"lease_until": utc_now(), "owner": None}},
+            {"_id": self.name, OWNER: self.owner},
+            {"$set": {LEASE_UNTIL: utc_now(), OWNER: None}},
         )
 
     async def load(self) -> dict[str, Any]:
