@@ -40,7 +40,7 @@ from mongo_outbox.inbox import (
     inbox_guard,
 )
 from mongo_outbox.outbox import Outbox, Saved
-from mongo_outbox.relay import PollingRelay, RelayStats
+from mongo_outbox.relay import PollingRelay, RelayCounters, RelayStats
 from mongo_outbox.settings import Backoff, RelaySettings
 from mongo_outbox.upcasters import Upcasters
 
@@ -72,6 +72,7 @@ __all__ = [
     "PoisonMessage",
     "PollingRelay",
     "PublishError",
+    "RelayCounters",
     "RelayGroup",
     "RelaySettings",
     "RelayStats",

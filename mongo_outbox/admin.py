@@ -25,7 +25,16 @@ from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.replay import replay
 from mongo_outbox._relay.store import store_for
-from mongo_outbox._relay.store.base import ParkedKey, batches
+from mongo_outbox._relay.store.base import ParkedKey, chunks
+from mongo_outbox._storage import (
+    ATTEMPTS,
+    CHECKPOINT_AT,
+    EXPIRE_AT,
+    HOLDER_COLLECTION,
+    LAST_ERROR,
+    LEASE_UNTIL,
+    OWNER,
+)
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.events import as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -50,9 +59,9 @@ SUMMARY = (
     "aggregate_type",
     "aggregate_id",
     "sequence",
-    "attempts",
-    "last_error",
-    "collection",
+    ATTEMPTS,
+    LAST_ERROR,
+    HOLDER_COLLECTION,
 )
 """The fields of a parked entry a listing reads (its payload and metadata are left out)."""
 
@@ -116,9 +125,9 @@ class ParkedEntry:
             # published as version 1 (Event's default).
             sequence=typed("sequence", int, low=1),
             version=typed("version", int, 1, low=1),
-            attempts=typed("attempts", int),
-            last_error=None if document.get("last_error") is None else str(document["last_error"]),
-            collection=typed("collection", str),
+            attempts=typed(ATTEMPTS, int),
+            last_error=None if document.get(LAST_ERROR) is None else str(document[LAST_ERROR]),
+            collection=typed(HOLDER_COLLECTION, str),
             unreadable=None,
             document=document,
         )
@@ -215,6 +224,26 @@ class OutboxAdmin:
         counts = await self._store.backlog()
         return Backlog(counts.pending, counts.oldest, await self._store.parked_count())
 
+    def _published(self) -> Any:
+        # What a settle marks published with an expiry: the outbox's entries (collection mode)
+        # or the id registry's (embedded mode), until the TTL index prunes them.
+        outbox = self.outbox
+        return outbox.collection if outbox.mode == "collection" else outbox.event_ids
+
+    async def latest_publication(self) -> datetime | None:
+        """The expiry of the entry published last (None: none is kept): a mark to count the
+        publications after, with ``published_after``."""
+        latest = await self._published().find_one(
+            {EXPIRE_AT: {"$exists": True}}, sort=[(EXPIRE_AT, -1)], projection={EXPIRE_AT: 1}
+        )
+        return latest.get(EXPIRE_AT) if latest else None
+
+    async def published_after(self, mark: datetime | None) -> int:
+        """How many kept entries were published after ``mark`` (a ``latest_publication``),
+        or in all when ``mark`` is None; pruned ones are not counted."""
+        since = {"$gt": mark} if mark is not None else {"$exists": True}
+        return int(await self._published().count_documents({EXPIRE_AT: since}))
+
     async def parked(
         self,
         types: Sequence[str] = (),
@@ -268,13 +297,13 @@ class OutboxAdmin:
     ) -> int:
         """Make these parked entries due again, with a fresh set of attempts, together with
         the earlier parked entries of their aggregates, so none overtakes another; return how
-        many. In batches of bounded commands, ``progress(n)`` told of each batch's ``n`` ids:
-        interrupted, the whole batches done are requeued and the rest still parked."""
+        many. In chunks of bounded commands, ``progress(n)`` told of each chunk's ``n`` ids:
+        interrupted, the whole chunks done are requeued and the rest still parked."""
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._store.requeue(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._store.requeue(chunk)
             if progress is not None:
-                progress(len(batch))
+                progress(len(chunk))
         return requeued
 
     async def replay(
@@ -307,15 +336,15 @@ class OutboxAdmin:
         now = utc_now()
         found: list[Lease] = []
         async for doc in self._checkpoints.find().sort("_id", 1):
-            until = _date(doc.get("lease_until"))
+            until = _date(doc.get(LEASE_UNTIL))
             held = until is not None and until > now
-            owner = doc.get("owner")
+            owner = doc.get(OWNER)
             found.append(
                 Lease(
                     name=str(doc["_id"]),
                     holder=str(owner) if held and owner is not None else None,
                     until=until,
-                    checkpoint_at=_date(doc.get("checkpoint_at")),
+                    checkpoint_at=_date(doc.get(CHECKPOINT_AT)),
                     held=held,
                 )
             )

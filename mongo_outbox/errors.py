@@ -22,7 +22,7 @@
         ├── MessageIdentityError a message has no usable id to deduplicate on
         ├── PoisonMessage        raise it from a handler: never retry this message
         ├── RetryLater           a guarded handler failed for now: deliver again after ``delay``
-        └── DeadLettered         a guarded message is poison: recorded and dead-lettered
+        └── DeadLettered         a guarded message was given up on: recorded, dead-lettered
 
 Every error carries the context it is about as attributes, so a handler can log or route it
 without parsing the message.
@@ -242,7 +242,7 @@ class RetryLater(InboxError):
 
 
 class DeadLettered(InboxError):
-    """The message is poison: it was recorded as failed and sent to the dead letter."""
+    """The message was given up on: it was recorded as failed and sent to the dead letter."""
 
     def __init__(self, message: str, *, attempt: int) -> None:
         super().__init__(message)

@@ -41,6 +41,7 @@ from mongo_outbox._relay.rounds import Rounds, pause
 from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox._steps import run_async
+from mongo_outbox._storage import LEASE_UNTIL, OWNER
 from mongo_outbox.brokers._publishing import Publisher
 from mongo_outbox.changestream.relay import ChangeStreamRelay
 from mongo_outbox.errors import ConfigurationError, describe
@@ -65,7 +66,7 @@ Source = Literal["polling", "changestream"]
 REBALANCE_EVERY = 1.0
 """Longest time in seconds between two heartbeats (and looks at the membership) of a member."""
 
-ASSIGN_BATCH = 1000
+ASSIGN_CHUNK = 1000
 """How many entries without a partition one query gives theirs."""
 
 
@@ -81,7 +82,7 @@ class RelayGroup(Lifecycle):
         name: the group's name: its leases and heartbeats.
         source: ``"polling"`` (rounds of claims per partition) or ``"changestream"`` (a change
             stream per partition, with its own checkpoint).
-        settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
+        settings: entries per round, in-flight window, timeouts, claim lease, attempts, backoff.
         member_lease: how long a member's heartbeat and partition leases last without renewal
             (they are renewed every third of it); a dead member's partitions are taken over
             within about this and a second. At least 2.5 times ``settings.publish_timeout``: a
@@ -162,7 +163,7 @@ class RelayGroup(Lifecycle):
             await run_async(check_config(self.outbox.config, self.partitions, "this RelayGroup"))
             # Entries saved before the outbox had partitions (or by a writer that read the
             # record before it existed) have none, so no partition's worker would ever claim them.
-            while await self._assign_partitions() == ASSIGN_BATCH:
+            while await self._assign_partitions() == ASSIGN_CHUNK:
                 pass
             self._enter("active", f"member {self.member}")
             await self._beat()
@@ -230,7 +231,7 @@ class RelayGroup(Lifecycle):
                 del self._tasks[k]
                 self._workers.pop(k, None)
         # A writer that checked the partition record before it existed writes entries without
-        # a partition until it restarts: one batch of them each beat.
+        # a partition until it restarts: one chunk of them each beat.
         await self._assign_partitions()
         live = await self._membership.beat(self.owned)
         wanted = set(share(live, self.member, self.partitions))
@@ -244,7 +245,7 @@ class RelayGroup(Lifecycle):
             self._tasks[k] = asyncio.ensure_future(worker.run())
 
     async def _assign_partitions(self) -> int:
-        assigned = await self._store.assign_partitions(ASSIGN_BATCH)
+        assigned = await self._store.assign_partitions(ASSIGN_CHUNK)
         if assigned:
             log.warning(
                 "group %s: %d pending entries had no partition (saved before the outbox had "
@@ -286,9 +287,9 @@ class RelayGroup(Lifecycle):
         now = utc_now()
         owners: dict[int, str | None] = dict.fromkeys(range(self.partitions))
         async for doc in self._leases.find({"_id": {"$in": names}}):
-            until = doc.get("lease_until")
+            until = doc.get(LEASE_UNTIL)
             if until is not None and until.replace(tzinfo=now.tzinfo) > now:
-                owners[int(str(doc["_id"]).rsplit("/", 1)[1])] = doc.get("owner")
+                owners[int(str(doc["_id"]).rsplit("/", 1)[1])] = doc.get(OWNER)
         live = await self._membership.live()
         backlog = await Rounds(self.outbox, self.publisher, self.settings).store.backlog()
         return GroupStatus(

@@ -318,7 +318,8 @@ def inbox_guard(
 
     The decorated function returns ``True`` when it handled the event now and ``False`` for a
     duplicate; it raises ``RetryLater`` when the handler failed for now, and ``DeadLettered``
-    once a message is poison (the handler raised ``PoisonMessage``, or ``max_attempts`` failed).
+    once a message is given up on (the handler raised ``PoisonMessage``, or ``max_attempts``
+    failed).
     A handler that takes an ``attempt`` keyword gets the attempt number (1 for the first).
     The handler and ``dead_letter`` must be coroutine functions (or objects whose ``__call__``
     is one): a plain function's side effects would run before the guard could refuse it.

@@ -561,7 +561,7 @@ def _observable_gauges(meter: Any) -> list[Any]:
     gauges: list[tuple[str, str, str, Callable[[], Iterator[tuple[float, dict[str, str]]]]]] = [
         ("mongo_outbox_pending_events", "", "Pending outbox events", _pending),
         ("mongo_outbox_oldest_pending_age", "s", "Age of the oldest pending event", _oldest),
-        ("mongo_outbox_parked_events", "", "Parked (dead-lettered) outbox events", _parked),
+        ("mongo_outbox_parked_events", "", "Parked outbox events", _parked),
         ("mongo_outbox_checkpoint_lag", "s", "Time since the last checkpoint", _lag),
         ("mongo_outbox_relay_active", "", "Relays that publish now (leader)", _active),
         ("mongo_outbox_relay_state", "", "Relays in each state", _states),

@@ -23,12 +23,12 @@ from mongo_outbox.settings import (
     check_relay_settings,
     check_seconds,
 )
-from mongo_outbox.status import GroupStatus, RelayStats, RelayStatus, State
+from mongo_outbox.status import GroupStatus, RelayCounters, RelayStats, RelayStatus, State
 
 if TYPE_CHECKING:
     from mongo_outbox._relay.turns import Turns
 
-__all__ = ["PollingRelay", "Relay", "RelayStats"]
+__all__ = ["PollingRelay", "Relay", "RelayCounters", "RelayStats"]
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,16 @@ class Relay(Protocol):
 class PollingRelay(Lifecycle):
     """Publishes an outbox's pending events, in sequence order per aggregate.
 
-    Several relays may run side by side, in one process or many: each claims a batch with a
-    lease, and an entry is published only after every earlier entry of its aggregate has been,
-    so a crashed relay's claims come back after the lease and keep their place in line. One
-    relay object runs one loop at a time: a second ``run()`` or ``drain()`` while one runs
-    raises ``UsageError`` (create another relay object to publish side by side).
+    Several relays may run side by side, in one process or many: each claims a round's entries
+    with a lease, and an entry is published only after every earlier entry of its aggregate
+    has been, so a crashed relay's claims come back after the lease and keep their place in
+    line. One relay object runs one loop at a time: a second ``run()`` or ``drain()`` while one
+    runs raises ``UsageError`` (create another relay object to publish side by side).
 
     Parameters:
         outbox: the Outbox to relay.
         publisher: any object with ``async publish(event)`` and ``async aclose()``.
-        settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
+        settings: entries per round, in-flight window, timeouts, claim lease, attempts, backoff.
         interval: how long to sleep when nothing is pending (seconds or a timedelta).
         name: what ``status()`` and the log call this relay.
     """
@@ -99,7 +99,7 @@ class PollingRelay(Lifecycle):
         self._rounds = Rounds(outbox, publisher, self.settings, relay=self.name)
 
     @property
-    def stats(self) -> RelayStats:
+    def stats(self) -> RelayCounters:
         return self._rounds.stats
 
     @property
@@ -133,7 +133,7 @@ class PollingRelay(Lifecycle):
             try:
                 # A stop ends the round before its next wave, not after all of them: with a
                 # slow broker, a round of many waves took longer than a service's stop timeout.
-                _, more = await self._rounds.batch(lost=self._stopping)
+                _, more = await self._rounds.one(lost=self._stopping)
                 failures = 0
             except PyMongoError as error:
                 failures += 1
@@ -159,14 +159,17 @@ class PollingRelay(Lifecycle):
             last_error=lambda: self.last_error,
         )
 
-    async def publish_batch(self, until: datetime | None = None) -> tuple[int, bool]:
+    async def publish_round(self, until: datetime | None = None) -> tuple[int, bool]:
         """One round: claim (what is due by ``until``, default now), publish, settle. Returns
         (published, more may be waiting)."""
-        with self._exclusive("publish_batch()"):
-            return await self._rounds.batch(until)
+        with self._exclusive("publish_round()"):
+            return await self._rounds.one(until)
+
+    # The name of before: "batch" now means nothing in a relay (docs/architecture.md, Words).
+    publish_batch = publish_round
 
     async def parked(self) -> list[dict[str, Any]]:
-        """Entries parked as dead-lettered: ``_id`` (the event id), the event's fields,
+        """Parked entries: ``_id`` (the event id), the event's fields,
         ``status: "parked"``, ``attempts`` and ``last_error``; in embedded mode also
         ``collection``, as they stay in their aggregate's document."""
         # As every operator's tool reads them: through the outbox's admin, read whole.

@@ -116,7 +116,7 @@ class RelaySettings:
             another publishes its entries again. A round starts no new wave of publishes that
             could end after it, so two live relays never publish the same entry at once; it
             must be at least twice ``publish_timeout``.
-        max_attempts: failed attempts after which an entry is parked as dead-lettered (see
+        max_attempts: failed attempts after which an entry is parked (see
             ``parked()``); ``None`` retries for ever. Failures for want of a broker do not
             count (see docs/failures.md).
         backoff: delays between retries of a failed entry.

@@ -11,12 +11,19 @@ from typing import Literal
 
 
 @dataclass
-class RelayStats:
+class RelayCounters:
+    """A relay's counters of its own work since it started (its ``stats``), kept in memory;
+    ``RelayStatus`` is what an operator reads, from the outbox as well."""
+
     published: int = 0
     failed: int = 0
     parked: int = 0
     last_error: str | None = None
     errors_by_type: dict[str, int] = field(default_factory=dict)
+
+
+RelayStats = RelayCounters
+"""The name of before, beside ``RelayStatus`` one letter away (docs/architecture.md, Words)."""
 
 
 State = Literal["starting", "standby", "active", "stopped", "failed"]

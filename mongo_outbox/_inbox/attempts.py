@@ -1,5 +1,6 @@
 """One attempt at handling a delivery, in either inbox mode, and what a failure leads to:
-a retry after a backoff delay, or the dead letter once the message is poison or out of attempts.
+a retry after a backoff delay, or the dead letter once the handler refused the message for good
+or it is out of attempts.
 
 ``inbox_guard`` chooses the mode and keeps deliveries of one message in a process apart; the
 records are written through ``InboxStore``; this module decides what becomes of the message.
@@ -90,11 +91,13 @@ class Attempts:
         except _GiveUp:
             return await self._give_up(event, identity, None, attempts_of(before), before)
         except PoisonMessage as error:
-            return await self._poison(event, identity, None, attempts_of(before) + 1, str(error))
+            return await self._to_dead_letter(
+                event, identity, None, attempts_of(before) + 1, str(error)
+            )
         except _Racing:
             # Whichever lost tries again, and will find the winner's record.
             return Result(Outcome.RETRY, attempts_of(before), self.backoff.delay(1), "racing")
-        except Exception as error:  # noqa: BLE001 - any handler failure is retried or poisoned
+        except Exception as error:  # noqa: BLE001 - any handler failure is retried or dead-lettered
             if _is_conflict(error) or isinstance(error, ConnectionFailure):
                 # Another transaction won, or MongoDB was out of reach: not the message's fault,
                 # so not an attempt that counts towards max_attempts (a duplicate, or every
@@ -152,8 +155,8 @@ class Attempts:
             await self._let_go(claim)
             raise
         except PoisonMessage as error:
-            return await self._poison(event, identity, claim, claim.attempt, str(error))
-        except Exception as error:  # noqa: BLE001 - any handler failure is retried or poisoned
+            return await self._to_dead_letter(event, identity, claim, claim.attempt, str(error))
+        except Exception as error:  # noqa: BLE001 - any handler failure is retried or dead-lettered
             return await self._failed(event, identity, claim, claim.attempt, error, last)
         if not await self.store.finish(claim):
             self._lost(claim, "done")
@@ -173,7 +176,7 @@ class Attempts:
         # Without a verdict, the last attempt never recorded its end (a crash, a lease overrun)
         # or max_attempts was lowered: what is known is the last error recorded, if any.
         reason = verdict or f"gave up after {attempt}; last error recorded: {last_error}"
-        return await self._poison(event, identity, claim, attempt, reason)
+        return await self._to_dead_letter(event, identity, claim, attempt, reason)
 
     async def _failed(
         self,
@@ -187,10 +190,10 @@ class Attempts:
         text = describe(error)
         if attempt >= self.max_attempts:
             reason = f"gave up after {attempt}: {text}"
-            return await self._poison(event, identity, claim, attempt, reason)
+            return await self._to_dead_letter(event, identity, claim, attempt, reason)
         if last:
             reason = f"gave up after {attempt} on the broker's last delivery: {text}"
-            return await self._poison(event, identity, claim, attempt, reason)
+            return await self._to_dead_letter(event, identity, claim, attempt, reason)
         delay = self.backoff.delay(attempt)
         log.warning(
             "handling %s failed (attempt %d), retry in %.1fs: %s",
@@ -202,7 +205,7 @@ class Attempts:
         await self._save(event, identity, claim, "retrying", attempt, text)
         return Result(Outcome.RETRY, attempt, delay, text)
 
-    async def _poison(
+    async def _to_dead_letter(
         self,
         event: Event,
         identity: Identity,

@@ -1,6 +1,6 @@
 """The words for what becomes of a message: ``Outcome``, ``Result`` and the ``DeadLetter`` a
-poison message goes to. A leaf, so that the guard, its attempts and the public ``inbox`` all
-speak them without importing each other."""
+message given up on goes to. A leaf, so that the guard, its attempts and the public ``inbox``
+all speak them without importing each other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from mongo_outbox.events import Event
 
 DeadLetter = Callable[[Event, str], Awaitable[None]]
-"""``async dead_letter(event, reason)``: where a poison message goes, e.g. a publisher's DLQ."""
+"""``async dead_letter(event, reason)``: where a message given up on goes, e.g. a broker's DLQ."""
 
 
 class Outcome(enum.Enum):
@@ -20,7 +20,7 @@ class Outcome(enum.Enum):
     HANDLED = "handled"  # the handler ran and its effects are stored
     DUPLICATE = "duplicate"  # handled (or dead-lettered) before: skipped
     RETRY = "retry"  # failed for now, or another consumer holds it: deliver again after `delay`
-    DEAD_LETTERED = "dead_lettered"  # poison: recorded as failed and sent to the dead letter
+    DEAD_LETTERED = "dead_lettered"  # given up on: recorded as failed and sent to the dead letter
 
 
 @dataclass(frozen=True)

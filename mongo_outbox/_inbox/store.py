@@ -9,9 +9,9 @@ Leased mode fences its claims like the relay's store: a claim is a value holding
 whose claim another delivery took over therefore writes nothing: it can neither overwrite the
 live claim nor release it to a third delivery.
 
-A message whose handler is done with (poison, or out of attempts) but whose dead letter failed
-is released as ``retrying`` with a ``verdict``: the next delivery only retries the dead letter,
-it does not run the handler again.
+A message whose handler is done with (refused for good, or out of attempts) but whose dead
+letter failed is released as ``retrying`` with a ``verdict``: the next delivery only retries the
+dead letter, it does not run the handler again.
 
 A dead-lettered record (``failed``, with ``failed_at``) is terminal until an operator requeues
 it: it becomes ``retrying`` with no attempts counted, no verdict and no claim token, so the next

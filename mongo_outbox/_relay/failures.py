@@ -18,7 +18,7 @@ from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox.errors import BrokerFullError, InvalidEventError, describe, unavailable
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.status import RelayStats
+from mongo_outbox.status import RelayCounters
 
 log = logging.getLogger("mongo_outbox.relay")
 
@@ -31,7 +31,7 @@ class Classifier:
     ``stats`` and in the metrics of ``relay`` (its labels, or ``None``)."""
 
     def __init__(
-        self, settings: RelaySettings, stats: RelayStats, relay: dict[str, str] | None
+        self, settings: RelaySettings, stats: RelayCounters, relay: dict[str, str] | None
     ) -> None:
         self.settings = settings
         self.stats = stats

@@ -28,6 +28,7 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
+from mongo_outbox._storage import CHECKPOINT_AT, FENCE, LEASE_UNTIL, OWNER, TOKEN
 from mongo_outbox.errors import describe
 from mongo_outbox.events import utc_now
 
@@ -64,7 +65,7 @@ class FencedLease:
 
     @property
     def _mine(self) -> dict[str, Any]:
-        return {"_id": self.name, "owner": self.owner, "fence": self.fence}
+        return {"_id": self.name, OWNER: self.owner, FENCE: self.fence}
 
     async def acquire(self) -> bool:
         """Renew the lease if it is ours, or take it once the holder's ran out. Returns whether
@@ -73,7 +74,7 @@ class FencedLease:
             return True
         sent = asyncio.get_running_loop().time()
         now = utc_now()
-        fence = {"$add": [{"$ifNull": ["$fence", 0]}, 1]}
+        fence = {"$add": [{"$ifNull": ["$" + FENCE, 0]}, 1]}
         try:
             doc = await self.coll.find_one_and_update(
                 # Or still ours: a take-over whose answer was lost (its command bounded, the
@@ -81,14 +82,14 @@ class FencedLease:
                 # waiting for it to run out would keep every relay off it for a lease.
                 {
                     "_id": self.name,
-                    "$or": [{"lease_until": {"$not": {"$gt": now}}}, {"owner": self.owner}],
+                    "$or": [{LEASE_UNTIL: {"$not": {"$gt": now}}}, {OWNER: self.owner}],
                 },
                 [
                     {
                         "$set": {
-                            "owner": self.owner,
-                            "lease_until": {"$literal": now + self.lease},
-                            "fence": {"$max": [fence, int(now.timestamp() * 1000)]},
+                            OWNER: self.owner,
+                            LEASE_UNTIL: {"$literal": now + self.lease},
+                            FENCE: {"$max": [fence, int(now.timestamp() * 1000)]},
                         }
                     }
                 ],
@@ -98,7 +99,7 @@ class FencedLease:
         except DuplicateKeyError:
             # The document exists with a live lease, so the upsert collided: another holds it.
             return False
-        self.fence = int(doc["fence"])
+        self.fence = int(doc[FENCE])
         self._sent = sent
         return True
 
@@ -108,7 +109,7 @@ class FencedLease:
             return False
         sent = asyncio.get_running_loop().time()
         renewed = await self.coll.update_one(
-            self._mine, {"$set": {"lease_until": utc_now() + self.lease}}
+            self._mine, {"$set": {LEASE_UNTIL: utc_now() + self.lease}}
         )
         if not renewed.matched_count:
             self.fence = None
@@ -168,7 +169,7 @@ class FencedLease:
         now = utc_now()
         result = await self.coll.update_one(
             self._mine,
-            {"$set": {"token": token, "checkpoint_at": now, "lease_until": now + self.lease}},
+            {"$set": {TOKEN: token, CHECKPOINT_AT: now, LEASE_UNTIL: now + self.lease}},
         )
         if not result.matched_count:
             self.fence = None
@@ -183,8 +184,8 @@ class FencedLease:
         # it, the server had it already) matches nothing once it lands.
         self.fence = None
         await self.coll.update_one(
-            {"_id": self.name, "owner": self.owner},
-            {"$set": {"lease_until": utc_now(), "owner": None}},
+            {"_id": self.name, OWNER: self.owner},
+            {"$set": {LEASE_UNTIL: utc_now(), OWNER: None}},
         )
 
     async def load(self) -> dict[str, Any]:

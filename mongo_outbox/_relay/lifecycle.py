@@ -58,11 +58,11 @@ class Lifecycle:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """Refuse a second loop of one relay object while one runs: two loops would share one
-        stop flag, one set of stats and, for a change-stream relay, one lease."""
+        stop flag, one set of counters and, for a change-stream relay, one lease."""
         if self._busy:
             raise UsageError(
                 f"{what}: this relay is already running a loop (run(), drain() or "
-                "publish_batch()); one relay object runs one loop at a time: create another "
+                "publish_round()); one relay object runs one loop at a time: create another "
                 "relay object (or process) to publish side by side"
             )
         self._busy = True

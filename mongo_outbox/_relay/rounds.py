@@ -29,8 +29,8 @@ from mongo_outbox._relay.store import store_for
 from mongo_outbox._relay.store.base import Claim, PublishFailure
 from mongo_outbox._relay.turns import Turns
 from mongo_outbox.brokers._publishing import (
-    BatchPublisher,
     Publisher,
+    WavePublisher,
     check_publisher,
     client_call,
 )
@@ -40,7 +40,7 @@ from mongo_outbox.errors import (
 from mongo_outbox.events import Event, utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.settings import RelaySettings
-from mongo_outbox.status import RelayStats, RelayStatus, State
+from mongo_outbox.status import RelayCounters, RelayStatus, State
 from mongo_outbox.tracing import publishing, tracer
 
 log = logging.getLogger("mongo_outbox.relay")
@@ -88,7 +88,7 @@ class Rounds:
         self.store = store_for(outbox, partition)
         self.publisher = publisher
         self.settings = settings
-        self.stats = RelayStats()
+        self.stats = RelayCounters()
         self.relay = (
             None if relay is None else metrics.relay_labels(relay, outbox.db.name, partition)
         )
@@ -161,7 +161,7 @@ class Rounds:
         what was due when it began: a busy writer cannot keep it going for ever."""
         until, total, more = utc_now(), 0, True
         while more:
-            published, more, freed = await self._batch(until, None)
+            published, more, freed = await self._one(until, None)
             total += published
             if freed:
                 # A park, or a round cut short, made entries that were due at the start due
@@ -169,15 +169,15 @@ class Rounds:
                 until = utc_now()
         return total
 
-    async def batch(
+    async def one(
         self, until: datetime | None = None, lost: Flag | None = None
     ) -> tuple[int, bool]:
         """Claim what is due by ``until`` (default now), publish, settle. Returns (published,
         more may be waiting)."""
-        published, more, _ = await self._batch(until, lost)
+        published, more, _ = await self._one(until, lost)
         return published, more
 
-    async def _batch(self, until: datetime | None, lost: Flag | None) -> tuple[int, bool, bool]:
+    async def _one(self, until: datetime | None, lost: Flag | None) -> tuple[int, bool, bool]:
         async with self._turn():
             await self.probe()
             started = asyncio.get_running_loop().time()
@@ -366,7 +366,7 @@ class Rounds:
 
         publisher = self.publisher
         traced = tracer()  # once per wave: asking the API for its provider is not free
-        if not isinstance(publisher, BatchPublisher):
+        if not isinstance(publisher, WavePublisher):
             # max_in_flight workers take the events in turn: a task per worker, not per event.
             results: list[BaseException | None] = [None] * len(wave)
             order = iter(range(len(wave)))

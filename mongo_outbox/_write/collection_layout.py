@@ -26,6 +26,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._steps import Steps, call, listing
+from mongo_outbox._storage import ATTEMPTS, AVAILABLE_AT, EXPIRE_AT, PENDING, STATUS, WAITING
 from mongo_outbox._write.aggregates import check_size
 from mongo_outbox._write.layout import COUNTERS, DocumentWrite, encoded
 from mongo_outbox._write.plan import Kind, Plan, Written
@@ -87,10 +88,10 @@ class CollectionLayout:
             yield call(
                 outbox,
                 "create_index",
-                [("partition", 1), ("status", 1), ("available_at", 1)],
+                [("partition", 1), (STATUS, 1), (AVAILABLE_AT, 1)],
                 name="relay_partition_due",
             )
-        yield call(outbox, "create_index", [("status", 1), ("available_at", 1)], name="relay_due")
+        yield call(outbox, "create_index", [(STATUS, 1), (AVAILABLE_AT, 1)], name="relay_due")
         yield call(
             outbox,
             "create_index",
@@ -98,9 +99,9 @@ class CollectionLayout:
             name="aggregate",
         )
         # Only published entries get expire_at, so pending ones never expire.
-        yield call(outbox, "create_index", "expire_at", expireAfterSeconds=0, name="ttl")
+        yield call(outbox, "create_index", EXPIRE_AT, expireAfterSeconds=0, name="ttl")
         # Entries waiting for the broker, woken at once when it is back.
-        yield call(outbox, "create_index", "waiting", sparse=True, name="waiting")
+        yield call(outbox, "create_index", WAITING, sparse=True, name="waiting")
         # Last: entries stored before it existed may hold duplicates, and the others are built.
         try:
             yield call(
@@ -171,7 +172,7 @@ class CollectionLayout:
             # its counters. (A document the write created is checked by the unique index alone:
             # a create costs no read.)
             yield from self._check_unnumbered(plan, session)
-        pending: dict[str, Any] = {"status": "pending", "available_at": now, "attempts": 0}
+        pending: dict[str, Any] = {STATUS: PENDING, AVAILABLE_AT: now, ATTEMPTS: 0}
         if plan.partition is not None:
             pending[self.partition_field] = plan.partition
         entries = [

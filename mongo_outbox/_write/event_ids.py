@@ -27,9 +27,10 @@ Who writes an id there:
 
 A registry entry has no ``expire_at`` while its event is pending, however long that lasts (a
 relay down for longer than ``retention``, an entry parked for weeks): a pending id stays taken.
-The relay's settle marks it ``published`` with ``expire_at`` = now + ``retention`` before it
-removes the entry from its document, so an id published a moment ago stays taken too, like a
-published entry of collection mode, and the TTL index prunes it after ``retention``.
+The relay's settle (``_relay.store.published_ids``) marks it ``published`` with ``expire_at`` =
+now + ``retention`` before it removes the entry from its document, so an id published a moment
+ago stays taken too, like a published entry of collection mode, and the TTL index prunes it
+after ``retention``.
 
 Why the extra writes lose nothing:
 
@@ -54,16 +55,15 @@ write one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
-from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError
 
-from mongo_outbox._commands import chunked
 from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._steps import Steps, call, listing
+from mongo_outbox._storage import EXPIRE_AT, HOLDER_COLLECTION, HOLDER_DOCUMENT, MARKED_PUBLISHED
 from mongo_outbox._write.refusals import duplicate_id, write_errors
 from mongo_outbox.errors import DuplicateEventError
 from mongo_outbox.events import Event
@@ -74,11 +74,6 @@ _ATTEMPTS = 3  # a reservation that expires between our insert and our read is t
 Home = tuple[str, Any]
 """Where an embedded save puts an event: its collection's full name, its document's ``_id``."""
 Marks = list[tuple[Event, bool, Home | None]]
-Holder = tuple[Any, Any]
-"""An aggregate document as the registry and the relay name it: its collection's name, its
-``_id``."""
-Taken = tuple[Holder, Any]
-"""Who holds an id in the registry: the document, and the entry's sequence."""
 
 
 _marking = threading.Lock()
@@ -161,7 +156,7 @@ class EventIds:
         self.retention = retention
 
     def ensure_index(self) -> Steps[None]:
-        yield call(self.registry, "create_index", "expire_at", expireAfterSeconds=0, name="ttl")
+        yield call(self.registry, "create_index", EXPIRE_AT, expireAfterSeconds=0, name="ttl")
 
     def reserve(
         self, ids: Sequence[str], collection: str, doc_id: Any, session: Any
@@ -215,9 +210,9 @@ class EventIds:
                 "delete_many",
                 {
                     "_id": {"$in": list(ids)},
-                    "collection": collection,
-                    "aggregate": doc_id,
-                    "published": {"$ne": True},
+                    HOLDER_COLLECTION: collection,
+                    HOLDER_DOCUMENT: doc_id,
+                    MARKED_PUBLISHED: {"$ne": True},
                 },
                 session=session,
             )
@@ -231,7 +226,7 @@ class EventIds:
         yield call(
             self.registry,
             "insert_many",
-            [{"_id": i, "collection": collection, "aggregate": doc_id} for i in ids],
+            [{"_id": i, HOLDER_COLLECTION: collection, HOLDER_DOCUMENT: doc_id} for i in ids],
             ordered=False,
             session=session,
         )
@@ -244,15 +239,22 @@ class EventIds:
         found = yield listing(self.registry, "find", {"_id": {"$in": ids}}, session=session)
         mine: set[str] = set()
         for entry in found:
-            here = (entry.get("collection"), entry.get("aggregate")) == (collection, doc_id)
-            if here and not entry.get("published"):
+            here = (entry.get(HOLDER_COLLECTION), entry.get(HOLDER_DOCUMENT)) == (
+                collection,
+                doc_id,
+            )
+            if here and not entry.get(MARKED_PUBLISHED):
                 mine.add(entry["_id"])  # a retry of a save that crashed before its write
                 continue
             yield from self.release(reserved, collection, doc_id, session)
             where = (
-                "this document" if here else f"{entry.get('collection')} {entry.get('aggregate')!r}"
+                "this document"
+                if here
+                else f"{entry.get(HOLDER_COLLECTION)} {entry.get(HOLDER_DOCUMENT)!r}"
             )
-            state = "published less than retention ago" if entry.get("published") else "pending"
+            state = (
+                "published less than retention ago" if entry.get(MARKED_PUBLISHED) else "pending"
+            )
             raise DuplicateEventError(
                 f"event id {entry['_id']} is already taken by {where} ({state}): "
                 "the broker would drop one of the two as a duplicate",
@@ -270,97 +272,3 @@ def _duplicate(error: BulkWriteError, collection: str) -> DuplicateEventError:
         collection=collection,
         event_id=taken,
     )
-
-
-class PublishedIds:
-    """The relay's side of the registry: ids whose events the broker confirmed."""
-
-    def __init__(self, registry: Any, retention: timedelta) -> None:
-        self.registry = registry
-        self.retention = retention
-
-    async def own(self, held: Mapping[str, Taken]) -> dict[str, Taken]:
-        """Take each id of ``held`` (event id: its collection's name and document ``_id``, and
-        its sequence) for that entry, unless it is that entry's already; return the ids held
-        otherwise, each with the registry's holder and sequence: another document's, or this
-        document's under another sequence (an event published before, its id given again)."""
-        if not held:
-            return {}
-        # Most ids are new to the registry (the library made them and saves do not reserve
-        # them): one insert of the whole claim. Only the ids already there need a condition.
-        ids = list(held)
-        entries = [
-            {"_id": i, "collection": collection, "aggregate": doc_id, "sequence": sequence}
-            for i, ((collection, doc_id), sequence) in held.items()
-        ]
-        try:
-            await self.registry.insert_many(entries, ordered=False)
-            return {}
-        except BulkWriteError as error:
-            there = {ids[e["index"]]: e.get("code") for e in write_errors(error)}
-            if not there or any(code != DUPLICATE_KEY for code in there.values()):
-                raise  # not (only) ids already there: a write concern error, say
-        return await self._take({i: held[i] for i in there})
-
-    async def _take(self, held: Mapping[str, Taken]) -> dict[str, Taken]:
-        ids = list(held)
-        ops = []
-        for i in ids:
-            (collection, doc_id), sequence = held[i]
-            # A save's reservation has no sequence yet; a crashed relay's own has this one.
-            mine = {
-                "_id": i,
-                "collection": collection,
-                "aggregate": doc_id,
-                "sequence": {"$in": [sequence, None]},
-            }
-            ops.append(UpdateOne(mine, {"$set": {"sequence": sequence}}, upsert=True))
-        try:
-            await self.registry.bulk_write(ops, ordered=False)
-            return {}
-        except BulkWriteError as error:
-            failed = {ids[e["index"]]: e.get("code") for e in write_errors(error)}
-            if any(code != DUPLICATE_KEY for code in failed.values()):
-                raise
-        # The filter missed and the insert collided: the id is held otherwise.
-        found = []
-        for chunk in chunked(list(failed)):
-            found += await self.registry.find({"_id": {"$in": chunk}}).to_list(None)
-        return {
-            d["_id"]: ((d.get("collection"), d.get("aggregate")), d.get("sequence")) for d in found
-        }
-
-    async def mark_published(
-        self, published: Sequence[tuple[str, str, Any]], now: datetime
-    ) -> None:
-        """Mark each ``(event id, collection, document _id)`` published, to expire ``retention``
-        from ``now``. An id with no reservation (one pruned under an older version's rule, or
-        removed by hand) gets one, so it stays taken all the same."""
-        if not published:
-            return
-        expire_at = now + self.retention
-        marked = {"$set": {"published": True, "expire_at": expire_at}}
-        ids = list(dict.fromkeys(event_id for event_id, _, _ in published))
-        # One statement for the common case (a claim's worth of ids, in bounded commands):
-        # every id has its reservation.
-        matched = 0
-        for chunk in chunked(ids):
-            matched += (
-                await self.registry.update_many({"_id": {"$in": chunk}}, marked)
-            ).matched_count
-        if matched >= len(ids):
-            return
-        await self.registry.bulk_write(
-            [
-                UpdateOne(
-                    {"_id": event_id},
-                    {
-                        "$set": {"published": True, "expire_at": expire_at},
-                        "$setOnInsert": {"collection": collection, "aggregate": doc_id},
-                    },
-                    upsert=True,
-                )
-                for event_id, collection, doc_id in published
-            ],
-            ordered=False,
-        )

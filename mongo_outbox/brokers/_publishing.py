@@ -52,7 +52,7 @@ class Publisher(Protocol):
 
 
 @runtime_checkable
-class BatchPublisher(Publisher, Protocol):
+class WavePublisher(Publisher, Protocol):
     """A publisher that can pipeline a whole wave itself, cheaper than one task per event.
 
     ``publish_many`` sends every event before waiting for any confirmation, and returns one
@@ -61,6 +61,10 @@ class BatchPublisher(Publisher, Protocol):
     """
 
     async def publish_many(self, events: Sequence[Event]) -> list[BaseException | None]: ...
+
+
+BatchPublisher = WavePublisher
+"""The name of before: "batch" now means nothing in a relay (docs/architecture.md, Words)."""
 
 
 Naming = str | Callable[[Event], str]

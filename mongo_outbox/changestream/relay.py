@@ -50,7 +50,7 @@ from mongo_outbox.settings import (
     check_seconds,
     check_timedelta,
 )
-from mongo_outbox.status import RelayStats, RelayStatus
+from mongo_outbox.status import RelayCounters, RelayStatus
 
 if TYPE_CHECKING:
     from mongo_outbox._relay.turns import Turns
@@ -76,7 +76,7 @@ class ChangeStreamRelay(Lifecycle):
         publisher: any Publisher.
         name: the relay's name: its checkpoint, and the leader lease that one process holds.
         source: where changes come from; default ``WatchSource.for_outbox(outbox)``.
-        settings: batch size, in-flight window, timeouts, claim lease, attempts, backoff.
+        settings: entries per round, in-flight window, timeouts, claim lease, attempts, backoff.
         max_wait: the longest a batch waits for more changes. A batch takes what the stream
             has already delivered and closes as soon as that runs out (a lone change is
             published at once; a burst makes large batches), or at ``settings.batch_size``
@@ -172,7 +172,7 @@ class ChangeStreamRelay(Lifecycle):
                     await self._release()
 
     @property
-    def stats(self) -> RelayStats:
+    def stats(self) -> RelayCounters:
         return self._rounds.stats
 
     @property
@@ -195,7 +195,7 @@ class ChangeStreamRelay(Lifecycle):
         )
 
     async def parked(self) -> list[dict[str, Any]]:
-        """Entries parked as dead-lettered, with their ``last_error``: see
+        """Parked entries, with their ``last_error``: see
         ``PollingRelay.parked()``."""
         # As every operator's tool reads them: through the outbox's admin, read whole.
         page = await OutboxAdmin(self.outbox).parked(whole=True)
@@ -474,7 +474,7 @@ class ChangeStreamRelay(Lifecycle):
         until = utc_now()
         while not self._stopping.is_set():
             self._check_lease()
-            published, more = await self._rounds.batch(until, self._halted)
+            published, more = await self._rounds.one(until, self._halted)
             total += published
             if not more:
                 break

@@ -1,5 +1,5 @@
 """The ``mongo-outbox`` command line: run a relay as a service, see the outbox's health, and
-recover dead-lettered events and messages without writing Python.
+recover parked events and dead-lettered messages without writing Python.
 
 It is the one part of mongo-outbox that configures logging handlers (the library never does),
 and it needs the ``cli`` extra: ``pip install 'mongo-outbox[cli]'``. One module per command

@@ -18,7 +18,7 @@ from mongo_outbox.cli.status import status
 @click.version_option(package_name="mongo-outbox")
 def cli() -> None:
     """Run the mongo-outbox relay as a service, see the outbox's health, and recover
-    dead-lettered events and messages.
+    parked events and dead-lettered messages.
 
     Every option has an environment twin: --uri is MONGO_OUTBOX_URI, --routing-key is
     MONGO_OUTBOX_ROUTING_KEY, and so on.

@@ -1,4 +1,4 @@
-"""``mongo-outbox parked list|show|requeue``: events the relay set aside as dead-lettered.
+"""``mongo-outbox parked list|show|requeue``: events the relay parked.
 
 Everything goes through the outbox's admin (``mongo_outbox.admin``), as the relays' own
 ``parked()`` and ``requeue()`` do: a requeue brings back the earlier parked events of each
@@ -154,7 +154,7 @@ async def _requeue(
                 "no parked event matches: nothing was requeued"
                 + (f" (parked types: {', '.join(present)})" if present else " (none is parked)")
             )
-        requeued = await _in_batches(admin, chosen)
+        requeued = await _in_chunks(admin, chosen)
     earlier = requeued - len(chosen)
     if earlier < 0:  # a relay or another requeue got to some first, or one cannot come back
         return (
@@ -166,9 +166,9 @@ async def _requeue(
     return f"requeued {len(chosen)} parked events{also}"
 
 
-async def _in_batches(admin: OutboxAdmin, chosen: list[Any]) -> int:
-    """Requeue ``chosen`` (a batch of ids at a time, in the admin), with progress on stderr;
-    interrupted, say how far it got: whole batches are requeued, the rest parked."""
+async def _in_chunks(admin: OutboxAdmin, chosen: list[Any]) -> int:
+    """Requeue ``chosen`` (a chunk of ids at a time, in the admin), with progress on stderr;
+    interrupted, say how far it got: whole chunks are requeued, the rest parked."""
     done = 0
 
     def add(n: int) -> None:

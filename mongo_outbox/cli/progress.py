@@ -9,7 +9,7 @@ difference.
   any was written: a log shows long work going on and how it ended, and short work adds nothing.
 
 The helper knows nothing of what it counts. Work reports counts through ``Progress.add`` (a
-plain callback, for work done in batches), or ``progress(follow=...)`` reads a counter the work
+plain callback, for work done in chunks), or ``progress(follow=...)`` reads a counter the work
 keeps itself (a relay's ``stats.published``). While a single long call runs, the line's time
 still moves, so an operator sees it is not stuck.
 """
@@ -65,7 +65,7 @@ class Progress:
         self._finished = False
 
     def add(self, count: int) -> None:
-        """Count ``count`` more done (a callback for work that reports batches)."""
+        """Count ``count`` more done (a callback for work that reports chunks)."""
         self.done += count
         self.show()
 

@@ -95,7 +95,13 @@ METRICS_LINGER = 2.5 * SCRAPE_INTERVAL
 @option("--claim-lease", type=float, default=30.0, show_default=True, help="Seconds a claim holds.")
 @option("--publish-timeout", type=float, default=10.0, show_default=True, help="Seconds per ack.")
 @option("--interval", type=float, default=1.0, show_default=True, help="Polling: idle seconds.")
-@option("--max-wait", type=float, default=0.05, show_default=True, help="Seconds a batch waits.")
+@option(
+    "--max-wait",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Seconds a change-stream batch waits.",
+)
 @option(
     "--leader-lease",
     type=float,

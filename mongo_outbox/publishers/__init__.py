@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mongo_outbox.brokers import front
-from mongo_outbox.brokers._publishing import BatchPublisher, Publisher, redact_url, url_secrets
+from mongo_outbox.brokers._publishing import (
+    BatchPublisher,
+    Publisher,
+    WavePublisher,
+    redact_url,
+    url_secrets,
+)
 
 if TYPE_CHECKING:
     from mongo_outbox.brokers.faststream.publisher import FastStreamPublisher
@@ -26,6 +32,7 @@ __all__ = [
     "Publisher",
     "RabbitMQPublisher",
     "RedisStreamsPublisher",
+    "WavePublisher",
     "redact_url",
     "url_secrets",
 ]

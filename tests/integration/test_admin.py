@@ -190,3 +190,19 @@ def test_a_record_of_odd_fields_says_what_is_wrong_and_never_raises() -> None:
         assert said in entry.unreadable
     wrapped = ParkedEntry.of({"_id": None, "entry": 7, "last_error": "not a document"})
     assert wrapped.unreadable and wrapped.unreadable.startswith("its stored entry is not")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_publications_are_counted_after_a_mark_two_rounds_apart(db: Any, mode: str) -> None:
+    outbox = make_outbox(db, mode)
+    admin = OutboxAdmin(outbox)
+    assert await admin.latest_publication() is None and await admin.published_after(None) == 0
+    relay = PollingRelay(outbox, MemoryPublisher())
+    await outbox.save_with_events(None, db.orders, {"_id": 1}, [Event(type="a"), Event(type="b")])
+    assert await relay.drain() == 2
+    mark = await admin.latest_publication()
+    assert mark is not None and await admin.published_after(None) == 2
+    assert await admin.published_after(mark) == 0
+    await outbox.save_with_events(None, db.orders, {"_id": 2}, [Event(type="c")])
+    assert await relay.drain() == 1
+    assert await admin.published_after(mark) == 1 and await admin.published_after(None) == 3

@@ -100,7 +100,7 @@ async def test_a_large_parked_set_is_requeued_in_bounded_commands_in_order(
 ) -> None:
     """Eight batches of 40: the emulator's writes cost O(collection), so thousands of events
     take minutes here; the CLI test below runs at the real batch size."""
-    monkeypatch.setattr(store_base, "REQUEUE_BATCH", 40)
+    monkeypatch.setattr(store_base, "REQUEUE_CHUNK", 40)
     outbox = make_outbox(db, mode)
     await outbox.ensure_indexes()
     saved = await park_many(outbox, db, saves=2, events=6)  # 288

@@ -18,7 +18,7 @@ from mongo_outbox.brokers import BROKERS, resolve
 from mongo_outbox.brokers._command_line import CommandLineBroker
 from mongo_outbox.cli.brokers import COMMAND_LINE
 
-SHARED_PUBLISHERS = {"BatchPublisher", "Publisher", "redact_url", "url_secrets"}
+SHARED_PUBLISHERS = {"BatchPublisher", "Publisher", "WavePublisher", "redact_url", "url_secrets"}
 SHARED_CONSUMERS = {"Rejected"}
 
 

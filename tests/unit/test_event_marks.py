@@ -12,7 +12,8 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure, WriteConcernError
 
 from mongo_outbox import DuplicateEventError, Event, Outbox
-from mongo_outbox._write.event_ids import PublishedIds, forget, remember, to_reserve
+from mongo_outbox._relay.store.published_ids import PublishedIds
+from mongo_outbox._write.event_ids import forget, remember, to_reserve
 
 HOME = ("shop.orders", 1)
 

@@ -50,6 +50,7 @@ PUBLIC = {
     "PollingRelay",
     "PublishError",
     "RelaySettings",
+    "RelayCounters",
     "RelayStats",
     "Saved",
     "Upcasters",
@@ -70,6 +71,7 @@ def test_all_is_exactly_the_public_surface() -> None:
         "Publisher",
         "RabbitMQPublisher",
         "RedisStreamsPublisher",
+        "WavePublisher",
         "redact_url",
         "url_secrets",
     }
@@ -154,9 +156,10 @@ IMPORT_PATHS = {
         "Publisher",
         "RabbitMQPublisher",
         "RedisStreamsPublisher",
+        "WavePublisher",
     ],
     "mongo_outbox.testing.emulator": ["CURSOR_NOT_FOUND", "server_error_code"],
-    "mongo_outbox.relay": ["PollingRelay", "RelayStats"],
+    "mongo_outbox.relay": ["PollingRelay", "RelayCounters", "RelayStats"],
     "mongo_outbox.settings": ["Backoff", "RelaySettings"],
 }
 

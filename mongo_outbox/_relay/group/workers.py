@@ -14,7 +14,7 @@ from mongo_outbox import metrics
 from mongo_outbox._relay.lease import FencedLease
 from mongo_outbox._relay.rounds import AnyOf, Rounds, pause
 from mongo_outbox.errors import describe
-from mongo_outbox.status import RelayStats, RelayStatus, State, transition
+from mongo_outbox.status import RelayCounters, RelayStatus, State, transition
 
 log = logging.getLogger("mongo_outbox.group")
 
@@ -136,7 +136,7 @@ class PollingWorker:
                 log.warning("group %s: partition %d lease lost", self.group, self.partition)
                 return
             # A stop (or the partition given back) ends the round before its next wave too.
-            _, more = await self.rounds.batch(lost=AnyOf(lost, self._stopping))
+            _, more = await self.rounds.one(lost=AnyOf(lost, self._stopping))
             if not more:
                 await pause(self._stopping, self.interval)
 
@@ -149,7 +149,7 @@ class PartitionRelay(Protocol):
     def checkpoint(self) -> FencedLease: ...
 
     @property
-    def stats(self) -> RelayStats: ...
+    def stats(self) -> RelayCounters: ...
 
     async def run(self) -> None: ...
 

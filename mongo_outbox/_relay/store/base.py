@@ -11,7 +11,7 @@ under the same event id.
 
 Failures come in three kinds: ``retry`` counts an attempt of the event, ``wait`` does not (the
 broker was unavailable: the entry is flagged so ``wake`` can bring it forward once the broker is
-back), ``park`` sets the entry aside as dead-lettered with its error.
+back), ``park`` sets the entry aside with its error until an operator requeues it.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ RECHECK = timedelta(seconds=1)
 """How soon an entry held back by another relay's claim is looked at again: a blocker held by
 a live relay is usually published within milliseconds, and a dead one's lease is long."""
 
-REQUEUE_BATCH = 1000
-"""How many event ids one requeue batch names at most (fewer when the ids are long: a batch is
+REQUEUE_CHUNK = 1000
+"""How many event ids one requeue chunk names at most (fewer when the ids are long: a chunk is
 also bounded in bytes, ``_commands.chunked``): a requeue of any size is a series of bounded
 commands (one command naming 130k aggregates outgrew MongoDB's 16 MiB, and requeued nothing).
-Each batch brings back the earlier parked entries of its aggregates with it, so an aggregate's
-order holds whatever batch its entries fall in, and an interrupted requeue leaves whole batches
+Each chunk brings back the earlier parked entries of its aggregates with it, so an aggregate's
+order holds whatever chunk its entries fall in, and an interrupted requeue leaves whole chunks
 requeued and the rest parked, for the same requeue to pick up again."""
 
 
@@ -66,10 +66,10 @@ async def tolerant(write: Awaitable[Any]) -> None:
         log.warning("relay: %d of its writes for odd entries failed, first: %s", len(failed), first)
 
 
-def batches(ids: Sequence[Any], size: int | None = None) -> list[list[Any]]:
-    """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_BATCH``) ids and of
+def chunks(ids: Sequence[Any], size: int | None = None) -> list[list[Any]]:
+    """``ids`` without repeats, in slices of at most ``size`` (``REQUEUE_CHUNK``) ids and of
     bounded bytes (``_commands.chunked``): ids of another producer may be long."""
-    size = size or REQUEUE_BATCH
+    size = size or REQUEUE_CHUNK
     unique = list({hashable(i): i for i in ids}.values())
     return [
         piece
@@ -183,7 +183,7 @@ class Store(Protocol):
     async def parked(
         self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
     ) -> list[dict[str, Any]]:
-        """Entries parked as dead-lettered, in id order (only those of ``event_ids`` when
+        """Parked entries, in id order (only those of ``event_ids`` when
         given): ``_id`` (the event id), the event's fields, ``status: "parked"``,
         ``attempts`` and ``last_error``. With ``fields``, only those are read (a projection:
         a listing does not read every parked payload whole)."""
@@ -197,7 +197,7 @@ class Store(Protocol):
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make these parked entries due again with no attempts counted, together with the
         earlier parked entries of their aggregates (a requeued event must not overtake them);
-        return how many. Any number of ids, in batches (``batches``) of commands of bounded
+        return how many. Any number of ids, in chunks (``chunks``) of commands of bounded
         size, whatever the length of the ids and of their aggregates' ids."""
 
     def published(

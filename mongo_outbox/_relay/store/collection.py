@@ -1,6 +1,6 @@
 """The relay's store for collection mode: one document per event in the outbox collection.
 
-Round trips per batch are constant: find + updateMany + find to claim, one bulkWrite to settle.
+Round trips per round are constant: find + updateMany + find to claim, one bulkWrite to settle.
 An entry is ``pending`` (due at ``available_at``, held while it carries a ``claim`` token),
 ``published`` (pruned by the TTL index after the outbox's retention) or ``parked``.
 """
@@ -26,10 +26,25 @@ from mongo_outbox._relay.store.base import (
     Claim,
     ParkedKey,
     PublishFailure,
-    batches,
+    chunks,
     hashable,
     scope,
     tolerant,
+)
+from mongo_outbox._storage import (
+    ATTEMPTS,
+    AVAILABLE_AT,
+    CLAIM,
+    EXPIRE_AT,
+    LAST_ERROR,
+    MISSES,
+    PARKED,
+    PENDING,
+    PUBLISHED,
+    PUBLISHED_AT,
+    STATUS,
+    WAITING,
+    WAITS,
 )
 from mongo_outbox.errors import InvalidEventError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -51,12 +66,12 @@ class CollectionStore:
         now = utc_now()
         due = {
             **self.scope,
-            "status": "pending",
-            "available_at": {"$lte": min(now, until or now)},
+            STATUS: PENDING,
+            AVAILABLE_AT: {"$lte": min(now, until or now)},
         }
         candidates = (
             await self.coll.find(due, projection=_AGGREGATE)
-            .sort("available_at", 1)
+            .sort(AVAILABLE_AT, 1)
             .limit(limit)
             .to_list(None)
         )
@@ -90,14 +105,14 @@ class CollectionStore:
                 {
                     **self.scope,
                     "_id": {"$in": ids},
-                    "status": "pending",
+                    STATUS: PENDING,
                     # A fresh entry is claimable whatever its writer's clock said; others when due.
                     "$or": [
-                        {"available_at": {"$lte": now}},
-                        {"claim": None, "attempts": 0, "waits": None, "misses": None},
+                        {AVAILABLE_AT: {"$lte": now}},
+                        {CLAIM: None, ATTEMPTS: 0, WAITS: None, MISSES: None},
                     ],
                 },
-                {"$set": {"available_at": now + lease, "claim": token}},
+                {"$set": {AVAILABLE_AT: now + lease, CLAIM: token}},
             )
             claimed += result.modified_count
         if not claimed:
@@ -120,7 +135,7 @@ class CollectionStore:
             pending += (
                 await self.coll.find(
                     {
-                        "status": "pending",
+                        STATUS: PENDING,
                         "$or": [
                             # $eq: a stored value is matched as itself, never as an operator.
                             {"aggregate_type": {"$eq": t}, "aggregate_id": {"$eq": i}}
@@ -138,7 +153,7 @@ class CollectionStore:
             key = (hashable(entry.get("aggregate_type")), hashable(entry.get("aggregate_id")))
             by_aggregate[key].append(entry)
         groups: list[tuple[Event, ...]] = []
-        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
+        counters: dict[str, dict[str, int]] = {ATTEMPTS: {}, WAITS: {}, MISSES: {}}
         released: list[UpdateMany] = []
         unreadable: list[UpdateOne] = []
         for entries in by_aggregate.values():
@@ -146,11 +161,11 @@ class CollectionStore:
             blocker: dict[str, Any] | None = None
             behind: list[Any] = []
             for entry in entries:
-                mine = entry.get("claim") == token
-                if not mine and not isinstance(entry.get("available_at"), datetime):
+                mine = entry.get(CLAIM) == token
+                if not mine and not isinstance(entry.get(AVAILABLE_AT), datetime):
                     # Never due, so it would hold its aggregate back for ever.
                     why = "outbox entry has no available_at date"
-                    unreadable.append(self._park(entry["_id"], entry.get("claim"), why))
+                    unreadable.append(self._park(entry["_id"], entry.get(CLAIM), why))
                 elif not mine:
                     # An earlier entry held by another relay, or backing off: ours must wait.
                     blocker = blocker or entry
@@ -177,9 +192,9 @@ class CollectionStore:
         claim = Claim(
             token,
             tuple(groups),
-            attempts=counters["attempts"],
-            waits=counters["waits"],
-            misses=counters["misses"],
+            attempts=counters[ATTEMPTS],
+            waits=counters[WAITS],
+            misses=counters[MISSES],
             more=bool(unreadable),
         )
         return claim, claimed
@@ -190,17 +205,17 @@ class CollectionStore:
     ) -> list[UpdateMany]:
         """Release entries queued behind ``blocker``: until its backoff ends (and woken with it),
         or, while another relay holds it, for a second: a live holder publishes it at once."""
-        due = max(as_utc(blocker["available_at"]), now)
-        held = blocker.get("claim") is not None
+        due = max(as_utc(blocker[AVAILABLE_AT]), now)
+        held = blocker.get(CLAIM) is not None
         return [
             UpdateMany(
-                {"_id": {"$in": chunk}, "claim": token},
+                {"_id": {"$in": chunk}, CLAIM: token},
                 {
                     "$set": {
-                        "available_at": min(due, now + RECHECK) if held else due,
-                        "waiting": bool(blocker.get("waiting")) and not held,
+                        AVAILABLE_AT: min(due, now + RECHECK) if held else due,
+                        WAITING: bool(blocker.get(WAITING)) and not held,
                     },
-                    "$unset": {"claim": ""},
+                    "$unset": {CLAIM: ""},
                 },
             )
             for chunk in chunked(ids)
@@ -209,11 +224,11 @@ class CollectionStore:
     @staticmethod
     def _park(entry_id: Any, token: str | None, error: str) -> UpdateOne:
         return UpdateOne(
-            {"_id": {"$eq": entry_id}, "status": "pending", "claim": token},
+            {"_id": {"$eq": entry_id}, STATUS: PENDING, CLAIM: token},
             {
-                "$set": {"status": "parked", "last_error": error},
-                "$inc": {"attempts": 1},
-                "$unset": {"claim": "", "waiting": ""},
+                "$set": {STATUS: PARKED, LAST_ERROR: error},
+                "$inc": {ATTEMPTS: 1},
+                "$unset": {CLAIM: "", WAITING: ""},
             },
         )
 
@@ -231,11 +246,11 @@ class CollectionStore:
                     {"_id": {"$in": ids}},
                     {
                         "$set": {
-                            "status": "published",
-                            "published_at": now,
-                            "expire_at": now + self.retention,
+                            STATUS: PUBLISHED,
+                            PUBLISHED_AT: now,
+                            EXPIRE_AT: now + self.retention,
                         },
-                        "$unset": {"claim": "", "last_error": "", "waiting": ""},
+                        "$unset": {CLAIM: "", LAST_ERROR: "", WAITING: ""},
                     },
                 )
             )
@@ -246,69 +261,69 @@ class CollectionStore:
                 ops.append(self._park(event.id, token, failure.error))
                 continue
             waiting = failure.kind == "wait" and failure.wake
-            counter = "attempts"
+            counter = ATTEMPTS
             if failure.kind == "wait":
-                counter = "waits" if failure.wake else "misses"
+                counter = WAITS if failure.wake else MISSES
             ops.append(
                 # Conditional on our claim: a relay whose lease ran out must not move another's.
                 UpdateOne(
-                    {"_id": event.id, "status": "pending", "claim": token},
+                    {"_id": event.id, STATUS: PENDING, CLAIM: token},
                     {
                         "$set": {
-                            "available_at": failure.retry_at,
-                            "last_error": failure.error,
-                            "waiting": waiting,
+                            AVAILABLE_AT: failure.retry_at,
+                            LAST_ERROR: failure.error,
+                            WAITING: waiting,
                         },
                         "$inc": {counter: 1},
-                        "$unset": {"claim": ""},
+                        "$unset": {CLAIM: ""},
                     },
                 )
             )
             # What queues behind a failed entry waits as long (and is woken with it), so it is
-            # not claimed in vain and the batch is not filled with entries that cannot go yet.
+            # not claimed in vain and the claim is not filled with entries that cannot go yet.
             ops.append(
                 UpdateMany(
                     {
-                        "status": "pending",
+                        STATUS: PENDING,
                         "aggregate_type": event.aggregate_type,
                         "aggregate_id": event.aggregate_id,
                         "sequence": {"$gt": event.sequence},
-                        "claim": {"$in": [token, None]},
+                        CLAIM: {"$in": [token, None]},
                     },
                     {
-                        "$set": {"available_at": failure.retry_at, "waiting": waiting},
-                        "$unset": {"claim": ""},
+                        "$set": {AVAILABLE_AT: failure.retry_at, WAITING: waiting},
+                        "$unset": {CLAIM: ""},
                     },
                 )
             )
         # Anything else still under this claim (a round cut short) becomes claimable at once.
         ops.append(
             UpdateMany(
-                {"claim": token, "status": "pending"},
-                {"$set": {"available_at": now}, "$unset": {"claim": ""}},
+                {CLAIM: token, STATUS: PENDING},
+                {"$set": {AVAILABLE_AT: now}, "$unset": {CLAIM: ""}},
             )
         )
         await self.coll.bulk_write(ops, ordered=True)
 
     async def wake(self, limit: int | None = None) -> int:
-        waiting = {**self.scope, "status": "pending", "waiting": True, "claim": None}
+        waiting = {**self.scope, STATUS: PENDING, WAITING: True, CLAIM: None}
         if limit is not None:
             ids = [
                 d["_id"]
                 for d in await self.coll.find(waiting, projection={"_id": 1})
                 # The earliest, and of its aggregate the first: its followers wait with it.
-                .sort([("available_at", 1), ("sequence", 1)])
+                .sort([(AVAILABLE_AT, 1), ("sequence", 1)])
                 .limit(limit)
                 .to_list(None)
             ]
             waiting = {**waiting, "_id": {"$in": ids}}
         result = await self.coll.update_many(
-            waiting, {"$set": {"available_at": utc_now(), "waiting": False}}
+            waiting, {"$set": {AVAILABLE_AT: utc_now(), WAITING: False}}
         )
         return int(result.modified_count)
 
     async def backlog(self) -> Backlog:
-        pending = {**self.scope, "status": "pending"}
+        pending = {**self.scope, STATUS: PENDING}
         oldest = await self.coll.find_one(
             pending, sort=[("occurred_at", 1)], projection={"occurred_at": 1}
         )
@@ -320,7 +335,7 @@ class CollectionStore:
         if self.partitions == 1:
             return 0
         # None also matches a missing field; the group's index (partition, status, ...) has it.
-        unassigned = {"partition": None, "status": "pending"}
+        unassigned = {"partition": None, STATUS: PENDING}
         found = await self.coll.find(unassigned, projection=_AGGREGATE).limit(limit).to_list(None)
         ids: dict[int, list[Any]] = defaultdict(list)
         for entry in found:
@@ -343,11 +358,11 @@ class CollectionStore:
 
     async def next_due(self) -> datetime | None:
         doc = await self.coll.find_one(
-            {**self.scope, "status": "pending"},
-            sort=[("available_at", 1)],
-            projection={"available_at": 1},
+            {**self.scope, STATUS: PENDING},
+            sort=[(AVAILABLE_AT, 1)],
+            projection={AVAILABLE_AT: 1},
         )
-        return as_utc(doc["available_at"]) if doc else None
+        return as_utc(doc[AVAILABLE_AT]) if doc else None
 
     async def parked(
         self, event_ids: Sequence[Any] | None = None, fields: Sequence[str] | None = None
@@ -356,30 +371,30 @@ class CollectionStore:
         # Projected, an entry is shown as read: the defaults of the fields left out would lie.
         listed = shown if projection is None else dict
         if event_ids is None:
-            found = self.coll.find({"status": "parked"}, projection=projection).sort("_id", 1)
+            found = self.coll.find({STATUS: PARKED}, projection=projection).sort("_id", 1)
             return [listed(entry) async for entry in found]
         chosen: list[dict[str, Any]] = []
-        for batch in batches(event_ids):
-            asked = self.coll.find({"_id": {"$in": batch}, "status": "parked"}, projection)
+        for chunk in chunks(event_ids):
+            asked = self.coll.find({"_id": {"$in": chunk}, STATUS: PARKED}, projection)
             chosen += [listed(entry) async for entry in asked]
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
 
     async def parked_keys(self) -> list[ParkedKey]:
-        found = self.coll.find({"status": "parked"}, projection={"type": 1, "aggregate_id": 1})
+        found = self.coll.find({STATUS: PARKED}, projection={"type": 1, "aggregate_id": 1})
         return [ParkedKey.of(entry) async for entry in found.sort("_id", 1)]
 
     async def parked_count(self) -> int:
-        return int(await self.coll.count_documents({"status": "parked"}))
+        return int(await self.coll.count_documents({STATUS: PARKED}))
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._requeue(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._requeue(chunk)
         return requeued
 
     async def _requeue(self, event_ids: list[str]) -> int:
         asked = await self.coll.find(
-            {"_id": {"$in": event_ids}, "status": "parked"},
+            {"_id": {"$in": event_ids}, STATUS: PARKED},
             projection={**_AGGREGATE, "sequence": 1},
         ).to_list(None)
         if not asked:
@@ -408,10 +423,10 @@ class CollectionStore:
 
     async def _unpark(self, chosen: dict[str, Any]) -> int:
         result = await self.coll.update_many(
-            {"status": "parked", **chosen},
+            {STATUS: PARKED, **chosen},
             {
-                "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
-                "$unset": {"waits": "", "misses": "", "waiting": ""},
+                "$set": {STATUS: PENDING, AVAILABLE_AT: utc_now(), ATTEMPTS: 0},
+                "$unset": {WAITS: "", MISSES: "", WAITING: ""},
             },
         )
         return int(result.modified_count)
@@ -426,7 +441,7 @@ class CollectionStore:
         occurred: dict[str, Any] = {"$gte": since}
         if until is not None:
             occurred["$lt"] = until
-        query: dict[str, Any] = {"status": "published", "occurred_at": occurred}
+        query: dict[str, Any] = {STATUS: PUBLISHED, "occurred_at": occurred}
         if types:
             query["type"] = {"$in": list(types)}
         if aggregates:

@@ -6,7 +6,7 @@ relay claims the document by setting ``<field>_claim``, publishes its entries, m
 published in the event-id registry (``_write.event_ids``: they stay taken for ``retention``), then
 pulls the published entries from the array. Parked entries stay in their document, flagged
 ``parked``: parking is one single-document write like every other, so no crash can lose an
-entry or leave it in two places. Round trips per batch: find + updateMany + find per collection
+entry or leave it in two places. Round trips per round: find + updateMany + find per collection
 and one insertMany of the registry (the ids taken for their documents; a bulkWrite more for ids
 already there) to claim, one updateMany of the registry and one bulkWrite per collection to
 settle.
@@ -36,8 +36,9 @@ from mongo_outbox._relay.store.base import (
     tolerant,
 )
 from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries, Read
+from mongo_outbox._relay.store.published_ids import PublishedIds
+from mongo_outbox._storage import ATTEMPTS, LAST_ERROR, MISSES, PARKED_FLAG, WAITS, Holder
 from mongo_outbox._write.aggregates import type_of
-from mongo_outbox._write.event_ids import Holder, PublishedIds
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
 from mongo_outbox.outbox import Outbox
@@ -101,7 +102,7 @@ class EmbeddedStore(ParkedEntries):
         if document is not None:
             entries = document.get(self.field) or []
             return document.get(self.claim_field) is None and any(
-                isinstance(e, dict) and not e.get("parked") for e in entries
+                isinstance(e, dict) and not e.get(PARKED_FLAG) for e in entries
             )
         if kind == "update":
             updated = (change.get("updateDescription") or {}).get("updatedFields") or {}
@@ -140,7 +141,7 @@ class EmbeddedStore(ParkedEntries):
                 for index, (raw, entry) in enumerate(
                     zip(stored, numbered(stored, doc.get("_sequence")), strict=True)
                 ):
-                    if isinstance(entry, dict) and entry.get("parked"):
+                    if isinstance(entry, dict) and entry.get(PARKED_FLAG):
                         continue
                     try:
                         if not isinstance(entry, dict):
@@ -157,7 +158,7 @@ class EmbeddedStore(ParkedEntries):
         owners = await self._owners(read, token)
         missed = missed or sum(len(entries) for _, entries in read) > len(owners)
         groups: list[tuple[Event, ...]] = []
-        counters: dict[str, dict[str, int]] = {"attempts": {}, "waits": {}, "misses": {}}
+        counters: dict[str, dict[str, int]] = {ATTEMPTS: {}, WAITS: {}, MISSES: {}}
         positions: dict[str, int] = {}
         for place, entries in read:
             group: list[Event] = []
@@ -175,9 +176,9 @@ class EmbeddedStore(ParkedEntries):
         return Claim(
             token,
             tuple(groups),
-            attempts=counters["attempts"],
-            waits=counters["waits"],
-            misses=counters["misses"],
+            attempts=counters[ATTEMPTS],
+            waits=counters[WAITS],
+            misses=counters[MISSES],
             holders={event_id: place for event_id, (place, _) in owners.items()},
             positions=positions,
             held=tuple(held),
@@ -224,7 +225,7 @@ class EmbeddedStore(ParkedEntries):
         (``_codec.numbered``). The filter names the exact element as stored (``raw``), so a
         concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
-        parked = {"parked": True, "last_error": describe(error), "entry": entry}
+        parked = {PARKED_FLAG: True, LAST_ERROR: describe(error), "entry": entry}
         # As literals, in a pipeline: an element such as {"$x": 1} is matched and kept as
         # itself, never read as an operator (nor refused by $set as a field name).
         stored = f"${self.field}"
@@ -289,16 +290,16 @@ class EmbeddedStore(ParkedEntries):
                 # Its number is written too: an entry appended unnumbered keeps it however the
                 # entries after it come and go (_codec.numbered).
                 sets: dict[str, Any] = {
-                    f"{entry}.last_error": failure.error,
+                    f"{entry}.{LAST_ERROR}": failure.error,
                     f"{entry}.sequence": failure.event.sequence,
                 }
                 if failure.kind == "park":
                     # Out of the way at once: its aggregate's later entries go on without it.
-                    sets |= {self.due: now, f"{entry}.parked": True}
-                    counter = f"{entry}.attempts"
+                    sets |= {self.due: now, f"{entry}.{PARKED_FLAG}": True}
+                    counter = f"{entry}.{ATTEMPTS}"
                 else:
                     sets |= {self.due: failure.retry_at, self.wait_field: failure.wake}
-                    kind = {"retry": "attempts", "wait": "waits" if failure.wake else "misses"}
+                    kind = {"retry": ATTEMPTS, "wait": WAITS if failure.wake else MISSES}
                     counter = f"{entry}.{kind[failure.kind]}"
                 ops[name].append(
                     UpdateOne(
@@ -326,7 +327,7 @@ class EmbeddedStore(ParkedEntries):
 
     @property
     def _nothing_due(self) -> dict[str, Any]:
-        return {self.field: {"$not": {"$elemMatch": {"parked": {"$ne": True}}}}}
+        return {self.field: {"$not": {"$elemMatch": {PARKED_FLAG: {"$ne": True}}}}}
 
     async def wake(self, limit: int | None = None) -> int:
         waiting: dict[str, Any] = {**self.scope, self.wait_field: True, self.claim_field: None}
@@ -361,7 +362,7 @@ class EmbeddedStore(ParkedEntries):
             )
             async for doc in docs:
                 for entry in doc.get(self.field) or []:
-                    if not isinstance(entry, dict) or entry.get("parked"):
+                    if not isinstance(entry, dict) or entry.get(PARKED_FLAG):
                         continue
                     total += 1
                     at = entry.get("occurred_at")

@@ -15,8 +15,18 @@ from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._relay.store.base import ParkedKey, batches, hashable, tolerant
-from mongo_outbox._write.event_ids import Holder, Taken
+from mongo_outbox._relay.store.base import ParkedKey, chunks, hashable, tolerant
+from mongo_outbox._storage import (
+    ATTEMPTS,
+    LAST_ERROR,
+    MISSES,
+    PARKED,
+    PARKED_FLAG,
+    STATUS,
+    WAITS,
+    Holder,
+    Taken,
+)
 from mongo_outbox.events import Event, utc_now
 
 
@@ -65,8 +75,8 @@ class ParkedEntries:
                     # Its number too, as settle's park writes it (_codec.numbered).
                     {
                         "$set": {
-                            f"{entry}.parked": True,
-                            f"{entry}.last_error": error,
+                            f"{entry}.{PARKED_FLAG}": True,
+                            f"{entry}.{LAST_ERROR}": error,
                             f"{entry}.sequence": event.sequence,
                         }
                     },
@@ -80,13 +90,13 @@ class ParkedEntries:
     ) -> list[dict[str, Any]]:
         paths = None if fields is None else self._paths(fields)
         if event_ids is None:
-            query = {f"{self.field}.parked": True}
+            query = {f"{self.field}.{PARKED_FLAG}": True}
             found = [listed async for listed in self._parked(query, paths)]
             return sorted(found, key=lambda entry: str(entry["_id"]))
         chosen: list[dict[str, Any]] = []
-        for batch in batches(event_ids):
-            wanted = {hashable(i) for i in batch}
-            async for listed in self._parked(self._holding(batch), paths):
+        for chunk in chunks(event_ids):
+            wanted = {hashable(i) for i in chunk}
+            async for listed in self._parked(self._holding(chunk), paths):
                 if hashable(listed["_id"]) in wanted:
                     chosen.append(listed)
         return sorted(chosen, key=lambda entry: str(entry["_id"]))
@@ -97,15 +107,15 @@ class ParkedEntries:
         names = ["id" if name == "_id" else name for name in fields if name != "collection"]
         return [
             *(f"{self.field}.{wrap}{name}" for wrap in ("", "entry.") for name in names),
-            f"{self.field}.parked",
-            f"{self.field}.last_error",
+            f"{self.field}.{PARKED_FLAG}",
+            f"{self.field}.{LAST_ERROR}",
         ]
 
     async def parked_keys(self) -> list[ParkedKey]:
         # Of each entry only what a key holds (of a wrapped one, of its original): not the
         # payloads of every entry of every document that holds a parked one.
         paths = self._paths(("_id", "type", "aggregate_id"))
-        found = self._parked({f"{self.field}.parked": True}, paths)
+        found = self._parked({f"{self.field}.{PARKED_FLAG}": True}, paths)
         chosen = [ParkedKey.of(listed) async for listed in found]
         return sorted(chosen, key=lambda key: str(key.id))
 
@@ -118,7 +128,7 @@ class ParkedEntries:
         for name, coll in self.colls.items():
             async for doc in coll.find(query, projection=projection):
                 for entry in doc.get(self.field) or ():
-                    if isinstance(entry, dict) and entry.get("parked"):
+                    if isinstance(entry, dict) and entry.get(PARKED_FLAG):
                         yield self._listed(entry, name, whole=fields is None)
 
     def _holding(self, event_ids: list[Any]) -> dict[str, Any]:
@@ -126,7 +136,7 @@ class ParkedEntries:
         entry keeps its original under ``entry``)."""
         return {
             "$or": [
-                {self.field: {"$elemMatch": {key: {"$in": event_ids}, "parked": True}}}
+                {self.field: {"$elemMatch": {key: {"$in": event_ids}, PARKED_FLAG: True}}}
                 for key in ("id", "entry.id")
             ]
         }
@@ -140,23 +150,25 @@ class ParkedEntries:
             fields: dict[str, Any] = {"entry": original}
         else:
             fields = original if "entry" in entry or not whole else shown(original)
-        rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
+        rest = {k: v for k, v in fields.items() if k not in ("id", PARKED_FLAG, LAST_ERROR)}
         return {
             "_id": fields.get("id"),
             **rest,
-            "status": "parked",
-            "last_error": entry.get("last_error"),
+            STATUS: PARKED,
+            LAST_ERROR: entry.get(LAST_ERROR),
             "collection": collection,
         }
 
     async def parked_count(self) -> int:
-        parked = {"$filter": {"input": f"${self.field}", "cond": {"$eq": ["$$this.parked", True]}}}
+        parked = {
+            "$filter": {"input": f"${self.field}", "cond": {"$eq": [f"$$this.{PARKED_FLAG}", True]}}
+        }
         total = 0
         for coll in self.colls.values():
             counts = await aggregate(
                 coll,
                 [
-                    {"$match": {f"{self.field}.parked": True}},
+                    {"$match": {f"{self.field}.{PARKED_FLAG}": True}},
                     {"$group": {"_id": None, "n": {"$sum": {"$size": parked}}}},
                 ],
             )
@@ -165,22 +177,22 @@ class ParkedEntries:
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         requeued = 0
-        for batch in batches(event_ids):
-            requeued += await self._requeue_batch(batch)
+        for chunk in chunks(event_ids):
+            requeued += await self._requeue_chunk(chunk)
         return requeued
 
-    async def _requeue_batch(self, batch: list[str]) -> int:
+    async def _requeue_chunk(self, chunk: list[str]) -> int:
         requeued = 0
-        wanted = {hashable(i) for i in batch}
+        wanted = {hashable(i) for i in chunk}
         for coll in self.colls.values():
-            docs = coll.find(self._holding(batch), projection={self.field: 1})
+            docs = coll.find(self._holding(chunk), projection={self.field: 1})
             async for doc in docs:
                 # The entries are in their aggregate's order (each write appends its own), so
                 # the earlier parked ones are those before the last one asked for.
                 parked = [
                     (index, _parked_id(e))
                     for index, e in enumerate(doc[self.field])
-                    if isinstance(e, dict) and e.get("parked")
+                    if isinstance(e, dict) and e.get(PARKED_FLAG)
                 ]
                 upto = max((index for index, id_ in parked if hashable(id_) in wanted), default=-1)
                 ids = [id_ for index, id_ in parked if id_ is not None and index <= upto]
@@ -196,9 +208,9 @@ class ParkedEntries:
         # unparked entry in a document no relay looks at. Ids go in as literals: an id such as
         # "$x" would otherwise be read as a field path.
         ids = {"$literal": event_ids}
-        parked = {"$eq": ["$$e.parked", True]}
+        parked = {"$eq": [f"$$e.{PARKED_FLAG}", True]}
         chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
-        again = {"parked": False, "attempts": 0, "waits": 0, "misses": 0}
+        again = {PARKED_FLAG: False, ATTEMPTS: 0, WAITS: 0, MISSES: 0}
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
         # it was (to be read again: a fix by hand, a newer version), in its place, if it has its

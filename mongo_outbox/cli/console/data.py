@@ -188,27 +188,15 @@ class Sampler:
         self._mark: datetime | None = None
         self._first = True
 
-    def _published_entries(self) -> Any:
-        outbox = self.conn.outbox
-        return outbox.collection if outbox.mode == "collection" else outbox.event_ids
-
-    async def _latest_expiry(self) -> datetime | None:
-        latest = await self._published_entries().find_one(
-            {"expire_at": {"$exists": True}}, sort=[("expire_at", -1)], projection={"expire_at": 1}
-        )
-        return latest.get("expire_at") if latest else None
-
     async def sample(self) -> Sample:
-        backlog = await admin(self.conn).backlog()
+        outbox = admin(self.conn)
+        backlog = await outbox.backlog()
         published: int | None = None
-        latest = await self._latest_expiry()
+        latest = await outbox.latest_publication()
         if not self._first:
             published = 0
             if latest is not None:
-                since = {"$gt": self._mark} if self._mark is not None else {"$exists": True}
-                published = int(
-                    await self._published_entries().count_documents({"expire_at": since})
-                )
+                published = await outbox.published_after(self._mark)
         self._first = False
         self._mark = latest if latest is not None else self._mark
         taken = Sample(utc_now(), backlog.pending, backlog.parked, published)
