@@ -194,6 +194,18 @@ class Store(Protocol):
 
     async def parked_count(self) -> int: ...
 
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        """The entry of ``event_id`` read whole, as ``parked`` lists one, with its ``status``
+        (``pending``, ``parked``; in collection mode also ``published`` while it is kept) and
+        ``parked_at``; None when the outbox holds no entry of that id."""
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        """The first ``limit`` entries not yet published (pending or parked) of these
+        aggregate ids, by aggregate and in its order, with only ``fields`` (and ``status``,
+        ``occurred_at``, ``parked_at``) read."""
+
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make these parked entries due again with no attempts counted, together with the
         earlier parked entries of their aggregates (a requeued event must not overtake them);

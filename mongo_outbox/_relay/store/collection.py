@@ -211,7 +211,7 @@ class CollectionStore:
         return UpdateOne(
             {"_id": {"$eq": entry_id}, "status": "pending", "claim": token},
             {
-                "$set": {"status": "parked", "last_error": error},
+                "$set": {"status": "parked", "last_error": error, "parked_at": utc_now()},
                 "$inc": {"attempts": 1},
                 "$unset": {"claim": "", "waiting": ""},
             },
@@ -411,10 +411,23 @@ class CollectionStore:
             {"status": "parked", **chosen},
             {
                 "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
-                "$unset": {"waits": "", "misses": "", "waiting": ""},
+                "$unset": {"waits": "", "misses": "", "waiting": "", "parked_at": ""},
             },
         )
         return int(result.modified_count)
+
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        found = await self.coll.find_one({"_id": {"$eq": event_id}})
+        return None if found is None else shown(found)
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        query = {"aggregate_id": {"$in": list(aggregate_ids)}, "status": {"$ne": "published"}}
+        projection = dict.fromkeys([*fields, "status", "occurred_at", "parked_at"], 1)
+        found = self.coll.find(query, projection=projection)
+        found = found.sort([("aggregate_id", 1), ("sequence", 1)]).limit(limit)
+        return [entry async for entry in found]
 
     async def published(
         self,

@@ -224,7 +224,12 @@ class EmbeddedStore(ParkedEntries):
         (``_codec.numbered``). The filter names the exact element as stored (``raw``), so a
         concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
-        parked = {"parked": True, "last_error": describe(error), "entry": entry}
+        parked = {
+            "parked": True,
+            "parked_at": utc_now(),
+            "last_error": describe(error),
+            "entry": entry,
+        }
         # As literals, in a pipeline: an element such as {"$x": 1} is matched and kept as
         # itself, never read as an operator (nor refused by $set as a field name).
         stored = f"${self.field}"
@@ -294,7 +299,7 @@ class EmbeddedStore(ParkedEntries):
                 }
                 if failure.kind == "park":
                     # Out of the way at once: its aggregate's later entries go on without it.
-                    sets |= {self.due: now, f"{entry}.parked": True}
+                    sets |= {self.due: now, f"{entry}.parked": True, f"{entry}.parked_at": now}
                     counter = f"{entry}.attempts"
                 else:
                     sets |= {self.due: failure.retry_at, self.wait_field: failure.wake}

@@ -66,6 +66,7 @@ class ParkedEntries:
                     {
                         "$set": {
                             f"{entry}.parked": True,
+                            f"{entry}.parked_at": utc_now(),
                             f"{entry}.last_error": error,
                             f"{entry}.sequence": event.sequence,
                         }
@@ -140,14 +141,47 @@ class ParkedEntries:
             fields: dict[str, Any] = {"entry": original}
         else:
             fields = original if "entry" in entry or not whole else shown(original)
-        rest = {k: v for k, v in fields.items() if k not in ("id", "parked", "last_error")}
+        rest = {
+            k: v for k, v in fields.items() if k not in ("id", "parked", "parked_at", "last_error")
+        }
+        parked = bool(entry.get("parked"))
         return {
             "_id": fields.get("id"),
             **rest,
-            "status": "parked",
+            "status": "parked" if parked else "pending",
+            "parked_at": entry.get("parked_at") if parked else None,
             "last_error": entry.get("last_error"),
             "collection": collection,
         }
+
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        # By the entries' ids, parked wrapped or not: the registry may not hold an id saved
+        # without a reservation that no relay claimed yet.
+        query = {"$or": [{f"{self.field}.{key}": {"$eq": event_id}} for key in ("id", "entry.id")]}
+        for name, coll in self.colls.items():
+            doc = await coll.find_one(query, projection={self.field: 1})
+            for entry in (doc or {}).get(self.field) or ():
+                if isinstance(entry, dict) and event_id in (
+                    entry.get("id"),
+                    _original(entry).get("id"),
+                ):
+                    return self._listed(entry, name)
+        return None
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        # An aggregate's document holds its entries not yet published, in its order.
+        paths = [*self._paths(fields), *(f"{self.field}.{k}" for k in ("occurred_at", "parked_at"))]
+        projection = dict.fromkeys(paths, 1)
+        found: list[dict[str, Any]] = []
+        for name, coll in self.colls.items():
+            docs = coll.find({"_id": {"$in": list(aggregate_ids)}}, projection=projection)
+            async for doc in docs.sort("_id", 1):
+                for entry in doc.get(self.field) or ():
+                    if isinstance(entry, dict) and len(found) < limit:
+                        found.append(self._listed(entry, name, whole=False))
+        return found
 
     async def parked_count(self) -> int:
         parked = {"$filter": {"input": f"${self.field}", "cond": {"$eq": ["$$this.parked", True]}}}
@@ -198,7 +232,7 @@ class ParkedEntries:
         ids = {"$literal": event_ids}
         parked = {"$eq": ["$$e.parked", True]}
         chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
-        again = {"parked": False, "attempts": 0, "waits": 0, "misses": 0}
+        again = {"parked": False, "parked_at": None, "attempts": 0, "waits": 0, "misses": 0}
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
         # it was (to be read again: a fix by hand, a newer version), in its place, if it has its
@@ -229,6 +263,12 @@ class ParkedEntries:
                 }
             }
         ]
+
+
+def _original(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry a wrapped (unreadable) parked one keeps under ``entry``, else itself."""
+    original = entry.get("entry", entry)
+    return original if isinstance(original, dict) else {}
 
 
 def _parked_id(entry: dict[str, Any]) -> Any:

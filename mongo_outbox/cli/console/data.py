@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox.admin import OutboxAdmin, ParkedEntry, ParkedPage
+from mongo_outbox.admin import EventEntry, OutboxAdmin, ParkedEntry, ParkedPage
 from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
@@ -131,6 +132,49 @@ def parked_row(entry: ParkedEntry) -> dict[str, Any]:
         "last_error": entry.last_error,
         "unreadable": entry.unreadable,
     }
+
+
+async def event(conn: Connection, event_id: str) -> dict[str, Any] | None:
+    """An event's detail page: the entry of ``event_id`` read whole (None: the outbox holds
+    none), its payload and headers as indented JSON, the headers as the broker gets them."""
+    found = await admin(conn).event(event_id)
+    if found is None:
+        return None
+    entry = found.summary
+    return {
+        **parked_row(entry),
+        # An entry no relay tried yet may have no count (embedded mode writes none).
+        "attempts": entry.document.get("attempts", 0),
+        "version": entry.document.get("version"),
+        "status": found.status,
+        "occurred_at": found.occurred_at,
+        "parked_at": found.parked_at,
+        "collection": entry.collection,
+        "payload": _pretty(found.payload),
+        "headers": _pretty(found.headers),
+        "broker_headers": (
+            None if found.broker_headers is None else sorted(found.broker_headers.items())
+        ),
+    }
+
+
+async def of_aggregate(conn: Connection, aggregate_id: str) -> list[dict[str, Any]]:
+    """The events not yet published of the aggregate ``aggregate_id``: the first ``SHOWN``,
+    of which only the shown fields are read."""
+    return [listed_row(entry) for entry in await admin(conn).of_aggregate(aggregate_id, SHOWN)]
+
+
+def listed_row(found: EventEntry) -> dict[str, Any]:
+    return {
+        **parked_row(found.summary),
+        "attempts": found.summary.document.get("attempts", 0),
+        "status": found.status,
+        "occurred_at": found.occurred_at,
+    }
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, default=str, ensure_ascii=False, sort_keys=True)
 
 
 FAILED_FIELDS = ("consumer", "message_id", "event_type", "failed_at", "attempts", "last_error")
