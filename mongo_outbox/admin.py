@@ -41,6 +41,7 @@ from mongo_outbox.status import Replayed
 
 __all__ = [
     "SUMMARY",
+    "Activity",
     "Backlog",
     "EventEntry",
     "Lease",
@@ -63,6 +64,20 @@ SUMMARY = (
     "collection",
 )
 """The fields of a parked entry a listing reads (its payload and metadata are left out)."""
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the relays did between an earlier look and this one (``at``), as the entries they
+    settled record it: how many each relay published and parked, by the name the relay runs
+    under (``""``: an entry settled by a version that recorded no name). ``None`` at a first
+    look, which only takes its marks."""
+
+    at: datetime
+    mark: datetime | None
+    """The latest ``expire_at`` of a published entry: what the next look counts past."""
+    published: Mapping[str, int] | None
+    parked: Mapping[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -308,6 +323,19 @@ class OutboxAdmin:
     async def parked_entries(self, event_ids: Sequence[Any]) -> list[ParkedEntry]:
         """These parked entries, read whole (ids that are not parked are left out)."""
         return [ParkedEntry.of(entry) for entry in await self._store.parked(list(event_ids))]
+
+    async def activity(self, since: Activity | None = None) -> Activity:
+        """The relays' publishes and parks since the look ``since`` (None: a first look, which
+        counts nothing). Published entries are those whose ``expire_at`` (publication time plus
+        the retention, under the TTL index) is past the latest one ``since`` saw: exact as long
+        as the retention stays the same. Parked ones are those parked after ``since.at``."""
+        at = utc_now()
+        if since is None:
+            found = await self._store.activity(None, None)
+        else:
+            found = await self._store.activity(since.mark, since.at)
+        mark = found.mark if found.mark is not None else (since.mark if since else None)
+        return Activity(at, mark, found.published, found.parked)
 
     async def event(self, event_id: str) -> EventEntry | None:
         """The entry of ``event_id``, read whole; None when the outbox holds none."""

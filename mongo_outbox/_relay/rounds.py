@@ -85,7 +85,7 @@ class Rounds:
         check_publisher(publisher)
         if not isinstance(settings, RelaySettings):
             raise TypeError(f"settings must be a RelaySettings, not {type(settings).__name__}")
-        self.store = store_for(outbox, partition)
+        self.store = store_for(outbox, partition, relay)
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayStats()

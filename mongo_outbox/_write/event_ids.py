@@ -331,7 +331,7 @@ class PublishedIds:
         }
 
     async def mark_published(
-        self, published: Sequence[tuple[str, str, Any]], now: datetime
+        self, published: Sequence[tuple[str, str, Any]], now: datetime, by: str | None = None
     ) -> None:
         """Mark each ``(event id, collection, document _id)`` published, to expire ``retention``
         from ``now``. An id with no reservation (one pruned under an older version's rule, or
@@ -339,7 +339,8 @@ class PublishedIds:
         if not published:
             return
         expire_at = now + self.retention
-        marked = {"$set": {"published": True, "expire_at": expire_at}}
+        # Who published them (``by``, a relay's name), for the console's rates.
+        marked = {"$set": {"published": True, "expire_at": expire_at, "published_by": by}}
         ids = list(dict.fromkeys(event_id for event_id, _, _ in published))
         # One statement for the common case (a claim's worth of ids, in bounded commands):
         # every id has its reservation.
@@ -355,7 +356,7 @@ class PublishedIds:
                 UpdateOne(
                     {"_id": event_id},
                     {
-                        "$set": {"published": True, "expire_at": expire_at},
+                        "$set": {"published": True, "expire_at": expire_at, "published_by": by},
                         "$setOnInsert": {"collection": collection, "aggregate": doc_id},
                     },
                     upsert=True,

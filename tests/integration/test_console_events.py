@@ -172,3 +172,86 @@ async def test_the_detail_redacts_secrets_and_lets_a_reader_look_but_not_requeue
     assert 'id="requeue-event"' not in bobs and 'id="requeue-event"' in alices
     assert refused.status_code == 403
     assert first.id in await parked_ids(db)
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_each_relays_publish_and_park_rates_come_from_the_entries_it_settled(
+    client: Any, mongo: MongoServer, db: Any, mode: str
+) -> None:
+    from mongo_outbox.cli.common import Connection
+    from mongo_outbox.cli.console.data import Sampler, activity_rows
+
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    sampler = Sampler(Connection(client, db, outbox), every=60, keep=10)
+    for i in range(3):
+        await outbox.save_with_events(None, db.orders, {"_id": f"n{i}"}, [Event(type="placed")])
+    assert (await sampler.sample()).published_by == {}
+    assert await PollingRelay(outbox, MemoryPublisher(), name="north").drain() == 3
+    await outbox.save_with_events(None, db.orders, {"_id": "s0"}, [Event(type="placed")])
+    await outbox.save_with_events(None, db.orders, {"_id": "s1"}, [Event(type="poison")])
+    broken = MemoryPublisher(fail=lambda e: ValueError("no") if e.type == "poison" else None)
+    south = PollingRelay(outbox, broken, settings=RelaySettings(max_attempts=1), name="south")
+    await south.drain()
+    second = await sampler.sample()
+    assert second.published == 4 and second.seconds is not None and second.seconds > 0
+    assert second.published_by == {"north": 3, "south": 1}
+    assert second.parked_by == {"south": 1}
+    rates = sampler.rates()
+    assert rates["north"] == {"published": 3 / second.seconds, "parked": 0.0}
+    assert rates["south"] == {"published": 1 / second.seconds, "parked": 1 / second.seconds}
+    # A third sample with nothing done counts nothing, and the window grows.
+    third = await sampler.sample()
+    assert third.published_by == {} and third.parked_by == {}
+    assert sampler.history()["samples"][1]["per_second"] == round(4 / second.seconds, 3)
+
+    # Beside change-stream relays and group members: the group's partitions' rates are its
+    # members'.
+    report = {
+        "relays": [{"name": "orders", "state": "active"}],
+        "groups": [
+            {
+                "name": "shop",
+                "partitions": [{"partition": 0}, {"partition": 1}],
+                "members": [
+                    {"member": "m1", "partitions": [0, 1]},
+                    {"member": "m2", "partitions": []},
+                ],
+            }
+        ],
+    }
+    later = sampler.rates()
+    rows = activity_rows(report, {**later, "shop/0": {"published": 2.0, "parked": 0.5}})
+    kinds = {row["name"]: (row["kind"], row["state"], row["published_per_second"]) for row in rows}
+    assert kinds == {
+        "orders": ("change stream", "active", 0.0),
+        "m1": ("member of group shop", "active", 2.0),
+        "m2": ("member of group shop", "standby", 0.0),
+        "north": ("polling", "seen", round(3 / (second.seconds + (third.seconds or 0)), 3)),
+        "south": ("polling", "seen", round(1 / (second.seconds + (third.seconds or 0)), 3)),
+    }
+
+
+async def test_the_page_lists_polling_relays_with_their_rates(
+    client: Any, mongo: MongoServer, db: Any
+) -> None:
+    from tests.support.waiting import until
+
+    outbox = Outbox(db)
+    await outbox.ensure_indexes()
+    async with in_process(client, db, mongo, sample_every=0.05) as http:
+
+        async def sampled() -> bool:
+            return len((await http.get("/api/history")).json()["samples"]) >= 1
+
+        await until(sampled)
+        await outbox.save_with_events(None, db.orders, {"_id": "a"}, [Event(type="placed")])
+        assert await PollingRelay(outbox, MemoryPublisher(), name="west").drain() == 1
+
+        async def seen() -> bool:
+            rows = (await http.get("/api/overview")).json()["activity"]
+            return any(r["name"] == "west" and r["published_per_second"] > 0 for r in rows)
+
+        await until(seen)
+        page = (await http.get("/")).text
+    assert 'data-relay="west"' in page and "<bdi>polling</bdi>" in page

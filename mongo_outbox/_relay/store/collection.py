@@ -19,14 +19,18 @@ from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import counter, decode, ours, shown
 from mongo_outbox._commands import chunked
+from mongo_outbox._driver import aggregate
 from mongo_outbox._partitions import partition_of
 from mongo_outbox._relay.store.base import (
     RECHECK,
+    Activity,
     Backlog,
     Claim,
     ParkedKey,
     PublishFailure,
     batches,
+    by,
+    counts,
     hashable,
     scope,
     tolerant,
@@ -41,7 +45,10 @@ _AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1, "sequence": 1}
 
 
 class CollectionStore:
-    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
+    def __init__(
+        self, outbox: Outbox, partition: int | None = None, relay: str | None = None
+    ) -> None:
+        self.relay = relay
         self.retention = outbox.retention
         self.coll = ours(outbox.collection)
         self.scope = scope(outbox, partition)
@@ -206,12 +213,12 @@ class CollectionStore:
             for chunk in chunked(ids)
         ]
 
-    @staticmethod
-    def _park(entry_id: Any, token: str | None, error: str) -> UpdateOne:
+    def _park(self, entry_id: Any, token: str | None, error: str) -> UpdateOne:
+        parked = {"parked_at": utc_now(), "parked_by": self.relay}
         return UpdateOne(
             {"_id": {"$eq": entry_id}, "status": "pending", "claim": token},
             {
-                "$set": {"status": "parked", "last_error": error, "parked_at": utc_now()},
+                "$set": {"status": "parked", "last_error": error, **parked},
                 "$inc": {"attempts": 1},
                 "$unset": {"claim": "", "waiting": ""},
             },
@@ -233,6 +240,7 @@ class CollectionStore:
                         "$set": {
                             "status": "published",
                             "published_at": now,
+                            "published_by": self.relay,
                             "expire_at": now + self.retention,
                         },
                         "$unset": {"claim": "", "last_error": "", "waiting": ""},
@@ -411,10 +419,35 @@ class CollectionStore:
             {"status": "parked", **chosen},
             {
                 "$set": {"status": "pending", "available_at": utc_now(), "attempts": 0},
-                "$unset": {"waits": "", "misses": "", "waiting": "", "parked_at": ""},
+                "$unset": {
+                    "waits": "",
+                    "misses": "",
+                    "waiting": "",
+                    "parked_at": "",
+                    "parked_by": "",
+                },
             },
         )
         return int(result.modified_count)
+
+    async def activity(
+        self, expired_after: datetime | None, parked_after: datetime | None
+    ) -> Activity:
+        latest = await self.coll.find_one(
+            {"expire_at": {"$exists": True}}, sort=[("expire_at", -1)], projection={"expire_at": 1}
+        )
+        mark = latest.get("expire_at") if latest else None
+        if parked_after is None:
+            return Activity(mark)
+        since = {"$gt": expired_after} if expired_after is not None else {"$exists": True}
+        published = await aggregate(
+            self.coll, [{"$match": {"expire_at": since}}, by("published_by")]
+        )
+        parked = await aggregate(
+            self.coll,
+            [{"$match": {"status": "parked", "parked_at": {"$gt": parked_after}}}, by("parked_by")],
+        )
+        return Activity(mark, counts(published), counts(parked))
 
     async def entry(self, event_id: Any) -> dict[str, Any] | None:
         found = await self.coll.find_one({"_id": {"$eq": event_id}})

@@ -46,7 +46,10 @@ _WRITES = frozenset({"insert", "update", "replace"})
 
 
 class EmbeddedStore(ParkedEntries):
-    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
+    def __init__(
+        self, outbox: Outbox, partition: int | None = None, relay: str | None = None
+    ) -> None:
+        self.relay = relay
         self.scope = scope(outbox, partition)
         self.partitions = outbox.partitions
         self.partition_field = outbox.partition_field
@@ -227,6 +230,7 @@ class EmbeddedStore(ParkedEntries):
         parked = {
             "parked": True,
             "parked_at": utc_now(),
+            "parked_by": self.relay,
             "last_error": describe(error),
             "entry": entry,
         }
@@ -254,7 +258,7 @@ class EmbeddedStore(ParkedEntries):
         # The ids stay taken for retention from now, in the registry, before their entries go:
         # a crash in between leaves them pending here, and they are published again.
         await self.ids.mark_published(
-            [(event.id, *claim.holders[event.id]) for event in published], now
+            [(event.id, *claim.holders[event.id]) for event in published], now, self.relay
         )
         failures = {_key(claim.holders[f.event.id]): f for f in failed}
         ops: dict[str, list[Any]] = defaultdict(list)
@@ -299,7 +303,12 @@ class EmbeddedStore(ParkedEntries):
                 }
                 if failure.kind == "park":
                     # Out of the way at once: its aggregate's later entries go on without it.
-                    sets |= {self.due: now, f"{entry}.parked": True, f"{entry}.parked_at": now}
+                    sets |= {
+                        self.due: now,
+                        f"{entry}.parked": True,
+                        f"{entry}.parked_at": now,
+                        f"{entry}.parked_by": self.relay,
+                    }
                     counter = f"{entry}.attempts"
                 else:
                     sets |= {self.due: failure.retry_at, self.wait_field: failure.wake}

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._relay.store.base import ParkedKey, batches, hashable, tolerant
-from mongo_outbox._write.event_ids import Holder, Taken
+from mongo_outbox._relay.store.base import (
+    Activity,
+    ParkedKey,
+    batches,
+    by,
+    counts,
+    hashable,
+    tolerant,
+)
+from mongo_outbox._write.event_ids import Holder, PublishedIds, Taken
 from mongo_outbox.events import Event, utc_now
 
 
@@ -42,6 +51,8 @@ class ParkedEntries:
     """The parked-entry operations of ``EmbeddedStore``, over its ``colls`` and fields."""
 
     field: str
+    relay: str | None
+    ids: PublishedIds
     due: str
     claim_field: str
     colls: dict[str, Any]
@@ -67,6 +78,7 @@ class ParkedEntries:
                         "$set": {
                             f"{entry}.parked": True,
                             f"{entry}.parked_at": utc_now(),
+                            f"{entry}.parked_by": self.relay,
                             f"{entry}.last_error": error,
                             f"{entry}.sequence": event.sequence,
                         }
@@ -142,7 +154,9 @@ class ParkedEntries:
         else:
             fields = original if "entry" in entry or not whole else shown(original)
         rest = {
-            k: v for k, v in fields.items() if k not in ("id", "parked", "parked_at", "last_error")
+            k: v
+            for k, v in fields.items()
+            if k not in ("id", "parked", "parked_at", "parked_by", "last_error")
         }
         parked = bool(entry.get("parked"))
         return {
@@ -153,6 +167,36 @@ class ParkedEntries:
             "last_error": entry.get("last_error"),
             "collection": collection,
         }
+
+    async def activity(
+        self, expired_after: datetime | None, parked_after: datetime | None
+    ) -> Activity:
+        # Published entries leave their documents: the registry keeps their ids until they
+        # expire, marked with who published them.
+        registry = self.ids.registry
+        latest = await registry.find_one(
+            {"expire_at": {"$exists": True}}, sort=[("expire_at", -1)], projection={"expire_at": 1}
+        )
+        mark = latest.get("expire_at") if latest else None
+        if parked_after is None:
+            return Activity(mark)
+        since = {"$gt": expired_after} if expired_after is not None else {"$exists": True}
+        published = await aggregate(
+            registry, [{"$match": {"expire_at": since}}, by("published_by")]
+        )
+        recent = {"$gt": parked_after}
+        parked: list[dict[str, Any]] = []
+        for coll in self.colls.values():
+            parked += await aggregate(
+                coll,
+                [
+                    {"$match": {f"{self.field}.parked_at": recent}},
+                    {"$unwind": f"${self.field}"},
+                    {"$match": {f"{self.field}.parked": True, f"{self.field}.parked_at": recent}},
+                    by(f"{self.field}.parked_by"),
+                ],
+            )
+        return Activity(mark, counts(published), counts(parked))
 
     async def entry(self, event_id: Any) -> dict[str, Any] | None:
         # By the entries' ids, parked wrapped or not: the registry may not hold an id saved
@@ -232,7 +276,14 @@ class ParkedEntries:
         ids = {"$literal": event_ids}
         parked = {"$eq": ["$$e.parked", True]}
         chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
-        again = {"parked": False, "parked_at": None, "attempts": 0, "waits": 0, "misses": 0}
+        again = {
+            "parked": False,
+            "parked_at": None,
+            "parked_by": None,
+            "attempts": 0,
+            "waits": 0,
+            "misses": 0,
+        }
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
         # it was (to be read again: a fix by hand, a newer version), in its place, if it has its

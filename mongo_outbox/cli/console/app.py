@@ -322,14 +322,14 @@ class Console:
             conn = self._conn(params.get("db"))
         except Refused as refused:
             return self._refused(request, refused)
-        target, places = self.settings.target, self.settings.places
+        places = self.settings.places
         read_at = utc_now()
 
         async def read() -> dict[str, Any]:
             outboxes = []
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
                 outboxes = [await data.backlog(c) for c in self.conns.values()]
-            overview = await data.overview(conn, target, places)
+            overview = await self._overview(conn)
             page = await data.parked(conn, types, aggregates, after)
             failed = await data.inbox_failures(conn, places)
             more = {"db": conn.db.name, "type": types, "aggregate": aggregates}
@@ -461,13 +461,19 @@ class Console:
             return await self._detail(request, 404, db=db, missing=missing, aggregate=asked)
         return await self._detail(request, 200, db=db, aggregate=asked, events=self._shown(events))
 
+    async def _overview(self, conn: Connection) -> dict[str, Any]:
+        """``data.overview``, with every relay's rates over the chart's samples."""
+        report = await data.overview(conn, self.settings.target, self.settings.places)
+        sampler = self.samplers[conn.db.name]
+        report["activity"] = data.activity_rows(report, sampler.rates())
+        return report
+
     async def overview_json(self, request: Request) -> Response:
         if not self._may_read(request):
             return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
         try:
             conn = self._conn(request.query_params.get("db"))
-            places = self.settings.places
-            report = await self._read(data.overview(conn, self.settings.target, places))
+            report = await self._read(self._overview(conn))
         except Refused as refused:
             return self._json(request, {"error": refused.reason}, refused.status)
         except Unread as problem:
