@@ -35,6 +35,12 @@ WAITING = "waiting"
 """Due again only once the entry before it of its aggregate was published or parked."""
 LAST_ERROR = "last_error"
 PUBLISHED_AT = "published_at"
+PUBLISHED_BY = "published_by"
+"""The name of the relay that published it (on an entry, or an id's registry document): the
+console's rates per relay."""
+PARKED_AT = "parked_at"
+PARKED_BY = "parked_by"
+"""The name of the relay that parked it."""
 EXPIRE_AT = "expire_at"
 """The TTL index's field (outbox, id registry, inbox): the document goes after this time."""
 

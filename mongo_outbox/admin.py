@@ -12,6 +12,9 @@ aggregate id), then reads a page of them (``limit`` entries ``after`` an id) wit
 of the fields a ``ParkedEntry`` holds; ``whole=True`` reads them whole. An entry whose fields
 another producer or a manual fix left in the wrong types is listed, marked ``unreadable`` with
 the reason, never raised on.
+
+One event is read whole by its id (``event()``), whatever its state; an aggregate's events not
+yet published are listed by its id (``of_aggregate()``), their ``SUMMARY`` fields only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from bson import ObjectId
+
+from mongo_outbox._codec import decode
 from mongo_outbox._inbox.store import failures
 from mongo_outbox._relay.group.members import Membership
 from mongo_outbox._relay.replay import replay
@@ -35,7 +41,8 @@ from mongo_outbox._storage import (
     LEASE_UNTIL,
     OWNER,
 )
-from mongo_outbox.brokers._publishing import Publisher
+from mongo_outbox.brokers._publishing import Publisher, message_headers
+from mongo_outbox.errors import InvalidEventError
 from mongo_outbox.events import as_utc, utc_now
 from mongo_outbox.outbox import Outbox
 from mongo_outbox.settings import RelaySettings
@@ -43,7 +50,9 @@ from mongo_outbox.status import Replayed
 
 __all__ = [
     "SUMMARY",
+    "Activity",
     "Backlog",
+    "EventEntry",
     "Lease",
     "Member",
     "OutboxAdmin",
@@ -64,6 +73,20 @@ SUMMARY = (
     HOLDER_COLLECTION,
 )
 """The fields of a parked entry a listing reads (its payload and metadata are left out)."""
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the relays did between an earlier look and this one (``at``), as the entries they
+    settled record it: how many each relay published and parked, by the name the relay runs
+    under (``""``: an entry settled by a version that recorded no name). ``None`` at a first
+    look, which only takes its marks."""
+
+    at: datetime
+    mark: datetime | None
+    """The latest ``expire_at`` of a published entry: what the next look counts past."""
+    published: Mapping[str, int] | None
+    parked: Mapping[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,52 @@ class ParkedEntry:
         if problems:
             return replace(entry, unreadable="; ".join(problems))
         return entry
+
+
+@dataclass(frozen=True)
+class EventEntry:
+    """An event the outbox holds, as its detail page shows it: ``summary`` holds its keys,
+    attempts and last error (a ``ParkedEntry``, whatever its state), and the rest what only a
+    read of the whole entry tells (``None`` in a listing, which reads the ``SUMMARY``
+    fields only)."""
+
+    summary: ParkedEntry
+    status: str | None
+    """``pending``, ``parked``, or (collection mode, while the outbox keeps it) ``published``."""
+    occurred_at: datetime | None
+    parked_at: datetime | None
+    """When the relay parked it (None: not parked, or parked by a version that did not say)."""
+    payload: Any
+    headers: Mapping[str, Any] | None
+    """The event's own headers, as stored."""
+    broker_headers: Mapping[str, str] | None
+    """The headers a broker gets with the message (the event's own, then the routing ones);
+    None for an entry that cannot be read as an event (``summary.unreadable``)."""
+
+    @property
+    def event_id(self) -> Any:
+        return self.summary.event_id
+
+    @classmethod
+    def of(cls, document: Mapping[str, Any], whole: bool = True) -> EventEntry:
+        """The record of an entry as the store reads it; never raises."""
+        summary = ParkedEntry.of(document)
+        broker: dict[str, str] | None = None
+        if whole and summary.unreadable is None:
+            try:
+                broker = message_headers(decode(dict(document), "_id"))
+            except (InvalidEventError, ValueError) as error:
+                summary = replace(summary, unreadable=str(error))
+        headers = document.get("headers")
+        return cls(
+            summary=summary,
+            status=None if document.get("status") is None else str(document["status"]),
+            occurred_at=_date(document.get("occurred_at")),
+            parked_at=_date(document.get("parked_at")),
+            payload=document.get("payload") if whole else None,
+            headers=(headers if isinstance(headers, Mapping) else None) if whole else None,
+            broker_headers=broker,
+        )
 
 
 _KINDS = {
@@ -284,6 +353,31 @@ class OutboxAdmin:
         """These parked entries, read whole (ids that are not parked are left out)."""
         return [ParkedEntry.of(entry) for entry in await self._store.parked(list(event_ids))]
 
+    async def activity(self, since: Activity | None = None) -> Activity:
+        """The relays' publishes and parks since the look ``since`` (None: a first look, which
+        counts nothing). Published entries are those whose ``expire_at`` (publication time plus
+        the retention, under the TTL index) is past the latest one ``since`` saw: exact as long
+        as the retention stays the same. Parked ones are those parked after ``since.at``."""
+        at = utc_now()
+        if since is None:
+            found = await self._store.activity(None, None)
+        else:
+            found = await self._store.activity(since.mark, since.at)
+        mark = found.mark if found.mark is not None else (since.mark if since else None)
+        return Activity(at, mark, found.published, found.parked)
+
+    async def event(self, event_id: str) -> EventEntry | None:
+        """The entry of ``event_id``, read whole; None when the outbox holds none."""
+        found = await self._store.entry(event_id)
+        return None if found is None else EventEntry.of(found)
+
+    async def of_aggregate(self, aggregate_id: str, limit: int = 200) -> list[EventEntry]:
+        """The first ``limit`` events not yet published (pending and parked) of the aggregate
+        whose id is ``aggregate_id`` as text (stored as that text, that whole number, or that
+        ObjectId), in its order; only their ``SUMMARY`` fields are read."""
+        found = await self._store.of_aggregates(_ids_of(aggregate_id), SUMMARY, limit)
+        return [EventEntry.of(entry, whole=False) for entry in found]
+
     async def matching(
         self, types: Sequence[str] = (), aggregates: Sequence[str] = ()
     ) -> list[Any]:
@@ -367,6 +461,17 @@ class OutboxAdmin:
     async def inbox_failures(self) -> dict[str, int]:
         """How many messages each consumer of the inbox has dead-lettered, by consumer."""
         return await failures(self._inbox)
+
+
+def _ids_of(text: str) -> list[Any]:
+    """The stored ids an operator means by ``text``: itself, and the number or ObjectId it
+    spells."""
+    ids: list[Any] = [text]
+    if text.lstrip("-").isdigit() and len(text) < 20:
+        ids.append(int(text))
+    if ObjectId.is_valid(text):
+        ids.append(ObjectId(text))
+    return ids
 
 
 def _date(value: Any) -> datetime | None:

@@ -85,7 +85,7 @@ class Rounds:
         check_publisher(publisher)
         if not isinstance(settings, RelaySettings):
             raise TypeError(f"settings must be a RelaySettings, not {type(settings).__name__}")
-        self.store = store_for(outbox, partition)
+        self.store = store_for(outbox, partition, relay)
         self.publisher = publisher
         self.settings = settings
         self.stats = RelayCounters()
@@ -120,8 +120,8 @@ class Rounds:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
 
     def limit(self, timed: bool = True) -> int:
-        """How many entries (documents, in embedded mode) the next round may take: the batch
-        size, or this tenant's share of it while it takes turns with others (``Turns.share``;
+        """How many entries (documents, in embedded mode) the next round may take:
+        ``batch_size``, or this tenant's share of it while it takes turns with others (``Turns.share``;
         ``timed``: also bounded by the time its turns took)."""
         limit = self.settings.batch_size
         if self.turns is None:

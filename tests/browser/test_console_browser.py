@@ -309,3 +309,42 @@ async def test_a_reader_and_an_operator_at_once_and_a_requeue_of_everything_conf
         f'mongo_outbox.cli.console.audit: "alice" (operator) from 127.0.0.1 requeued 4 parked '
         f'events in "{db.name}": every parked event' in ran.output
     )
+
+
+@pytest.mark.slow
+async def test_a_detail_page_opens_from_the_list_and_the_chart_has_labelled_axes(
+    browser: Any, mongo: MongoServer, db: Any
+) -> None:
+    from playwright.async_api import expect
+
+    expect.set_options(timeout=15_000)
+    saved = await park(db)
+    bad = saved["b"][0]
+    async with served(mongo, db, "--sample-interval=0.5") as (_, url):
+        page = await browser.new_page()
+        failed: list[str] = []
+        page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
+        page.on("console", lambda m: failed.append(m.text) if m.type == "error" else None)
+        await page.goto(url)
+
+        # The chart, drawn by the page's own script under its policy: both axes say what they
+        # measure, the time axis too, and each sample's point has a tooltip.
+        await expect(page.locator("#chart-y-label")).to_have_text("pending (events)")
+        await expect(page.locator("#chart-y2-label")).to_have_text("published (events/s)")
+        await expect(page.locator("#chart-x-label")).to_have_text("time (UTC)")
+        tip = page.locator("#chart circle.point title").first
+        await expect(tip).to_have_text(re.compile(r"^\d\d:\d\d:\d\d UTC: 0 pending, 4 parked, "))
+
+        # The parked event's id opens its detail page.
+        await page.click(f'tr.parked[data-event-id="{bad.id}"] a.event-link')
+        await expect(page.locator("#event-type")).to_have_text("bad")
+        await expect(page.locator("#event-status")).to_have_text("parked")
+        await expect(page.locator("#event-error")).to_contain_text("cannot encode")
+        await expect(page.locator("#broker-headers")).to_contain_text("aggregate-id")
+
+        # The search box finds the aggregate's events.
+        await page.fill("#search-q", "c")
+        await page.click("#search button[type=submit]")
+        await expect(page.locator("tr.listed")).to_have_count(2)
+        assert failed == []
+        await page.close()

@@ -386,7 +386,9 @@ def test_the_admin_surface_is_public_typed_and_names_no_private_type() -> None:
 
     assert set(mongo_outbox.admin.__all__) == {
         "SUMMARY",
+        "Activity",
         "Backlog",
+        "EventEntry",
         "Lease",
         "Member",
         "OutboxAdmin",
@@ -394,7 +396,7 @@ def test_the_admin_surface_is_public_typed_and_names_no_private_type() -> None:
         "ParkedPage",
         "Replayed",
     }
-    records = ["Backlog", "Lease", "Member", "ParkedEntry", "ParkedPage"]
+    records = ["Activity", "Backlog", "EventEntry", "Lease", "Member", "ParkedEntry", "ParkedPage"]
     for name in records:
         record = getattr(mongo_outbox.admin, name)
         assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen, name

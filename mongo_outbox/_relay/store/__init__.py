@@ -10,9 +10,10 @@ from mongo_outbox._relay.store.embedded import EmbeddedStore
 from mongo_outbox.outbox import Outbox
 
 
-def store_for(outbox: Outbox, partition: int | None = None) -> Store:
+def store_for(outbox: Outbox, partition: int | None = None, relay: str | None = None) -> Store:
     """The store of ``outbox``; with ``partition``, one that claims, wakes and counts that
-    partition's entries only (a relay group member's view)."""
+    partition's entries only (a relay group member's view). ``relay`` names the relay whose
+    publishes and parks it records (``published_by``, ``parked_by``)."""
     if outbox.mode == "embedded":
-        return EmbeddedStore(outbox, partition)
-    return CollectionStore(outbox, partition)
+        return EmbeddedStore(outbox, partition, relay)
+    return CollectionStore(outbox, partition, relay)

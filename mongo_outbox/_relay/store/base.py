@@ -153,6 +153,31 @@ class Backlog:
     """When the oldest pending event occurred."""
 
 
+@dataclass(frozen=True)
+class Activity:
+    """What the relays did since an earlier look, as the entries tell: the latest ``expire_at``
+    of a published entry (``mark``), and (None at a first look) how many entries each relay
+    published since that look's mark and parked since its time, by the name the relay recorded
+    (``""``: none recorded, an entry of an older version)."""
+
+    mark: datetime | None
+    published: Mapping[str, int] | None = None
+    parked: Mapping[str, int] | None = None
+
+
+def by(name: str) -> dict[str, Any]:
+    """A ``$group`` stage counting entries by the relay named in field ``name``."""
+    return {"$group": {"_id": f"${name}", "n": {"$sum": 1}}}
+
+
+def counts(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for group in groups:
+        key = "" if group["_id"] is None else str(group["_id"])
+        found[key] = found.get(key, 0) + int(group["n"])
+    return found
+
+
 class Store(Protocol):
     async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         """Lease up to ``limit`` entries due by ``until`` (default: now), grouped per aggregate.
@@ -193,6 +218,26 @@ class Store(Protocol):
         aggregate or of all chooses from these, so it never holds every parked entry whole."""
 
     async def parked_count(self) -> int: ...
+
+    async def activity(
+        self, expired_after: datetime | None, parked_after: datetime | None
+    ) -> Activity:
+        """The latest ``expire_at`` of a published entry; unless ``parked_after`` is None,
+        with the entries published since (whose ``expire_at`` is past ``expired_after``, all of
+        them when None) and parked since ``parked_after``, counted by relay: index ranges over
+        the TTL index and the parked entries."""
+
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        """The entry of ``event_id`` read whole, as ``parked`` lists one, with its ``status``
+        (``pending``, ``parked``; in collection mode also ``published`` while it is kept) and
+        ``parked_at``; None when the outbox holds no entry of that id."""
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        """The first ``limit`` entries not yet published (pending or parked) of these
+        aggregate ids, by aggregate and in its order, with only ``fields`` (and ``status``,
+        ``occurred_at``, ``parked_at``) read."""
 
     async def requeue(self, event_ids: Sequence[str]) -> int:
         """Make these parked entries due again with no attempts counted, together with the

@@ -19,14 +19,18 @@ from pymongo import UpdateMany, UpdateOne
 
 from mongo_outbox._codec import counter, decode, ours, shown
 from mongo_outbox._commands import chunked
+from mongo_outbox._driver import aggregate
 from mongo_outbox._partitions import partition_of
 from mongo_outbox._relay.store.base import (
     RECHECK,
+    Activity,
     Backlog,
     Claim,
     ParkedKey,
     PublishFailure,
+    by,
     chunks,
+    counts,
     hashable,
     scope,
     tolerant,
@@ -39,9 +43,12 @@ from mongo_outbox._storage import (
     LAST_ERROR,
     MISSES,
     PARKED,
+    PARKED_AT,
+    PARKED_BY,
     PENDING,
     PUBLISHED,
     PUBLISHED_AT,
+    PUBLISHED_BY,
     STATUS,
     WAITING,
     WAITS,
@@ -56,7 +63,10 @@ _AGGREGATE = {"aggregate_type": 1, "aggregate_id": 1, "sequence": 1}
 
 
 class CollectionStore:
-    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
+    def __init__(
+        self, outbox: Outbox, partition: int | None = None, relay: str | None = None
+    ) -> None:
+        self.relay = relay
         self.retention = outbox.retention
         self.coll = ours(outbox.collection)
         self.scope = scope(outbox, partition)
@@ -221,12 +231,12 @@ class CollectionStore:
             for chunk in chunked(ids)
         ]
 
-    @staticmethod
-    def _park(entry_id: Any, token: str | None, error: str) -> UpdateOne:
+    def _park(self, entry_id: Any, token: str | None, error: str) -> UpdateOne:
+        parked = {PARKED_AT: utc_now(), PARKED_BY: self.relay}
         return UpdateOne(
             {"_id": {"$eq": entry_id}, STATUS: PENDING, CLAIM: token},
             {
-                "$set": {STATUS: PARKED, LAST_ERROR: error},
+                "$set": {STATUS: PARKED, LAST_ERROR: error, **parked},
                 "$inc": {ATTEMPTS: 1},
                 "$unset": {CLAIM: "", WAITING: ""},
             },
@@ -248,6 +258,7 @@ class CollectionStore:
                         "$set": {
                             STATUS: PUBLISHED,
                             PUBLISHED_AT: now,
+                            PUBLISHED_BY: self.relay,
                             EXPIRE_AT: now + self.retention,
                         },
                         "$unset": {CLAIM: "", LAST_ERROR: "", WAITING: ""},
@@ -426,10 +437,40 @@ class CollectionStore:
             {STATUS: PARKED, **chosen},
             {
                 "$set": {STATUS: PENDING, AVAILABLE_AT: utc_now(), ATTEMPTS: 0},
-                "$unset": {WAITS: "", MISSES: "", WAITING: ""},
+                "$unset": {WAITS: "", MISSES: "", WAITING: "", PARKED_AT: "", PARKED_BY: ""},
             },
         )
         return int(result.modified_count)
+
+    async def activity(
+        self, expired_after: datetime | None, parked_after: datetime | None
+    ) -> Activity:
+        latest = await self.coll.find_one(
+            {EXPIRE_AT: {"$exists": True}}, sort=[(EXPIRE_AT, -1)], projection={EXPIRE_AT: 1}
+        )
+        mark = latest.get(EXPIRE_AT) if latest else None
+        if parked_after is None:
+            return Activity(mark)
+        since = {"$gt": expired_after} if expired_after is not None else {"$exists": True}
+        published = await aggregate(self.coll, [{"$match": {EXPIRE_AT: since}}, by(PUBLISHED_BY)])
+        parked = await aggregate(
+            self.coll,
+            [{"$match": {STATUS: PARKED, PARKED_AT: {"$gt": parked_after}}}, by(PARKED_BY)],
+        )
+        return Activity(mark, counts(published), counts(parked))
+
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        found = await self.coll.find_one({"_id": {"$eq": event_id}})
+        return None if found is None else shown(found)
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        query = {"aggregate_id": {"$in": list(aggregate_ids)}, STATUS: {"$ne": PUBLISHED}}
+        projection = dict.fromkeys([*fields, STATUS, "occurred_at", PARKED_AT], 1)
+        found = self.coll.find(query, projection=projection)
+        found = found.sort([("aggregate_id", 1), ("sequence", 1)]).limit(limit)
+        return [entry async for entry in found]
 
     async def published(
         self,

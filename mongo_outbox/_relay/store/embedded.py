@@ -37,7 +37,16 @@ from mongo_outbox._relay.store.base import (
 )
 from mongo_outbox._relay.store.embedded_parked import Doomed, ParkedEntries, Read
 from mongo_outbox._relay.store.published_ids import PublishedIds
-from mongo_outbox._storage import ATTEMPTS, LAST_ERROR, MISSES, PARKED_FLAG, WAITS, Holder
+from mongo_outbox._storage import (
+    ATTEMPTS,
+    LAST_ERROR,
+    MISSES,
+    PARKED_AT,
+    PARKED_BY,
+    PARKED_FLAG,
+    WAITS,
+    Holder,
+)
 from mongo_outbox._write.aggregates import type_of
 from mongo_outbox.errors import InvalidEventError, UsageError, describe
 from mongo_outbox.events import Event, as_utc, utc_now
@@ -47,7 +56,10 @@ _WRITES = frozenset({"insert", "update", "replace"})
 
 
 class EmbeddedStore(ParkedEntries):
-    def __init__(self, outbox: Outbox, partition: int | None = None) -> None:
+    def __init__(
+        self, outbox: Outbox, partition: int | None = None, relay: str | None = None
+    ) -> None:
+        self.relay = relay
         self.scope = scope(outbox, partition)
         self.partitions = outbox.partitions
         self.partition_field = outbox.partition_field
@@ -225,7 +237,13 @@ class EmbeddedStore(ParkedEntries):
         (``_codec.numbered``). The filter names the exact element as stored (``raw``), so a
         concurrent change of the array can never make it park another."""
         at = f"{self.field}.{index}"
-        parked = {PARKED_FLAG: True, LAST_ERROR: describe(error), "entry": entry}
+        parked = {
+            PARKED_FLAG: True,
+            PARKED_AT: utc_now(),
+            PARKED_BY: self.relay,
+            LAST_ERROR: describe(error),
+            "entry": entry,
+        }
         # As literals, in a pipeline: an element such as {"$x": 1} is matched and kept as
         # itself, never read as an operator (nor refused by $set as a field name).
         stored = f"${self.field}"
@@ -250,7 +268,7 @@ class EmbeddedStore(ParkedEntries):
         # The ids stay taken for retention from now, in the registry, before their entries go:
         # a crash in between leaves them pending here, and they are published again.
         await self.ids.mark_published(
-            [(event.id, *claim.holders[event.id]) for event in published], now
+            [(event.id, *claim.holders[event.id]) for event in published], now, self.relay
         )
         failures = {_key(claim.holders[f.event.id]): f for f in failed}
         ops: dict[str, list[Any]] = defaultdict(list)
@@ -295,7 +313,12 @@ class EmbeddedStore(ParkedEntries):
                 }
                 if failure.kind == "park":
                     # Out of the way at once: its aggregate's later entries go on without it.
-                    sets |= {self.due: now, f"{entry}.{PARKED_FLAG}": True}
+                    sets |= {
+                        self.due: now,
+                        f"{entry}.{PARKED_FLAG}": True,
+                        f"{entry}.{PARKED_AT}": now,
+                        f"{entry}.{PARKED_BY}": self.relay,
+                    }
                     counter = f"{entry}.{ATTEMPTS}"
                 else:
                     sets |= {self.due: failure.retry_at, self.wait_field: failure.wake}

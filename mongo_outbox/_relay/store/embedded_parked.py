@@ -9,19 +9,34 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from pymongo import UpdateOne
 
 from mongo_outbox._codec import shown
 from mongo_outbox._driver import aggregate
-from mongo_outbox._relay.store.base import ParkedKey, chunks, hashable, tolerant
+from mongo_outbox._relay.store.base import (
+    Activity,
+    ParkedKey,
+    by,
+    chunks,
+    counts,
+    hashable,
+    tolerant,
+)
+from mongo_outbox._relay.store.published_ids import PublishedIds
 from mongo_outbox._storage import (
     ATTEMPTS,
+    EXPIRE_AT,
     LAST_ERROR,
     MISSES,
     PARKED,
+    PARKED_AT,
+    PARKED_BY,
     PARKED_FLAG,
+    PENDING,
+    PUBLISHED_BY,
     STATUS,
     WAITS,
     Holder,
@@ -52,6 +67,8 @@ class ParkedEntries:
     """The parked-entry operations of ``EmbeddedStore``, over its ``colls`` and fields."""
 
     field: str
+    relay: str | None
+    ids: PublishedIds
     due: str
     claim_field: str
     colls: dict[str, Any]
@@ -76,6 +93,8 @@ class ParkedEntries:
                     {
                         "$set": {
                             f"{entry}.{PARKED_FLAG}": True,
+                            f"{entry}.{PARKED_AT}": utc_now(),
+                            f"{entry}.{PARKED_BY}": self.relay,
                             f"{entry}.{LAST_ERROR}": error,
                             f"{entry}.sequence": event.sequence,
                         }
@@ -150,14 +169,77 @@ class ParkedEntries:
             fields: dict[str, Any] = {"entry": original}
         else:
             fields = original if "entry" in entry or not whole else shown(original)
-        rest = {k: v for k, v in fields.items() if k not in ("id", PARKED_FLAG, LAST_ERROR)}
+        rest = {
+            k: v
+            for k, v in fields.items()
+            if k not in ("id", PARKED_FLAG, PARKED_AT, PARKED_BY, LAST_ERROR)
+        }
+        parked = bool(entry.get(PARKED_FLAG))
         return {
             "_id": fields.get("id"),
             **rest,
-            STATUS: PARKED,
+            STATUS: PARKED if parked else PENDING,
+            PARKED_AT: entry.get(PARKED_AT) if parked else None,
             LAST_ERROR: entry.get(LAST_ERROR),
             "collection": collection,
         }
+
+    async def activity(
+        self, expired_after: datetime | None, parked_after: datetime | None
+    ) -> Activity:
+        # Published entries leave their documents: the registry keeps their ids until they
+        # expire, marked with who published them.
+        registry = self.ids.registry
+        latest = await registry.find_one(
+            {EXPIRE_AT: {"$exists": True}}, sort=[(EXPIRE_AT, -1)], projection={EXPIRE_AT: 1}
+        )
+        mark = latest.get(EXPIRE_AT) if latest else None
+        if parked_after is None:
+            return Activity(mark)
+        since = {"$gt": expired_after} if expired_after is not None else {"$exists": True}
+        published = await aggregate(registry, [{"$match": {EXPIRE_AT: since}}, by(PUBLISHED_BY)])
+        recent = {"$gt": parked_after}
+        parked: list[dict[str, Any]] = []
+        for coll in self.colls.values():
+            parked += await aggregate(
+                coll,
+                [
+                    {"$match": {f"{self.field}.parked_at": recent}},
+                    {"$unwind": f"${self.field}"},
+                    {"$match": {f"{self.field}.parked": True, f"{self.field}.parked_at": recent}},
+                    by(f"{self.field}.parked_by"),
+                ],
+            )
+        return Activity(mark, counts(published), counts(parked))
+
+    async def entry(self, event_id: Any) -> dict[str, Any] | None:
+        # By the entries' ids, parked wrapped or not: the registry may not hold an id saved
+        # without a reservation that no relay claimed yet.
+        query = {"$or": [{f"{self.field}.{key}": {"$eq": event_id}} for key in ("id", "entry.id")]}
+        for name, coll in self.colls.items():
+            doc = await coll.find_one(query, projection={self.field: 1})
+            for entry in (doc or {}).get(self.field) or ():
+                if isinstance(entry, dict) and event_id in (
+                    entry.get("id"),
+                    _original(entry).get("id"),
+                ):
+                    return self._listed(entry, name)
+        return None
+
+    async def of_aggregates(
+        self, aggregate_ids: Sequence[Any], fields: Sequence[str], limit: int
+    ) -> list[dict[str, Any]]:
+        # An aggregate's document holds its entries not yet published, in its order.
+        paths = [*self._paths(fields), *(f"{self.field}.{k}" for k in ("occurred_at", PARKED_AT))]
+        projection = dict.fromkeys(paths, 1)
+        found: list[dict[str, Any]] = []
+        for name, coll in self.colls.items():
+            docs = coll.find({"_id": {"$in": list(aggregate_ids)}}, projection=projection)
+            async for doc in docs.sort("_id", 1):
+                for entry in doc.get(self.field) or ():
+                    if isinstance(entry, dict) and len(found) < limit:
+                        found.append(self._listed(entry, name, whole=False))
+        return found
 
     async def parked_count(self) -> int:
         parked = {
@@ -210,7 +292,14 @@ class ParkedEntries:
         ids = {"$literal": event_ids}
         parked = {"$eq": [f"$$e.{PARKED_FLAG}", True]}
         chosen = {"$and": [parked, {"$in": [{"$ifNull": ["$$e.id", None]}, ids]}]}
-        again = {PARKED_FLAG: False, ATTEMPTS: 0, WAITS: 0, MISSES: 0}
+        again = {
+            PARKED_FLAG: False,
+            PARKED_AT: None,
+            PARKED_BY: None,
+            ATTEMPTS: 0,
+            WAITS: 0,
+            MISSES: 0,
+        }
         fresh = {"$mergeObjects": ["$$e", again]}
         # An unreadable entry was parked wrapped, its original under "entry": it comes back as
         # it was (to be read again: a fix by hand, a newer version), in its place, if it has its
@@ -241,6 +330,12 @@ class ParkedEntries:
                 }
             }
         ]
+
+
+def _original(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry a wrapped (unreadable) parked one keeps under ``entry``, else itself."""
+    original = entry.get("entry", entry)
+    return original if isinstance(original, dict) else {}
 
 
 def _parked_id(entry: dict[str, Any]) -> Any:

@@ -20,6 +20,7 @@ from mongo_outbox._storage import (
     HOLDER_DOCUMENT,
     HOLDER_SEQUENCE,
     MARKED_PUBLISHED,
+    PUBLISHED_BY,
     Taken,
 )
 from mongo_outbox._write.refusals import write_errors
@@ -90,7 +91,7 @@ class PublishedIds:
         }
 
     async def mark_published(
-        self, published: Sequence[tuple[str, str, Any]], now: datetime
+        self, published: Sequence[tuple[str, str, Any]], now: datetime, by: str | None = None
     ) -> None:
         """Mark each ``(event id, collection, document _id)`` published, to expire ``retention``
         from ``now``. An id with no reservation (one pruned under an older version's rule, or
@@ -98,7 +99,8 @@ class PublishedIds:
         if not published:
             return
         expire_at = now + self.retention
-        marked = {"$set": {MARKED_PUBLISHED: True, EXPIRE_AT: expire_at}}
+        # Who published them (``by``, a relay's name), for the console's rates.
+        marked = {"$set": {MARKED_PUBLISHED: True, EXPIRE_AT: expire_at, PUBLISHED_BY: by}}
         ids = list(dict.fromkeys(event_id for event_id, _, _ in published))
         # One statement for the common case (a claim's worth of ids, in bounded commands):
         # every id has its reservation.
@@ -114,7 +116,7 @@ class PublishedIds:
                 UpdateOne(
                     {"_id": event_id},
                     {
-                        "$set": {MARKED_PUBLISHED: True, EXPIRE_AT: expire_at},
+                        "$set": {MARKED_PUBLISHED: True, EXPIRE_AT: expire_at, PUBLISHED_BY: by},
                         "$setOnInsert": {HOLDER_COLLECTION: collection, HOLDER_DOCUMENT: doc_id},
                     },
                     upsert=True,

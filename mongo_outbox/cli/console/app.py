@@ -182,6 +182,8 @@ class Console:
             routes=[
                 Route("/", self.page),
                 Route("/favicon.ico", self.favicon),
+                Route("/event", self.event_page),
+                Route("/search", self.search),
                 Route("/api/overview", self.overview_json),
                 Route("/api/history", self.history_json),
                 Route("/api/outboxes", self.outboxes_json),
@@ -320,14 +322,14 @@ class Console:
             conn = self._conn(params.get("db"))
         except Refused as refused:
             return self._refused(request, refused)
-        target, places = self.settings.target, self.settings.places
+        places = self.settings.places
         read_at = utc_now()
 
         async def read() -> dict[str, Any]:
             outboxes = []
             if len(self.conns) > 1:  # each one's backlog, on top of the chosen one's details
                 outboxes = [await data.backlog(c) for c in self.conns.values()]
-            overview = await data.overview(conn, target, places)
+            overview = await self._overview(conn)
             page = await data.parked(conn, types, aggregates, after)
             failed = await data.inbox_failures(conn, places)
             more = {"db": conn.db.name, "type": types, "aggregate": aggregates}
@@ -379,13 +381,99 @@ class Console:
         response = HTMLResponse(html, 503 if error else 200)
         return self._finish(request, response, session, fresh)
 
+    async def _detail(self, request: Request, status: int, **context: Any) -> Response:
+        """The event page: one event (``event``), an aggregate's events (``events``), or
+        why there is none (``missing``)."""
+        session, fresh = self._session(request)
+        context = {
+            "event": None,
+            "events": None,
+            "aggregate": None,
+            "missing": None,
+            "error": None,
+            **context,
+        }
+        html = self._render("event.html", **self._common(session), **context)
+        return self._finish(request, HTMLResponse(html, status), session, fresh)
+
+    async def _reader(self, request: Request) -> tuple[Connection | None, Response | None]:
+        """The chosen database's connection for a visitor who may read, else the answer."""
+        session, fresh = self._session(request)
+        if not session.signed_in and self.settings.require_sign_in:
+            html = self._render("sign-in.html", **self._common(session))
+            return None, self._finish(request, HTMLResponse(html, 401), session, fresh)
+        try:
+            return self._conn(request.query_params.get("db")), None
+        except Refused as refused:
+            return None, self._refused(request, refused)
+
+    async def event_page(self, request: Request) -> Response:
+        """One event's detail, read whole: ``/event?id=``."""
+        conn, answer = await self._reader(request)
+        if conn is None:
+            assert answer is not None
+            return answer
+        event_id = request.query_params.get("id", "")
+        db = conn.db.name
+        if not event_id:
+            return await self._detail(request, 400, db=db, missing="name an event id: ?id=")
+        try:
+            found = await self._read(data.event(conn, event_id))
+        except Unread as problem:
+            return await self._detail(request, 503, db=db, error=self._shown(str(problem)))
+        if found is None:
+            # The id as the request sent it, escaped, not redacted (see ``page``).
+            missing = (
+                f"this outbox holds no event of id {event_id} (never saved, or published "
+                "and no longer kept)"
+            )
+            return await self._detail(request, 404, db=db, missing=missing)
+        return await self._detail(request, 200, db=db, event=self._shown(found))
+
+    async def search(self, request: Request) -> Response:
+        """``/search?q=``: an exact event id opens its detail; else the events not yet
+        published of the aggregate of that id."""
+        conn, answer = await self._reader(request)
+        if conn is None:
+            assert answer is not None
+            return answer
+        asked = request.query_params.get("q", "").strip()
+        db = conn.db.name
+        if not asked:
+            return await self._detail(
+                request, 400, db=db, missing="type an event id or an aggregate id"
+            )
+
+        async def read() -> tuple[bool, list[dict[str, Any]]]:
+            if await data.admin(conn).event(asked) is not None:
+                return True, []
+            return False, await data.of_aggregate(conn, asked)
+
+        try:
+            is_event, events = await self._read(read())
+        except Unread as problem:
+            return await self._detail(request, 503, db=db, error=self._shown(str(problem)))
+        if is_event:
+            where = "/event?" + urlencode({"db": db, "id": asked})
+            return self._finish(request, RedirectResponse(where, 303), None, False)
+        if not events:
+            missing = f"no event of id {asked}, and no pending or parked event of aggregate {asked}"
+            return await self._detail(request, 404, db=db, missing=missing, aggregate=asked)
+        return await self._detail(request, 200, db=db, aggregate=asked, events=self._shown(events))
+
+    async def _overview(self, conn: Connection) -> dict[str, Any]:
+        """``data.overview``, with every relay's rates over the chart's samples."""
+        report = await data.overview(conn, self.settings.target, self.settings.places)
+        sampler = self.samplers[conn.db.name]
+        report["activity"] = data.activity_rows(report, sampler.rates())
+        return report
+
     async def overview_json(self, request: Request) -> Response:
         if not self._may_read(request):
             return self._json(request, {"error": SIGN_IN_TO_READ}, 401)
         try:
             conn = self._conn(request.query_params.get("db"))
-            places = self.settings.places
-            report = await self._read(data.overview(conn, self.settings.target, places))
+            report = await self._read(self._overview(conn))
         except Refused as refused:
             return self._json(request, {"error": refused.reason}, refused.status)
         except Unread as problem:

@@ -2,31 +2,31 @@
 ``status``, ``parked list`` and ``inbox failed`` read it: one look at the outbox for each page,
 and a sampler that keeps the last minutes of backlog and publishing for the chart.
 
-The one reading of its own is how many events were published between two samples. Nothing
-counts them in MongoDB, but every published entry gets ``expire_at`` = its publication time
-plus the outbox's retention, under the TTL index (the outbox collection in collection mode, the
-event-id registry in embedded mode). So the entries whose ``expire_at`` is past the latest one
-seen at the previous sample are exactly those published since: an index range, whatever the
-retention, as long as it stays the same.
+How many events were published and parked between two samples, and by which relay, is
+``OutboxAdmin.activity``: every published entry gets ``expire_at`` (its publication time plus
+the retention, under the TTL index) and ``published_by`` (its relay's name), every parked one
+``parked_at`` and ``parked_by``, so the counts since the previous sample are index ranges. The
+relays' rates are those counts over the kept samples' seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from pymongo.errors import PyMongoError
 
-from mongo_outbox.admin import OutboxAdmin, ParkedEntry, ParkedPage
+from mongo_outbox.admin import Activity, EventEntry, OutboxAdmin, ParkedEntry, ParkedPage
 from mongo_outbox.cli.common import Connection, Target, one_line
 from mongo_outbox.cli.status import gather
 from mongo_outbox.errors import OutboxError
-from mongo_outbox.events import utc_now
 from mongo_outbox.inbox import Inbox
 
 log = logging.getLogger("mongo_outbox.cli")
@@ -81,6 +81,57 @@ async def overview(conn: Connection, target: Target, places: Places) -> dict[str
     return report
 
 
+def activity_rows(
+    report: dict[str, Any], rates: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """Every relay the database knows of, with its rates: the change-stream relays (their
+    leases), the relay groups' live members (the rates of the partitions each holds), and the
+    polling relays, which keep no record and are known only by the entries they settled in the
+    kept samples (by name: two polling relays of one name are one row)."""
+    rows: list[dict[str, Any]] = []
+    known: set[str] = set()
+
+    def rate(names: list[str], kind: str) -> float:
+        return round(sum(rates.get(name, {}).get(kind, 0.0) for name in names), 3)
+
+    for relay in report["relays"]:
+        known.add(relay["name"])
+        rows.append(
+            {
+                "name": relay["name"],
+                "kind": "change stream",
+                "state": relay["state"],
+                "published_per_second": rate([relay["name"]], "published"),
+                "parked_per_second": rate([relay["name"]], "parked"),
+            }
+        )
+    for group in report["groups"]:
+        names = [f"{group['name']}/{p['partition']}" for p in group["partitions"]]
+        known.update(names)
+        for member in group["members"]:
+            held = [f"{group['name']}/{k}" for k in member["partitions"]]
+            rows.append(
+                {
+                    "name": member["member"],
+                    "kind": f"member of group {group['name']}",
+                    "state": "active" if held else "standby",
+                    "published_per_second": rate(held, "published"),
+                    "parked_per_second": rate(held, "parked"),
+                }
+            )
+    for name in sorted(set(rates) - known):
+        rows.append(
+            {
+                "name": name or "(unnamed)",
+                "kind": "polling",
+                "state": "seen",
+                "published_per_second": rate([name], "published"),
+                "parked_per_second": rate([name], "parked"),
+            }
+        )
+    return rows
+
+
 async def backlog(conn: Connection) -> dict[str, Any]:
     """One outbox's row of the ``--databases`` table: its backlog and parked count, as
     ``status`` reads them."""
@@ -133,6 +184,49 @@ def parked_row(entry: ParkedEntry) -> dict[str, Any]:
     }
 
 
+async def event(conn: Connection, event_id: str) -> dict[str, Any] | None:
+    """An event's detail page: the entry of ``event_id`` read whole (None: the outbox holds
+    none), its payload and headers as indented JSON, the headers as the broker gets them."""
+    found = await admin(conn).event(event_id)
+    if found is None:
+        return None
+    entry = found.summary
+    return {
+        **parked_row(entry),
+        # An entry no relay tried yet may have no count (embedded mode writes none).
+        "attempts": entry.document.get("attempts", 0),
+        "version": entry.document.get("version"),
+        "status": found.status,
+        "occurred_at": found.occurred_at,
+        "parked_at": found.parked_at,
+        "collection": entry.collection,
+        "payload": _pretty(found.payload),
+        "headers": _pretty(found.headers),
+        "broker_headers": (
+            None if found.broker_headers is None else sorted(found.broker_headers.items())
+        ),
+    }
+
+
+async def of_aggregate(conn: Connection, aggregate_id: str) -> list[dict[str, Any]]:
+    """The events not yet published of the aggregate ``aggregate_id``: the first ``SHOWN``,
+    of which only the shown fields are read."""
+    return [listed_row(entry) for entry in await admin(conn).of_aggregate(aggregate_id, SHOWN)]
+
+
+def listed_row(found: EventEntry) -> dict[str, Any]:
+    return {
+        **parked_row(found.summary),
+        "attempts": found.summary.document.get("attempts", 0),
+        "status": found.status,
+        "occurred_at": found.occurred_at,
+    }
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, default=str, ensure_ascii=False, sort_keys=True)
+
+
 FAILED_FIELDS = ("consumer", "message_id", "event_type", "failed_at", "attempts", "last_error")
 
 
@@ -175,31 +269,43 @@ class Sample:
     parked: int
     published: int | None
     """Published since the previous sample (None for the first one, which has no previous)."""
+    seconds: float | None
+    """Seconds since the previous sample (None for the first one)."""
+    published_by: Mapping[str, int]
+    """Of those, how many each relay published, by its name."""
+    parked_by: Mapping[str, int]
+    """Entries each relay parked since the previous sample."""
 
 
 class Sampler:
-    """Samples the backlog every ``every`` seconds, keeping ``keep`` samples."""
+    """Samples the backlog and the relays' activity every ``every`` seconds, keeping ``keep``
+    samples."""
 
     def __init__(self, conn: Connection, every: float, keep: int) -> None:
         self.conn = conn
         self.every = every
         self.samples: deque[Sample] = deque(maxlen=keep)
         self.last_error: str | None = None
-        self._mark: datetime | None = None
-        self._first = True
+        self._last: Activity | None = None
 
     async def sample(self) -> Sample:
         outbox = admin(self.conn)
         backlog = await outbox.backlog()
-        published: int | None = None
-        latest = await outbox.latest_publication()
-        if not self._first:
-            published = 0
-            if latest is not None:
-                published = await outbox.published_after(self._mark)
-        self._first = False
-        self._mark = latest if latest is not None else self._mark
-        taken = Sample(utc_now(), backlog.pending, backlog.parked, published)
+        activity = await outbox.activity(self._last)
+        published = None if activity.published is None else sum(activity.published.values())
+        seconds = None
+        if self._last is not None:
+            seconds = (activity.at - self._last.at).total_seconds()
+        self._last = activity
+        taken = Sample(
+            activity.at,
+            backlog.pending,
+            backlog.parked,
+            published,
+            seconds,
+            dict(activity.published or {}),
+            dict(activity.parked or {}),
+        )
         self.samples.append(taken)
         return taken
 
@@ -214,6 +320,18 @@ class Sampler:
                 log.warning("console: sampling failed: %s", self.last_error)
             await asyncio.sleep(self.every)
 
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Each relay's events published and parked per second over the kept samples, by the
+        name it records: the counts of every sample after the first, over their seconds."""
+        counted = [s for s in self.samples if s.seconds]
+        seconds = sum(s.seconds or 0.0 for s in counted)
+        rates: dict[str, dict[str, float]] = {}
+        for sample in counted:
+            for kind, by in (("published", sample.published_by), ("parked", sample.parked_by)):
+                for name, n in by.items():
+                    rates.setdefault(name, {"published": 0.0, "parked": 0.0})[kind] += n
+        return {name: {kind: n / seconds for kind, n in of.items()} for name, of in rates.items()}
+
     def history(self) -> dict[str, Any]:
         return {
             "every_seconds": self.every,
@@ -224,6 +342,11 @@ class Sampler:
                     "pending": s.pending,
                     "parked": s.parked,
                     "published": s.published,
+                    "per_second": (
+                        None
+                        if s.published is None or not s.seconds
+                        else round(s.published / s.seconds, 3)
+                    ),
                 }
                 for s in self.samples
             ],

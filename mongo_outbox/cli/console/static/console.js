@@ -7,7 +7,7 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const WIDTH = 600, HEIGHT = 160, LEFT = 40, BOTTOM = 20, TOP = 10;
+const WIDTH = 600, HEIGHT = 200, LEFT = 56, RIGHT = 56, BOTTOM = 36, TOP = 12;
 
 function element(name, attributes) {
   const made = document.createElementNS(SVG, name);
@@ -26,31 +26,85 @@ function age(seconds) {
   return minutes + "m" + pad(Math.floor(seconds) % 60) + "s";
 }
 
+function utc(at) {
+  return new Date(Date.parse(at)).toISOString().slice(11, 19);
+}
+
+function text(svg, content, attributes) {
+  const label = element("text", attributes);
+  label.textContent = content;
+  svg.append(label);
+  return label;
+}
+
+// A round top for an axis whose values reach ``high``: 1, 2 or 5 times a power of ten.
+function roundTop(high) {
+  if (high <= 0) return 1;
+  const power = Math.pow(10, Math.floor(Math.log10(high)));
+  for (const step of [1, 2, 5, 10]) if (step * power >= high) return step * power;
+  return 10 * power;
+}
+
+function number(value) {
+  return Number.isInteger(value) ? String(value) : value.toFixed(value < 10 ? 2 : 1);
+}
+
+// Pending events on the left axis (events), published events per second on the right one
+// (events/s): two units, each with its own scale. Time runs along the bottom, in UTC. Each
+// sample has a point whose tooltip (an SVG <title>, no script) tells its numbers.
 function draw(svg, samples) {
   svg.replaceChildren();
-  const top = Math.max(1, ...samples.map((s) => Math.max(s.pending, s.published || 0)));
-  const x = (i) => LEFT + (samples.length < 2 ? 0 : (i * (WIDTH - LEFT - 5)) / (samples.length - 1));
-  const y = (v) => HEIGHT - BOTTOM - (v * (HEIGHT - BOTTOM - TOP)) / top;
-  svg.append(element("line", { x1: LEFT, y1: y(0), x2: WIDTH, y2: y(0), class: "axis" }));
-  for (const value of [0, top]) {
-    const label = element("text", { x: LEFT - 4, y: y(value) + 4, "text-anchor": "end", class: "tick" });
-    label.textContent = String(value);
-    svg.append(label);
+  const pendingTop = roundTop(Math.max(...samples.map((s) => s.pending), 0));
+  const rateTop = roundTop(Math.max(...samples.map((s) => s.per_second || 0), 0));
+  const right = WIDTH - RIGHT, bottom = HEIGHT - BOTTOM;
+  const x = (i) => LEFT + (samples.length < 2 ? 0 : (i * (right - LEFT)) / (samples.length - 1));
+  const y = (v, top) => bottom - (v * (bottom - TOP)) / top;
+  svg.append(element("line", { x1: LEFT, y1: bottom, x2: right, y2: bottom, class: "axis" }));
+  svg.append(element("line", { x1: LEFT, y1: TOP, x2: LEFT, y2: bottom, class: "axis pending" }));
+  svg.append(element("line", { x1: right, y1: TOP, x2: right, y2: bottom, class: "axis published" }));
+  for (const fraction of [0, 0.5, 1]) {
+    const at = y(fraction, 1) + 4;
+    text(svg, number(pendingTop * fraction), { x: LEFT - 4, y: at, "text-anchor": "end", class: "tick" });
+    text(svg, number(rateTop * fraction), { x: right + 4, y: at, "text-anchor": "start", class: "tick" });
+    if (fraction) svg.append(element("line", { x1: LEFT, y1: at - 4, x2: right, y2: at - 4, class: "grid" }));
   }
-  if (samples.length > 1) {
-    const span = (Date.parse(samples[samples.length - 1].at) - Date.parse(samples[0].at)) / 1000;
-    for (const [at, text, anchor] of [[x(0), "-" + age(span), "start"], [WIDTH - 5, "now", "end"]]) {
-      const label = element("text", { x: at, y: HEIGHT - 5, "text-anchor": anchor, class: "tick" });
-      label.textContent = text;
-      svg.append(label);
+  const middle = (TOP + bottom) / 2;
+  text(svg, "pending (events)", {
+    x: 12, y: middle, "text-anchor": "middle", class: "axis-label pending", id: "chart-y-label",
+    transform: `rotate(-90 12 ${middle})`,
+  });
+  text(svg, "published (events/s)", {
+    x: WIDTH - 8, y: middle, "text-anchor": "middle", class: "axis-label published",
+    id: "chart-y2-label", transform: `rotate(90 ${WIDTH - 8} ${middle})`,
+  });
+  text(svg, "time (UTC)", {
+    x: (LEFT + right) / 2, y: HEIGHT - 4, "text-anchor": "middle", class: "axis-label",
+    id: "chart-x-label",
+  });
+  if (samples.length) {
+    const last = samples.length - 1;
+    const ends = samples.length > 1 ? [[0, "start"], [last, "end"]] : [[0, "start"]];
+    for (const [i, anchor] of ends) {
+      text(svg, utc(samples[i].at), { x: x(i), y: bottom + 14, "text-anchor": anchor, class: "tick" });
     }
   }
-  for (const [field, name] of [["pending", "pending"], ["published", "published"]]) {
+  const lines = [["pending", pendingTop], ["per_second", rateTop]];
+  for (const [field, top] of lines) {
     const points = samples
-      .map((s, i) => (s[field] === null ? null : x(i).toFixed(1) + "," + y(s[field]).toFixed(1)))
+      .map((s, i) => (s[field] === null ? null : x(i).toFixed(1) + "," + y(s[field], top).toFixed(1)))
       .filter((p) => p !== null);
+    const name = field === "pending" ? "pending" : "published";
     if (points.length) svg.append(element("polyline", { points: points.join(" "), class: "line " + name }));
   }
+  samples.forEach((s, i) => {
+    const rate = s.per_second === null ? "no rate yet (first sample)"
+      : number(s.per_second) + " published/s (" + s.published + " since the previous sample)";
+    const point = element("circle", { cx: x(i), cy: y(s.pending, pendingTop), r: 3, class: "point pending" });
+    const tip = element("title", {});
+    tip.textContent = utc(s.at) + " UTC: " + s.pending + " pending, " + s.parked + " parked, " + rate;
+    point.append(tip);
+    svg.append(point);
+  });
   svg.dataset.samples = String(samples.length);
 }
 
