@@ -85,8 +85,9 @@ demo: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run
 
-# The fault matrix (tests/integration/test_fault_matrix.py): each command the library sends under
-# each of MongoDB's fault classes, printed as a table with its counts (docs/failures.md).
+# The fault matrix (tests/integration/faults/test_fault_matrix.py): each command the library
+# sends under each of MongoDB's fault classes, printed as a table with its counts
+# (docs/failures.md).
 faults: $(BIN)/.installed
 	$(BIN)/python -m tests.faults $(PYTEST_ARGS)
 

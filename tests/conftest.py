@@ -63,11 +63,9 @@ BROKER_NAMES = frozenset(
 )
 
 # - `testground`: a test of the test MongoDB itself, through plain PyMongo and no library code:
-#   every test under tests/conformance (MongoDB's spec tests) and TESTGROUND_MODULES (the
-#   emulator's transactions, its fail points and its change events).
-TESTGROUND_MODULES = frozenset(
-    {"test_transaction_semantics.py", "test_fail_points.py", "test_changestream_events.py"}
-)
+#   every test under TESTGROUND (MongoDB's spec tests; the emulator's transactions, its fail
+#   points and its change events checked as MongoDB documents them).
+TESTGROUND = (TESTS / "conformance", TESTS / "integration" / "testground")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
@@ -81,7 +79,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & BROKER_FIXTURES or _names_a_broker_url(item, path, fixtures):
             item.add_marker(pytest.mark.broker)
-        if path.is_relative_to(TESTS / "conformance") or path.name in TESTGROUND_MODULES:
+        if any(path.is_relative_to(folder) for folder in TESTGROUND):
             item.add_marker(pytest.mark.testground)
         if path.name.endswith("_crash.py"):
             item.add_marker(pytest.mark.crash)

@@ -1,10 +1,10 @@
 """Prints the fault matrix: ``python -m tests.faults`` (or ``make faults``).
 
-Runs tests/integration/test_fault_matrix.py (extra arguments go to pytest, e.g. ``-k settle``)
-and prints one row per command the library sends and one column per fault class: ``holds``,
-``FAILS``, ``xfail`` (a known defect, strict), ``-`` (no such cell, the reason printed below),
-then the counts. ``--markdown`` prints the table as docs/failures.md has it. Exits 1 if a cell
-fails.
+Runs tests/integration/faults/test_fault_matrix.py (extra arguments go to pytest, e.g.
+``-k settle``) and prints one row per command the library sends and one column per fault class:
+``holds``, ``FAILS``, ``xfail`` (a known defect, strict), ``-`` (no such cell, the reason printed
+below), then the counts. ``--markdown`` prints the table as docs/failures.md has it. Exits 1 if a
+cell fails.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.faults import FAULT_NAMES
 
-MODULE = "tests/integration/test_fault_matrix.py"
+MODULE = "tests/integration/faults/test_fault_matrix.py"
 CELL = re.compile(r"\[(?P<target>.+?)-(?P<fault>" + "|".join(FAULT_NAMES) + r")\]$")
 SHOWN = {"passed": "holds", "failed": "FAILS", "xfailed": "xfail", "xpassed": "FAILS"}
 

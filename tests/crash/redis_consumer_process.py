@@ -44,7 +44,7 @@ async def main(
     redis = Redis.from_url(url)
     # A claim_idle longer than the test: the entries it took are reclaimed by the test's own
     # consumer, not by this one. One entry at a time: the emulator cannot run transactions
-    # side by side (see tests/integration/test_inbox_consumers.concurrency).
+    # side by side (see tests/integration/inbox/test_inbox_consumers.concurrency).
     await consume_redis(redis, stream, group, guarded, consumer="doomed", claim_idle=3600, batch=1)
     raise SystemExit("the consumer stopped without reaching its crash point")
 

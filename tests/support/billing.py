@@ -13,7 +13,8 @@ from mongo_outbox import Backoff, Event, Inbox, Outbox, PollingRelay, inbox_guar
 
 def concurrency(mongo: Any) -> int:
     """Messages handled at once, on every MongoDB the suite runs on (the emulator's
-    transactions behave as a replica set's: tests/integration/test_transaction_semantics.py)."""
+    transactions behave as a replica set's:
+    tests/integration/testground/test_transaction_semantics.py)."""
     return 8
 
 

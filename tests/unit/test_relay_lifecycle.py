@@ -1,6 +1,6 @@
 """The life every relay shares (``_relay/lifecycle.py``), on the smallest relay built on it:
 its states, one loop at a time, a stop before the run or twice, and the last error. The polling,
-change-stream and group relays run it against a database in tests/integration."""
+change-stream and group relays run it against a database in tests/integration/relay."""
 
 from __future__ import annotations
 

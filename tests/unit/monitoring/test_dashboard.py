@@ -1,7 +1,8 @@
 """The packaged Grafana dashboard (``mongo_outbox.monitoring.DASHBOARD``) is a classic dashboard
 JSON model that Grafana imports: a schemaVersion Grafana migrates from, panels of core types
 laid out on its 24-column grid, every query on the dashboard's Prometheus data source variable.
-That its queries name series live processes export is tests/integration/test_monitoring_kit.py.
+That its queries name series live processes export is
+tests/integration/observability/test_monitoring_kit.py.
 
 Grafana migrates a dashboard whose ``schemaVersion`` lies between its
 ``schemaversion.MIN_VERSION`` and ``LATEST_VERSION`` up to the latest on import (grafana/grafana

@@ -1,0 +1,108 @@
+"""A relay process SIGKILLed between publishing and marking published loses nothing: after the
+lease another relay publishes its claims again, under the same ids, in order per aggregate."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+
+from mongo_outbox import Event, Outbox, PollingRelay
+from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
+from tests.support.outboxes import assert_in_order, unsettled
+from tests.support.servers import NATS_URL, RABBITMQ_URL, MongoServer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+async def run_crashing_relay(
+    mongo: MongoServer, db: Any, mode: str, broker: str, target: str
+) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.crash.relay_process",
+        mongo.uri,
+        db.name,
+        mode,
+        broker,
+        target,
+        "7",
+        cwd=ROOT,
+    )
+    assert await asyncio.wait_for(process.wait(), 60) == -signal.SIGKILL
+
+
+async def save_orders(outbox: Outbox, db: Any) -> list[Event]:
+    saved: list[Event] = []
+    for step in range(3):
+        for order in range(8):
+            result = await outbox.save_with_events(
+                None, db.orders, {"_id": order, "step": step}, [Event(type="order.step")]
+            )
+            saved += result.events
+    return saved
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_killed_relay_loses_nothing_rabbitmq(
+    mongo: MongoServer, db: Any, amqp_connection: Any, unique: str, mode: str
+) -> None:
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    saved = await save_orders(outbox, db)
+    channel = await amqp_connection.channel()
+    exchange = await channel.declare_exchange(unique, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(exclusive=True)
+    await queue.bind(exchange, "#")
+
+    await run_crashing_relay(mongo, db, mode, "rabbitmq", unique)
+    # It died after 7 confirms and before marking them: all 24 still count as unpublished.
+    assert len(await unsettled(outbox, db)) == len(saved)
+    publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
+    relay = PollingRelay(outbox, publisher)
+    assert await relay.drain() == 0  # the dead relay's lease still holds
+    await asyncio.sleep(2.1)
+    assert await relay.drain() == len(saved)
+    await publisher.aclose()
+
+    received = []
+    while (message := await queue.get(fail=False, timeout=2)) is not None:
+        await message.ack()
+        received.append((message.message_id, Event.from_json(message.body)))
+    await exchange.delete()
+    await channel.close()
+    ids = [event.id for _, event in received]
+    assert all(message_id == event.id for message_id, event in received)
+    assert set(ids) == {e.id for e in saved}
+    assert len(ids) == len(saved) + 7  # the 7 confirmed before the kill arrive twice, same ids
+    assert_in_order([e for _, e in received], saved, once=False)
+
+
+@pytest.mark.parametrize("mode", ["collection", "embedded"])
+async def test_killed_relay_loses_nothing_nats(
+    mongo: MongoServer, db: Any, nats_client: Any, nats_stream: str, mode: str
+) -> None:
+    outbox = Outbox(db, mode=mode, collections=["orders"])  # type: ignore[arg-type]
+    await outbox.ensure_indexes()
+    saved = await save_orders(outbox, db)
+    await run_crashing_relay(mongo, db, mode, "nats", nats_stream)
+    js = nats_client.jetstream()
+    assert (await js.stream_info(nats_stream)).state.messages == 7
+    publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
+    await asyncio.sleep(2.1)
+    assert await PollingRelay(outbox, publisher).drain() == len(saved)
+    await publisher.aclose()
+    # JetStream dropped the 7 republished messages as duplicates of their Nats-Msg-Id.
+    assert (await js.stream_info(nats_stream)).state.messages == len(saved)
+    sub = await js.subscribe(f"{nats_stream}.>", ordered_consumer=True)
+    messages = [await sub.next_msg(timeout=5) for _ in saved]
+    await sub.unsubscribe()
+    assert all(m.headers["Nats-Msg-Id"] == Event.from_json(m.data).id for m in messages)
+    assert {Event.from_json(m.data).id for m in messages} == {e.id for e in saved}
+    assert_in_order([Event.from_json(m.data) for m in messages], saved, once=False)
