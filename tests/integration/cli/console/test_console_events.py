@@ -16,8 +16,8 @@ from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox.cli.common import hide
 from mongo_outbox.cli.console.auth import Credentials, hash_secret, read_users
 from mongo_outbox.publishers import MemoryPublisher
-from tests.integration.test_console import parked_ids
-from tests.integration.test_console_operators import ALICE, BOB, sign_in_as
+from tests.integration.cli.console.test_console import parked_ids
+from tests.integration.cli.console.test_console_operators import ALICE, BOB, sign_in_as
 from tests.support.console import TOKEN, console_of, in_process, visitor
 from tests.support.servers import MongoServer
 
