@@ -82,9 +82,12 @@ async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any)
 
 async def test_a_deleted_checkpoint_never_leaves_two_relays_active_for_good(db: Any) -> None:
     outbox = make_outbox(db, "collection")
+    # A lease of seconds: one of 0.6 s was given up in a loaded machine's half-second stall
+    # (at eight tenths of it without a renewal), and for a moment no relay was active.
+    lease = 3.0
     relays = [
         ChangeStreamRelay(
-            outbox, MemoryPublisher(), name="r", source=ScriptedSource(), leader_lease=0.6
+            outbox, MemoryPublisher(), name="r", source=ScriptedSource(), leader_lease=lease
         )
         for _ in range(2)
     ]
@@ -93,7 +96,9 @@ async def test_a_deleted_checkpoint_never_leaves_two_relays_active_for_good(db: 
     for _ in range(2):  # deleted, then deleted again once someone recreated it
         await db.outbox_relays.delete_many({})
         await until(lambda: db.outbox_relays.count_documents({}))
-        await asyncio.sleep(1.0)  # the renewal interval and a standby's poll have passed
+        # The holder's renewal (every third of the lease) and a standby's poll (every quarter)
+        # have passed: each saw the deletion.
+        await asyncio.sleep(lease / 3 + lease / 4 + 0.25)
         for _ in range(20):
             assert sum(r.state == "active" for r in relays) == 1
             for relay in relays:
