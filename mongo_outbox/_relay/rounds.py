@@ -120,9 +120,9 @@ class Rounds:
         return self.turns.turn(self.tenant) if self.turns else contextlib.nullcontext()
 
     def limit(self, timed: bool = True) -> int:
-        """How many entries (documents, in embedded mode) the next round may take:
-        ``batch_size``, or this tenant's share of it while it takes turns with others (``Turns.share``;
-        ``timed``: also bounded by the time its turns took)."""
+        """How many entries (documents, in embedded mode) the next round may take: the
+        ``batch_size`` setting, or this tenant's share of it while it takes turns with others
+        (``Turns.share``; ``timed``: also bounded by the time its turns took)."""
         limit = self.settings.batch_size
         if self.turns is None:
             return limit
