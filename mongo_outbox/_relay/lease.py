@@ -126,20 +126,30 @@ class FencedLease:
         ``margin`` (seconds) sets it that much earlier: a relay group's member gives the
         publishes it started the time to end (its ``publish_timeout``) within the lease."""
         lost = asyncio.Event()
-        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost, margin))
+        ended = asyncio.Event()
+        heartbeat = asyncio.ensure_future(self._renew_until_lost(lost, margin, ended))
         try:
             yield lost
         finally:
+            # Told, then cancelled: before 3.12, asyncio.wait_for could swallow a cancellation
+            # that came as its renewal ended, and the heartbeat slept on while this waited for
+            # it for ever (seen on 3.10: a relay stuck leaving this block). It looks at ``ended``
+            # after each wait.
+            ended.set()
             heartbeat.cancel()
             # Waited for, not awaited: a second cancellation of ours must not be swallowed.
             await asyncio.wait({heartbeat})
 
-    async def _renew_until_lost(self, lost: asyncio.Event, margin: float) -> None:
+    async def _renew_until_lost(
+        self, lost: asyncio.Event, margin: float, ended: asyncio.Event
+    ) -> None:
         loop = asyncio.get_running_loop()
         lease = self.lease.total_seconds()
         deadline = self._sent + lease * 0.8 - margin
-        while True:
+        while not ended.is_set():
             await asyncio.sleep(max(0.0, min(lease / 3, deadline - loop.time())))
+            if ended.is_set():
+                return
             left = deadline - loop.time()
             if left <= 0:
                 # No renewal got through in time (a slow server, or this process's loop held
@@ -158,6 +168,8 @@ class FencedLease:
                 deadline = self._sent + lease * 0.8 - margin
             except (PyMongoError, asyncio.TimeoutError) as error:
                 log.warning("relay %s: lease renewal failed: %s", self.name, describe(error))
+        else:
+            return  # ended, the body left: the lease stays the holder's to renew or release
         self.fence = None
         lost.set()
 
