@@ -27,9 +27,10 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The fast tier a developer runs every few minutes (docs/testing.md, "Tiers"): the unit tests and
-# the tests against the emulator alone, without brokers, crash subprocesses, randomized model
-# checks or the tests that wait seconds by design. One emulator serves the run, as in `make test`.
-FAST ?= not broker and not crash and not model and not slow and not faults
+# the tests of the library against the emulator alone, without brokers, crash subprocesses,
+# randomized model checks, the tests that wait seconds by design, or the emulator's own tests
+# (`testground`: MongoDB's spec tests, plain PyMongo; `make test` runs them). One emulator serves the run, as in `make test`.
+FAST ?= not broker and not crash and not model and not slow and not faults and not testground
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PARALLEL) -m '$(FAST)' $(PYTEST_ARGS)
 
