@@ -238,6 +238,10 @@ def unique() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
+# Seconds a test stream remembers a message id (nats_stream).
+STREAM_MEMORY = 900.0
+
+
 @pytest.fixture
 async def nats_client() -> AsyncIterator[Any]:
     """A NATS connection to the real server; streams a test creates are its own to delete."""
@@ -250,9 +254,13 @@ async def nats_client() -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def nats_stream(nats_client: Any, unique: str) -> AsyncIterator[str]:
-    """A JetStream stream named ``unique`` capturing subjects ``unique.>``; deleted afterwards."""
+    """A JetStream stream named ``unique`` capturing subjects ``unique.>``; deleted afterwards.
+
+    Its duplicate window outlasts any test (the longest may run 600 s): JetStream's default of
+    two minutes let a crash test's republish, legitimately minutes after the first publish on a
+    loaded machine, count as a second message where the test counts each event once."""
     js = nats_client.jetstream()
-    await js.add_stream(name=unique, subjects=[f"{unique}.>"])
+    await js.add_stream(name=unique, subjects=[f"{unique}.>"], duplicate_window=STREAM_MEMORY)
     yield unique
     await js.delete_stream(unique)
 

@@ -55,6 +55,32 @@ async def drained(
             raise AssertionError(f"{now} left, none less for {stalled:g} s{told}")
 
 
+async def progressing(
+    work: Awaitable[Any], progress: Callable[[], int], stalled: float = 30, every: float = 0.1
+) -> Any:
+    """``work``'s result; fail the test (``work`` cancelled) once ``progress()`` has not grown
+    for ``stalled`` seconds. ``drained``'s rule for work that counts up: a loaded machine that
+    is slow but moving passes, a stuck writer or relay fails after the stall, not at a fixed
+    deadline."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    most, since = progress(), loop.time()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=every)
+            now = progress()
+            if now > most:
+                most, since = now, loop.time()
+            elif not task.done() and loop.time() - since > stalled:
+                raise AssertionError(f"no progress past {most} for {stalled:g} s")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
 async def eventually(attempt: Callable[[], Awaitable[Any]], seconds: float = 30) -> Any:
     """``attempt()``'s result once it stops raising a broker outage; fails after ``seconds``."""
     deadline = time.monotonic() + seconds

@@ -38,6 +38,18 @@ async def run_crashing_relay(
     assert await asyncio.wait_for(process.wait(), 60) == -signal.SIGKILL
 
 
+async def marked_before_the_kill(outbox: Outbox, db: Any, saved: list[Event]) -> int:
+    """How many events the killed relay marked published: it died at its 7th confirm, before
+    marking that one, so fewer than 7. Usually none: one round claims all 24; on a loaded
+    machine a round can run short of its 2 s claim, mark what it had confirmed, and claim the
+    rest again before the kill."""
+    left = await unsettled(outbox, db)
+    assert {e["_id"] if "_id" in e else e["id"] for e in left} <= {e.id for e in saved}
+    marked = len(saved) - len(left)
+    assert 0 <= marked < 7
+    return marked
+
+
 async def save_orders(outbox: Outbox, db: Any) -> list[Event]:
     saved: list[Event] = []
     for step in range(3):
@@ -62,13 +74,12 @@ async def test_killed_relay_loses_nothing_rabbitmq(
     await queue.bind(exchange, "#")
 
     await run_crashing_relay(mongo, db, mode, "rabbitmq", unique)
-    # It died after 7 confirms and before marking them: all 24 still count as unpublished.
-    assert len(await unsettled(outbox, db)) == len(saved)
+    marked = await marked_before_the_kill(outbox, db, saved)
     publisher = await RabbitMQPublisher.connect(RABBITMQ_URL, exchange=unique)
     relay = PollingRelay(outbox, publisher)
     assert await relay.drain() == 0  # the dead relay's lease still holds
     await asyncio.sleep(2.1)
-    assert await relay.drain() == len(saved)
+    assert await relay.drain() == len(saved) - marked
     await publisher.aclose()
 
     received = []
@@ -80,7 +91,8 @@ async def test_killed_relay_loses_nothing_rabbitmq(
     ids = [event.id for _, event in received]
     assert all(message_id == event.id for message_id, event in received)
     assert set(ids) == {e.id for e in saved}
-    assert len(ids) == len(saved) + 7  # the 7 confirmed before the kill arrive twice, same ids
+    # Those confirmed before the kill and not marked arrive twice, under the same ids.
+    assert len(ids) == len(saved) + 7 - marked
     assert_in_order([e for _, e in received], saved, once=False)
 
 
@@ -92,11 +104,12 @@ async def test_killed_relay_loses_nothing_nats(
     await outbox.ensure_indexes()
     saved = await save_orders(outbox, db)
     await run_crashing_relay(mongo, db, mode, "nats", nats_stream)
+    marked = await marked_before_the_kill(outbox, db, saved)
     js = nats_client.jetstream()
     assert (await js.stream_info(nats_stream)).state.messages == 7
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
     await asyncio.sleep(2.1)
-    assert await PollingRelay(outbox, publisher).drain() == len(saved)
+    assert await PollingRelay(outbox, publisher).drain() == len(saved) - marked
     await publisher.aclose()
     # JetStream dropped the 7 republished messages as duplicates of their Nats-Msg-Id.
     assert (await js.stream_info(nats_stream)).state.messages == len(saved)
