@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Final, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pydantic_core
 
@@ -82,6 +82,19 @@ _MAPPED = frozenset(
 # the AMQP binding's ``cloudEvents_`` (and the older ``cloudEvents:``) for RabbitMQ. Reading
 # accepts each one on any broker: RabbitMQ producers use ``ce-`` too (knative's binding).
 BINARY_PREFIXES: Final = ("ce-", "ce_", "cloudevents_", "cloudevents:")
+
+# The HTTP binding (3.1.3.2), and the NATS binding that follows it, percent-encode a ``ce-``
+# header's value: the UTF-8 bytes of a space, a double quote, a percent sign and any character
+# outside printable ASCII (U+0021-U+007E) as %XX; a receiver decodes once. Kafka's ``ce_`` and
+# AMQP's ``cloudEvents_`` values go as they are (those bindings carry UTF-8 strings or AMQP
+# types), and so do knative's RabbitMQ ``ce-`` headers.
+PERCENT_ENCODED_PREFIX: Final = "ce-"
+_HEADER_SAFE: Final = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+# _HEADER_SAFE's characters: most values are only those, and skip quote(), which costs more.
+_HEADER_PLAIN = re.compile(r"[!#$&-~]*")
+_ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"', re.DOTALL)
+_QUOTED_PAIR = re.compile(r"\\(.)", re.DOTALL)
 
 
 def check_source(source: object, setting: str = "CloudEvents.source") -> str:
@@ -152,7 +165,8 @@ def message_of(
     headers a publisher sends without CloudEvents (``headers``: the event's own and the routing
     ones, which stay: an ordered consumer keys on ``aggregate-id``). Without ``config``, the
     event's own JSON; binary mode adds the attributes under ``prefix`` and moves the trace
-    context into them."""
+    context into them, percent-encoded under ``ce-`` (``PERCENT_ENCODED_PREFIX``; earlier
+    versions wrote them as they were, and an SDK reading one that held ``%XX`` decoded it)."""
     if config is None:
         if type(event) is Event:
             # An Event holds plain values, which pydantic_core writes as model_dump_json does,
@@ -173,9 +187,13 @@ def message_of(
     if config.mode == "structured":
         return headers, CONTENT_TYPE, structured_of(event, config.source)
     binary = {name: value for name, value in headers.items() if name.lower() not in TRACE_HEADERS}
+    encode = prefix == PERCENT_ENCODED_PREFIX
     for name, value in attributes_of(event, config.source).items():
         if name != "datacontenttype":  # the message's own content type
-            binary[prefix + name] = str(value)
+            text = str(value)
+            if encode and not _HEADER_PLAIN.fullmatch(text):
+                text = quote(text, safe=_HEADER_SAFE)
+            binary[prefix + name] = text
     return binary, DATA_CONTENT_TYPE, pydantic_core.to_json(event.payload, inf_nan_mode="null")
 
 
@@ -448,11 +466,20 @@ def read_structured(body: bytes | str, *, headers: Mapping[str, Any] | None = No
 
 
 def read_binary(
-    headers: Mapping[str, Any], body: bytes, *, content_type: str | None = None
+    headers: Mapping[str, Any],
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    percent_encoded: bool = True,
 ) -> Received:
     """A binary-mode message's CloudEvent: its attributes from the headers of any binding's
     prefix (``ce-``, ``ce_``, ``cloudEvents_``, ``cloudEvents:``), ``datacontenttype`` from
-    ``content_type`` (the message's), the data from the body."""
+    ``content_type`` (the message's), the data from the body.
+
+    ``ce-`` values are percent-decoded, as the HTTP and NATS bindings write them
+    (``PERCENT_ENCODED_PREFIX``), unless ``percent_encoded`` is false: knative's RabbitMQ binding
+    writes its ``ce-`` values as they are. A value this library wrote before it encoded them
+    reads the same unless it held ``%`` and two hex digits, which now read decoded."""
     attributes: dict[str, Any] = {}
     others: dict[str, Any] = {}
     for name, value in headers.items():
@@ -464,10 +491,36 @@ def read_binary(
             continue
         attribute = folded[len(prefix) :]
         if _NAME.fullmatch(attribute):
+            if percent_encoded and prefix == PERCENT_ENCODED_PREFIX:
+                value = _percent_decoded(name, value)
             attributes[attribute] = value
     if content_type is not None:
         attributes["datacontenttype"] = content_type
     return read_cloudevent(attributes, body, headers=others)
+
+
+def _percent_decoded(header: str, value: Any) -> Any:
+    """A ``ce-`` header's value as the HTTP binding (3.1.3.2) decodes one: a value that is one
+    quoted string (RFC 7230, 3.2.6, which older versions of the binding let a sender write)
+    unquoted, then one round of percent-decoding. Escapes that are no UTF-8 are refused, as the
+    binding says; a ``%`` without two hex digits after it is left as it is, so that a value
+    written unencoded reads as it was."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode()
+        except UnicodeDecodeError:
+            return value  # refused by read_cloudevent as no string, if the mapping reads it
+    if not isinstance(value, str):
+        return value
+    quoted = _QUOTED.fullmatch(value)
+    if quoted:
+        value = _QUOTED_PAIR.sub(r"\1", quoted[1])
+    try:
+        return _ESCAPES.sub(lambda run: bytes.fromhex(run[0].replace("%", "")).decode(), value)
+    except UnicodeDecodeError:
+        raise InvalidEventError(
+            f"CloudEvent header {header!r}: {value[:80]!r} percent-encodes no UTF-8 text"
+        ) from None
 
 
 def is_cloudevent(headers: Mapping[str, Any], content_type: str | None) -> bool:
@@ -486,9 +539,14 @@ def _structured(content_type: str) -> bool:
 
 
 def read_message(
-    headers: Mapping[str, Any], body: bytes, *, content_type: str | None = None
+    headers: Mapping[str, Any],
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    percent_encoded: bool = True,
 ) -> Received:
-    """A message's CloudEvent, in either mode; ``InvalidEventError`` if it is none."""
+    """A message's CloudEvent, in either mode; ``InvalidEventError`` if it is none.
+    ``percent_encoded``: as ``read_binary`` takes it."""
     if content_type is not None and _structured(content_type):
         return read_structured(body, headers=headers)
-    return read_binary(headers, body, content_type=content_type)
+    return read_binary(headers, body, content_type=content_type, percent_encoded=percent_encoded)

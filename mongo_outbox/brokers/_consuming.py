@@ -61,7 +61,9 @@ class Delivery(Protocol):
     """One broker delivery, as the settling loop sees it.
 
     A delivery may also have ``messaging() -> dict[str, str]``: the OpenTelemetry attributes
-    of its consumer span (``messaging.system``, ``messaging.destination.name``, ...).
+    of its consumer span (``messaging.system``, ``messaging.destination.name``, ...), a
+    ``content_type`` (a broker's own property), and ``percent_encoded = False`` when a
+    CloudEvent's ``ce-`` headers come unencoded (RabbitMQ's: ``cloudevents.read_binary``).
     """
 
     message_id: object
@@ -124,7 +126,10 @@ def decode_delivery(delivery: Delivery, source: str | None) -> tuple[Event, str,
     if cloudevents.is_cloudevent(delivery.headers, content_type):
         try:
             received = cloudevents.read_message(
-                delivery.headers, delivery.body, content_type=content_type
+                delivery.headers,
+                delivery.body,
+                content_type=content_type,
+                percent_encoded=getattr(delivery, "percent_encoded", True),
             )
             check_message_id(received.source, what="CloudEvent source")
             check_message_id(received.id, what="CloudEvent id")

@@ -8,10 +8,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from cloudevents.core.bindings import amqp, http, kafka
+from cloudevents.core.bindings import amqp, http, kafka, rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mongo_outbox import ConfigurationError, Event, InvalidEventError
@@ -97,6 +97,7 @@ def test_the_sdk_reads_a_structured_event_and_we_read_it_back(event: Event) -> N
 
 
 @given(events())
+@example(Event(type="%00", occurred_at=datetime(2026, 1, 2, tzinfo=timezone.utc)))
 def test_the_sdk_reads_nats_binary_headers_and_we_read_them_back(event: Event) -> None:
     headers, content_type, body = message_of(event, CloudEvents(SOURCE), "ce-", dict(event.headers))
     assert all(not k.lower().startswith("content-type") for k in headers)
@@ -116,6 +117,96 @@ def test_the_sdk_reads_amqp_application_properties_and_we_read_them_back(event: 
     message = amqp.AMQPMessage({"content-type": content_type}, headers, body)
     _as_sdk_sees_it(amqp.from_amqp(message, JSONFormat()), event)
     _same_event(read_message(headers, body, content_type=content_type).event, event)
+
+
+# Values the HTTP and NATS bindings' ce- headers must percent-encode (3.1.3.2), or that look
+# like an encoding already: a type of '%00' written as it was read as NUL in the SDK.
+_ENCODED = [
+    ("%00", "%2500"),
+    ("%", "%25"),
+    ("a b", "a%20b"),
+    ('say "hi"', "say%20%22hi%22"),
+    ('"quoted"', "%22quoted%22"),
+    ("é", "%C3%A9"),
+    ("Euro \u20ac \U0001f600", "Euro%20%E2%82%AC%20%F0%9F%98%80"),  # the binding's example
+    ("%41+/:?#&=~", "%2541+/:?#&=~"),
+]
+
+
+@pytest.mark.parametrize(("value", "header"), _ENCODED)
+def test_ce_header_values_are_percent_encoded_and_read_back_by_us_and_the_sdk(
+    value: str, header: str
+) -> None:
+    event = Event(type=value, aggregate_id=value, correlation_id=value)
+    headers, content_type, body = message_of(event, CloudEvents(SOURCE), "ce-", {})
+    assert headers["ce-type"] == headers["ce-subject"] == headers["ce-correlationid"] == header
+    _same_event(read_binary(headers, body, content_type=content_type).event, event)
+    message = http.HTTPMessage(headers | {"Content-Type": content_type}, body)
+    read = http.from_binary(message, JSONFormat())
+    assert (read.get_type(), read.get_subject()) == (value, value)
+    assert read.get_extension("correlationid") == value
+
+
+@pytest.mark.parametrize(("value", "header"), _ENCODED)
+def test_the_sdks_percent_encoded_ce_headers_read_as_what_it_wrote(value: str, header: str) -> None:
+    ce = _sdk_event(type=value, subject=value, note=value)
+    message = http.to_binary(ce, JSONFormat())
+    headers = dict(message.headers)
+    assert headers["ce-type"] == header
+    received = read_message(headers, message.body, content_type=headers["content-type"])
+    assert (received.event.type, received.event.aggregate_id) == (value, value)
+    assert received.extensions["note"] == value
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("%c3%a9", "é"),  # lower-case hex: decoders must accept it
+        ("%41bc", "Abc"),  # encoded though it need not be
+        ('"a \\"b\\" c"', 'a "b" c'),  # a quoted string, as older senders could write
+        ('"%25"', "%"),  # unquoted, then decoded once
+        ("%2541", "%41"),  # one round only
+        ("100%", "100%"),  # no escape: as it came
+    ],
+)
+def test_ce_header_values_are_unquoted_then_percent_decoded_once(header: str, value: str) -> None:
+    headers = {"ce-specversion": "1.0", "ce-id": "e-1", "ce-source": "/s", "ce-type": header}
+    assert read_binary(headers, b"{}").event.type == value
+
+
+def test_a_ce_header_whose_escapes_are_no_utf8_is_refused() -> None:
+    headers = {"ce-specversion": "1.0", "ce-id": "e-1", "ce-source": "/s", "ce-type": "%C0%A0"}
+    with pytest.raises(InvalidEventError, match=r"'ce-type'.*percent-encodes no UTF-8"):
+        read_binary(headers, b"{}")
+
+
+def test_values_earlier_versions_wrote_unencoded_read_as_they_were_unless_they_hold_escapes() -> (
+    None
+):
+    """Before this library encoded ce- values it wrote them as they were: one without '%'
+    reads the same, one holding '%' and two hex digits reads decoded (docs/cloudevents.md)."""
+    headers = {"ce-specversion": "1.0", "ce-id": "e-1", "ce-source": "/s", "ce-subject": "o 1"}
+    for written, read in [('a b"é', 'a b"é'), ("50%", "50%"), ("%41", "A")]:
+        received = read_binary(headers | {"ce-type": written}, b"{}")
+        assert (received.event.type, received.event.aggregate_id) == (read, "o 1")
+
+
+@pytest.mark.parametrize("prefix", ["ce_", "cloudEvents_"])
+def test_kafka_and_amqp_attribute_values_go_and_come_as_they_are(prefix: str) -> None:
+    event = Event(type="%41 é", aggregate_id='"o 1"')
+    headers, content_type, body = message_of(event, CloudEvents(SOURCE), prefix, {})
+    assert headers[prefix + "type"] == "%41 é" and headers[prefix + "subject"] == '"o 1"'
+    _same_event(read_binary(headers, body, content_type=content_type).event, event)
+
+
+def test_knative_rabbitmq_ce_headers_are_read_as_they_are_when_told_they_are_not_encoded() -> None:
+    ce = _sdk_event(type="%41 é", subject='"o 1"')
+    message = rabbitmq.to_binary(ce, JSONFormat())
+    assert message.headers["ce-type"] == "%41 é"  # the RabbitMQ binding encodes nothing
+    received = read_message(
+        message.headers, message.body, content_type=message.content_type, percent_encoded=False
+    )
+    assert (received.event.type, received.event.aggregate_id) == ("%41 é", '"o 1"')
 
 
 def _sdk_event(**extra: Any) -> CloudEvent:

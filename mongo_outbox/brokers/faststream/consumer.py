@@ -101,6 +101,7 @@ class _Delivery:
             self.message_id = raw.message_id
             self.body = raw.body
             self.content_type = raw.content_type  # a CloudEvent's mode (brokers._consuming)
+            self.percent_encoded = False  # knative's RabbitMQ binding: ce- values as they are
             delivered = self.headers.get("x-delivery-count", 0)  # none on a first delivery
         else:
             # FastStream's Redis subscribers deliver a dict, its batch subscribers a list.

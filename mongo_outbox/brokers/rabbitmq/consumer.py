@@ -64,6 +64,7 @@ class _Delivery:
         self.body = message.body
         self.headers: Mapping[str, Any] = message.headers or {}
         self.content_type = message.content_type  # a CloudEvent's mode (brokers._consuming)
+        self.percent_encoded = False  # knative's RabbitMQ binding: ce- values as they are
         # A first delivery carries no count: 0 (with a limit of 0 it is the last).
         delivered = self.headers.get("x-delivery-count", 0)
         self.last = (

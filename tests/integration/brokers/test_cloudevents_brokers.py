@@ -12,7 +12,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from cloudevents.core.bindings import amqp, http
+from cloudevents.core.bindings import amqp, http, rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 from redis.asyncio import Redis
@@ -38,7 +38,7 @@ def _events() -> list[Event]:
             sequence=n,
             version=2,
             payload={"total": n * 10, "lines": [{"sku": "a", "qty": n}]},
-            correlation_id=f"c-{n}",
+            correlation_id=f'c-{n} é "%41"',  # percent-encoded in ce- headers, raw in AMQP's
             headers={"traceparent": TRACE, "tenant": "acme"},
         )
         for n in (1, 2)
@@ -81,10 +81,19 @@ async def _effects_once(
     await until(lambda: len(seen) >= 3)
     await asyncio.sleep(0.3)  # a duplicate, handled twice, would show by now
     assert sent == 6
-    assert sorted(seen) == [("e-1", "invoice.paid"), ("e-1", "invoice.paid"), ("e-2", "x")]
+    assert sorted(seen) == [
+        ("e-1", "invoice.paid"),
+        ("e-1", "invoice.paid"),
+        ("e-2", _ENCODED_TYPE),
+    ]
     assert await db.effects.count_documents({}) == 3
     identities = {(r["source"], r["message_id"]) async for r in db.inbox.find()}
     assert identities == {("/billing", "e-1"), ("urn:other:ledger", "e-1"), ("/billing", "e-2")}
+
+
+# A type the HTTP binding percent-encodes (and that reads as an escape if decoded twice), and
+# that AMQP's and knative's RabbitMQ bindings carry as it is.
+_ENCODED_TYPE = "x %41 é"
 
 
 def _sdk_events() -> list[CloudEvent]:
@@ -92,7 +101,7 @@ def _sdk_events() -> list[CloudEvent]:
     return [
         CloudEvent(base | {"id": "e-1", "source": "/billing", "subject": "inv-1"}, {"n": 1}),
         CloudEvent(base | {"id": "e-1", "source": "urn:other:ledger"}, {"n": 2}),
-        CloudEvent(base | {"id": "e-2", "source": "/billing", "type": "x"}, {"n": 3}),
+        CloudEvent(base | {"id": "e-2", "source": "/billing", "type": _ENCODED_TYPE}, {"n": 3}),
     ]
 
 
@@ -187,7 +196,7 @@ async def test_sdk_events_on_nats_are_handled_once_by_source_and_id(
         await asyncio.wait_for(task, 10)
 
 
-@pytest.mark.parametrize("mode", ["binary", "structured"])
+@pytest.mark.parametrize("mode", ["binary", "structured", "knative"])
 async def test_sdk_events_on_rabbitmq_are_handled_once_by_source_and_id(
     db: Any, amqp_connection: Any, unique: str, mode: str
 ) -> None:
@@ -198,15 +207,18 @@ async def test_sdk_events_on_rabbitmq_are_handled_once_by_source_and_id(
     async def deliveries() -> int:
         sent = 0
         for ce in _sdk_events():
-            encode = amqp.to_binary if mode == "binary" else amqp.to_structured
-            message = encode(ce, JSONFormat())
+            if mode == "knative":  # ce- headers, their values as they are
+                knative = rabbitmq.to_binary(ce, JSONFormat())
+                body, headers = knative.body, dict(knative.headers)
+                content_type = knative.content_type
+            else:
+                encode = amqp.to_binary if mode == "binary" else amqp.to_structured
+                message = encode(ce, JSONFormat())
+                body, headers = message.application_data, message.application_properties
+                content_type = message.properties["content-type"]
             for _ in range(2):
                 await channel.default_exchange.publish(
-                    aio_pika.Message(
-                        message.application_data,
-                        headers=message.application_properties,
-                        content_type=message.properties["content-type"],
-                    ),
+                    aio_pika.Message(body, headers=headers, content_type=content_type),
                     routing_key=unique,
                 )
                 sent += 1
