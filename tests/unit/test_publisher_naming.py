@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 from faststream.redis import RedisBroker
 
-from mongo_outbox import ConfigurationError, Event
+from mongo_outbox import ConfigurationError, Event, InvalidEventError
 from mongo_outbox.brokers._publishing import check_naming, render
 from mongo_outbox.publishers import (
     FastStreamPublisher,
@@ -68,6 +68,43 @@ def test_templates_over_the_event_s_fields_and_literal_braces_are_taken(name: st
 
 def test_a_doubled_brace_names_the_literal_brace() -> None:
     assert render("{{orders}}", Event(type="e")) == "{orders}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "events.{aggregate_type}.{type}",
+        "x.{headers[tenant]}.{payload[n]}",
+        "{type.upper}",
+        "{aggregate_id:>{sequence}}",  # a field nested in the format spec
+        "{sequence:>{aggregate_type}}",  # ... that cannot format
+        "{aggregate_type}.{correlation_id}",  # an unset field
+        "{payload[missing]}",
+        "{type[9]}",
+        "{occurred_at.year}-{version:03d}",
+    ],
+)
+def test_a_template_renders_over_the_fields_it_names_as_over_all(name: str) -> None:
+    # render reads only the fields a template names; it says and refuses what a format over
+    # every set field would.
+    event = Event(
+        type="order.placed",
+        payload={"n": 4},
+        aggregate_type="orders",
+        aggregate_id="o-1",
+        sequence=7,
+        headers={"tenant": "acme"},
+    )
+    fields = {k: v for k, v in event.__dict__.items() if v is not None}
+    try:
+        expected: object = name.format_map(fields)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as error:
+        expected = type(error)
+    try:
+        got: object = render(name, event)
+    except InvalidEventError as refused:
+        got = type(refused.__cause__)
+    assert got == expected
 
 
 def test_a_function_is_taken_as_it_is() -> None:

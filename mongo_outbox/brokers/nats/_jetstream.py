@@ -17,6 +17,9 @@ checking every name with a regular expression, which was a third of the cost per
 while the connection is up the HPUB command goes straight to the client's write buffer, flushed
 once per chunk. Those two client internals are looked up when this module is imported; without
 them (or while reconnecting, when the client's own buffering rules apply) ``publish`` is used.
+Acks come back the same way: the subscription's queue is replaced by one that settles each ack
+as the connection's reader hands it over, without nats-py's task and callback per message
+(with another nats-py, the callback).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 
 try:
     from nats.protocol.command import hpub_cmd
@@ -44,6 +49,18 @@ _ACKED = b'{"stream":'
 _RAW = hpub_cmd is not None and all(
     callable(getattr(Client, name, None)) for name in ("_send_command", "_flush_pending")
 )
+
+
+def _queued_subscriptions() -> bool:
+    # nats-py hands a subscription's messages to its ``_pending_queue`` (put_nowait), read by
+    # a task that calls the callback; ``_Acks`` takes that queue's place.
+    try:
+        return isinstance(Subscription(None)._pending_queue, asyncio.Queue)
+    except Exception:  # noqa: BLE001 - another nats-py: its callback path is taken
+        return False
+
+
+_DIRECT = _queued_subscriptions()
 
 
 def header_block(headers: dict[str, str]) -> bytes:
@@ -137,9 +154,18 @@ class AckMux:
             async with self._starting:
                 if not self.prefix:
                     inbox = self.nc.new_inbox()
-                    self._subscription = await self.nc.subscribe(f"{inbox}.*", cb=self._reply)
+                    self._subscription = await self._subscribe(f"{inbox}.*")
                     self.prefix = f"{inbox}."
         return self.prefix
+
+    async def _subscribe(self, subject: str) -> Any:
+        if not _DIRECT:
+            return await self.nc.subscribe(subject, cb=self._reply)
+        # Without a callback nats-py starts no task; its queue, replaced before any ack can
+        # come, settles each ack as the reader hands it over.
+        subscription = await self.nc.subscribe(subject)
+        subscription._pending_queue = _Acks(self._settle, subscription)
+        return subscription
 
     async def close(self, error: BaseException) -> None:
         """Fail what still awaits its ack with ``error``, and unsubscribe: on a borrowed
@@ -197,11 +223,34 @@ class AckMux:
         return left
 
     async def _reply(self, msg: Any) -> None:
+        self._settle(msg)
+
+    def _settle(self, msg: Any) -> None:
         # A late ack (its chunk timed out or was cancelled) finds nothing and is dropped.
         waiter = self.pending.pop(msg.subject[len(self.prefix) :], None)
         if waiter is not None:
             chunk, index = waiter
-            chunk.settle(index, outcome(msg))
+            try:
+                result = outcome(msg)
+            except Exception as error:  # noqa: BLE001 - raised into the connection's reader
+                result = nats.js.errors.APIError(description=f"unreadable JetStream ack: {error}")
+            chunk.settle(index, result)
+
+
+class _Acks(asyncio.Queue[Any]):
+    """A subscription's message queue that queues nothing: each message goes to ``settle`` as
+    the connection's reader puts it, with no task between them (a queue, a task switch and a
+    callback per ack cost as much as the ack's own handling)."""
+
+    def __init__(self, settle: Callable[[Any], None], subscription: Any) -> None:
+        super().__init__()
+        self._settle_ack = settle
+        self._subscription = subscription
+
+    def put_nowait(self, item: Any) -> None:
+        # nats-py counted the message as pending (its slow-consumer limit): it is handled.
+        self._subscription._pending_size -= len(item.data)
+        self._settle_ack(item)
 
 
 async def wait_all(chunk: Chunk, timeout: float) -> bool:

@@ -125,3 +125,33 @@ async def test_aclose_fails_publishes_in_flight_at_once(nats_client: Any, unique
     finally:
         await publisher.aclose()
         await silent.unsubscribe()
+
+
+async def test_two_chunks_in_flight_at_once_each_get_exactly_their_own_outcomes(
+    nats_client: Any, nats_stream: str, unique: str
+) -> None:
+    # As the relay drives a publisher: one chunk sent while the other awaits its acks, both
+    # settled by the one ack subscription as the connection reads them.
+    publisher = NatsPublisher(
+        nats_client.jetstream(), subject=lambda e: e.headers["to"], timeout=PATIENT
+    )
+    first = [event(headers={"to": f"{nats_stream}.a"}) for _ in range(40)]
+    lost = event(headers={"to": f"{unique}x.nowhere"})
+    first.insert(17, lost)
+    second = [event(headers={"to": f"{nats_stream}.b"}) for _ in range(40)]
+    second.append(first[3])  # already stored by the other chunk, or about to be: a duplicate
+    results = await asyncio.wait_for(
+        asyncio.gather(publisher.publish_many(first), publisher.publish_many(second)), PROMPT
+    )
+    assert results[1] == [None] * len(second)
+    refused = results[0].pop(17)
+    assert results[0] == [None] * 40
+    assert isinstance(refused, BrokerUnavailableError) and refused.event_id == lost.id
+    assert refused.destination == f"{unique}x.nowhere"
+    messages = await read_stream(nats_client, nats_stream, 80)
+    stored = {e.id for e in first + second if e is not lost}
+    assert {m.headers["Nats-Msg-Id"] for m in messages} == stored
+    # Every ack was handled as it came: the subscription holds none back.
+    mux = publisher._mux
+    assert mux is not None and not mux.pending
+    assert mux._subscription.pending_msgs == 0 and mux._subscription.pending_bytes == 0
