@@ -8,12 +8,15 @@ can: find ``BATCH`` pending entries in order, mark them claimed, publish them (`
 to NATS, or kept in a list), mark them published, with none of the library's guarantees. Each run
 drains ``EVENTS`` fresh events of ``PER_AGGREGATE`` per aggregate; runs alternate baseline and
 library, ``REPEATS`` times; the figures are each one's minimum and median, and the ratio of
-their minima (library / hand-written: 1.00 means the library costs no more).
+their minima (library / hand-written: 1.00 means the library costs no more). The change-stream
+relay follows an empty outbox while another process writes the events (``--seed``), so its
+figure counts what it does per change: its claims are of the batches the stream brings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,7 +24,7 @@ from typing import Any
 from pymongo.errors import BulkWriteError
 
 from benchmarks.common import NATS_URL, client, fresh_db, header, median, say, standalone, unique
-from mongo_outbox import Event, Outbox, PollingRelay, RelaySettings
+from mongo_outbox import ChangeStreamRelay, Event, Outbox, PollingRelay, RelaySettings
 from mongo_outbox._codec import encode
 from mongo_outbox.brokers._publishing import message_headers
 from mongo_outbox.events import utc_now
@@ -57,6 +60,8 @@ async def seed(db: Any, mode: str) -> Outbox:
         Outbox(db, mode="embedded", collections=["orders"]) if mode == "embedded" else Outbox(db)
     )
     await outbox.ensure_indexes()
+    if mode == "stream":  # written during the run, by seed_elsewhere
+        return outbox
     events = make_events()
     if mode == "collection":
         now = utc_now()
@@ -125,6 +130,52 @@ def library(publisher: Publisher, mode: str) -> Drain:
     return drain
 
 
+def change_stream(uri: str) -> Drain:
+    """The change-stream relay following an empty outbox while another process inserts
+    ``EVENTS`` entries (so the writes' CPU is not this process's): the time from the first
+    insert to the last event published, the relay's cost alone."""
+
+    async def drain(db: Any) -> float:
+        publisher = MemoryPublisher()
+        relay = ChangeStreamRelay(
+            Outbox(db), publisher, name="bench", settings=RelaySettings(batch_size=BATCH)
+        )
+        task = asyncio.create_task(relay.run())
+        try:
+            for _ in range(600):
+                if (await relay.status()).state == "active":
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError("the change-stream relay did not start")
+            await asyncio.sleep(1.0)  # its first sweep done, the stream open
+            start = time.process_time()
+            writer = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "benchmarks.bench_relay_cpu", "--seed", uri, db.name
+            )
+            if await writer.wait() != 0:
+                raise RuntimeError("the writer process failed")
+            await publisher.wait_for(EVENTS, timeout=600)
+            took = time.process_time() - start
+        finally:
+            relay.stop()
+            await task
+        if len(publisher.events) != EVENTS:
+            raise RuntimeError(f"change stream: published {len(publisher.events)} of {EVENTS}")
+        return took
+
+    return drain
+
+
+async def seed_elsewhere(uri: str, name: str) -> None:
+    """The change-stream run's writer, in a process of its own."""
+    mongo = client(uri)
+    try:
+        await seed(mongo[name], "collection")
+    finally:
+        await mongo.close()
+
+
 async def compare(uri: str, target: str, runs: dict[str, tuple[str, Drain]]) -> list[str]:
     seconds: dict[str, list[float]] = {label: [] for label in runs}
     mongo = client(uri)
@@ -170,6 +221,7 @@ async def run(uri: str) -> list[str]:
             "hand-written": ("collection", hand_written(keep)),
             "library collection": ("collection", library(memory, "collection")),
             "library embedded": ("embedded", library(memory, "embedded")),
+            "library change stream": ("stream", change_stream(uri)),
         },
     )
     try:
@@ -232,4 +284,7 @@ _NOT_EVENT = frozenset({"_id", "status", "available_at", "attempts", "claim"})
 
 
 if __name__ == "__main__":
-    standalone(run)
+    if sys.argv[1:2] == ["--seed"]:
+        asyncio.run(seed_elsewhere(sys.argv[2], sys.argv[3]))
+    else:
+        standalone(run)

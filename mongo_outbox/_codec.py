@@ -141,11 +141,29 @@ def ours(collection: Any) -> Any:
     return collection.with_options(codec_options=options)
 
 
+def read_for_relay(collection: Any) -> Any:
+    """``ours(collection)``, except that its datetimes carry bson's own UTC tzinfo rather than
+    ``timezone.utc``: the same instants, read at two thirds of the cost (bson asks a given
+    tzinfo for its offsets and converts each date to it), for the reads of whole entries a
+    claim makes. ``decode`` gives ``occurred_at`` in ``timezone.utc`` all the same."""
+    options = collection.codec_options.with_options(
+        document_class=dict,
+        tz_aware=True,
+        tzinfo=None,
+        datetime_conversion=DatetimeConversion.DATETIME_AUTO,
+    )
+    return collection.with_options(codec_options=options)
+
+
 def counter(value: Any) -> int | None:
     """A stored ``_version``, ``_sequence`` or entry ``sequence`` as an int; None when it is no
     whole number from 0 to 2**63 - 1 (or missing). Documents written by other code may hold a
     counter as a double, an Int64 or a Decimal128, and ``$inc`` keeps the type it finds; a double
     from 2**53 up no longer moves by 1, so it counts as no whole number."""
+    if value is None:  # most counters of most entries: never stored
+        return None
+    if type(value) is int:
+        return value if 0 <= value < _INT64 else None
     if isinstance(value, bool):
         return None
     if isinstance(value, int):

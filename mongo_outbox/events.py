@@ -120,7 +120,20 @@ def clean_json(value: Any, depth: int = 0, *, exact: bool = False) -> bool:
                 return False
         return True
     if kind is list:
-        return all(clean_json(item, depth + 1, exact=exact) for item in value)
+        if depth == MAX_PAYLOAD_DEPTH:  # even a scalar in it is too deep
+            return not value
+        for item in value:
+            # An int or a str inline: a list of them (ids, lines) was most of a payload's cost.
+            kind = type(item)
+            if kind is str:
+                if not (item.isascii() or _encodable(item)):
+                    return False
+            elif kind is int:
+                if not -_INT64 <= item < _INT64:
+                    return False
+            elif not clean_json(item, depth + 1, exact=exact):
+                return False
+        return True
     if kind in _JSON_SCALARS:
         return True
     # Another type: _check_json's own isinstance tests decide.
@@ -334,8 +347,17 @@ class Event(BaseModel):
     def _storable(self) -> Event:
         # The payload is checked on its own; every other field must survive BSON and JSON too.
         for name, value in self.__dict__.items():
-            if name != "payload":
-                _check_storable(value, name)
+            kind = type(value)
+            # The usual values need no closer look (every event the relay reads is built).
+            if (
+                value is None
+                or kind is datetime
+                or (kind is str and value.isascii())
+                or (kind is int and -_INT64 <= value < _INT64)
+                or name == "payload"
+            ):
+                continue
+            _check_storable(value, name)
         if self.__pydantic_private__ is not None:
             self.__pydantic_private__["_validated"] = id(self)
         return self

@@ -220,3 +220,19 @@ def test_a_payload_nested_deeper_than_an_event_may_is_refused_when_read() -> Non
         decode(entry, "_id")
     shallower = deep["a"]
     assert decode(entry | {"payload": shallower}, "_id").payload == shallower
+
+
+@pytest.mark.parametrize("leaf", [1, "x", [], None])
+def test_a_list_at_the_depth_limit_holds_nothing_when_read(leaf: Any) -> None:
+    # clean_json looks at a list's ints and strs in place: the depth limit holds for them too.
+    def payload(levels: int) -> dict[str, Any]:
+        inner: list[Any] = [leaf]
+        for _ in range(levels - 2):
+            inner = [inner]
+        return {"a": inner}
+
+    entry = encode(Event(type="placed", sequence=1), "_id")
+    at_limit = payload(MAX_PAYLOAD_DEPTH + 1)  # the leaf one level too deep
+    with pytest.raises(InvalidEventError, match="nested deeper"):
+        decode(entry | {"payload": at_limit}, "_id")
+    assert decode(entry | {"payload": payload(MAX_PAYLOAD_DEPTH)}, "_id").payload

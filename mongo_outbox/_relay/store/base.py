@@ -47,6 +47,8 @@ requeued and the rest parked, for the same requeue to pick up again."""
 def hashable(event_id: Any) -> Hashable:
     """``event_id`` as a set member: an id another producer stored as a document or an array
     (its entry parked as unreadable) stands for itself by its BSON form."""
+    if type(event_id) is str:  # the usual id, asked for per entry claimed
+        return event_id
     try:
         hash(event_id)
     except TypeError:

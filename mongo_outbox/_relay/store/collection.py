@@ -17,7 +17,7 @@ from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import counter, decode, ours, shown
+from mongo_outbox._codec import counter, decode, ours, read_for_relay, shown
 from mongo_outbox._commands import chunked
 from mongo_outbox._driver import aggregate
 from mongo_outbox._partitions import partition_of
@@ -69,6 +69,7 @@ class CollectionStore:
         self.relay = relay
         self.retention = outbox.retention
         self.coll = ours(outbox.collection)
+        self.entries = read_for_relay(outbox.collection)
         self.scope = scope(outbox, partition)
         self.partitions = outbox.partitions
 
@@ -143,7 +144,7 @@ class CollectionStore:
         for aggregates in chunked(list(last.values())):
             # Each aggregate is read whole by one command, so each is in sequence order.
             pending += (
-                await self.coll.find(
+                await self.entries.find(
                     {
                         STATUS: PENDING,
                         "$or": [

@@ -24,7 +24,7 @@ from typing import Any
 import bson
 from pymongo import UpdateMany, UpdateOne
 
-from mongo_outbox._codec import counter, decode, numbered, ours
+from mongo_outbox._codec import counter, decode, numbered, ours, read_for_relay
 from mongo_outbox._commands import chunked
 from mongo_outbox._partitions import partition_of
 from mongo_outbox._relay.store.base import (
@@ -70,6 +70,7 @@ class EmbeddedStore(ParkedEntries):
         self.wait_field = outbox.wait_field
         self.sent_field = outbox.sent_field
         self.colls = {name: ours(outbox.db[name]) for name in outbox.collections}
+        self.entries = {name: read_for_relay(outbox.db[name]) for name in outbox.collections}
         self.ids = PublishedIds(outbox.event_ids, outbox.retention)
         self._turn = 0
 
@@ -142,9 +143,11 @@ class EmbeddedStore(ParkedEntries):
             missed = missed or claimed < len({hashable(i) for i in ids})
             if not claimed:
                 continue
-            docs = await coll.find(
-                {self.claim_field: token}, projection={self.field: 1, "_sequence": 1}
-            ).to_list(None)
+            docs = (
+                await self.entries[name]
+                .find({self.claim_field: token}, projection={self.field: 1, "_sequence": 1})
+                .to_list(None)
+            )
             unreadable: list[UpdateOne] = []
             for doc in docs:
                 held.append((name, doc["_id"]))
