@@ -12,6 +12,10 @@ Python between the commands). A baseline from the same run, also in a process of
 (``baseline`` mode), is the floor the server allows: a raw PyMongo ``watch()`` whose loop
 publishes each insert with nats-py, no claim and no settle.
 
+On the emulator it ends with the emulator's own CPU for one lone change's claim (the relay's
+two commands before its publish) beside a ``ping``'s, read from the emulator process's CPU time:
+the part of the window that a replica set, answering from indexes, would not have.
+
     python -m benchmarks.bench_latency_defaults     # MONGODB_URI, else the emulator
 """
 
@@ -27,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +286,76 @@ async def run(uri: str) -> list[str]:
                 f"    {part:<18} p50 {pct(values, 50):6.2f} ms  mean {statistics.mean(values):6.2f}"
                 f" ms  p95 {pct(values, 95):6.2f} ms"
             )
+    if not os.environ.get("MONGODB_URI"):
+        lines += await emulator_share()
+    return lines
+
+
+CLAIMS = 400
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user and system), from /proc: whatever the machine's load,
+    what that process itself spent."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def emulator_share() -> list[str]:
+    """The emulator's own CPU for one lone change's claim (the ``updateMany`` by id and the
+    order ``find``, as the relay sends them), against its CPU for a ``ping``: read from the
+    emulator process's CPU time, so the figure holds on a loaded machine, and is the part of the
+    latency above that a replica set answering from its indexes would not have."""
+    from mongo_outbox._codec import encode
+    from mongo_outbox._relay.store.collection import CollectionStore
+    from mongo_outbox.events import utc_now
+    from mongo_outbox.testing import start_emulator
+
+    lines = []
+    with start_emulator() as emulator:
+        mongo: Any = AsyncMongoClient(emulator.uri, tz_aware=True)
+        try:
+            for entries in (300, 3000):
+                db = mongo[unique("benchemu")]
+                outbox = Outbox(db)
+                await outbox.ensure_indexes()
+                old = [
+                    encode(
+                        Event(type="t", aggregate_type="o", aggregate_id=f"a{n}", sequence=1), "_id"
+                    )
+                    | {"status": "published", "available_at": utc_now(), "attempts": 0}
+                    for n in range(entries)
+                ]
+                await outbox.collection.insert_many(old)
+                fresh = [
+                    encode(
+                        Event(type="t", aggregate_type="o", aggregate_id=f"b{n}", sequence=1), "_id"
+                    )
+                    | {"status": "pending", "available_at": utc_now(), "attempts": 0}
+                    for n in range(CLAIMS)
+                ]
+                await outbox.collection.insert_many(fresh)
+                store = CollectionStore(outbox)
+                pid = emulator.process.pid
+                before = cpu_seconds(pid)
+                for _ in range(CLAIMS):
+                    await db.command("ping")
+                ping = (cpu_seconds(pid) - before) / CLAIMS
+                before = cpu_seconds(pid)
+                for entry in fresh:
+                    change = {"operationType": "insert", "fullDocument": entry}
+                    claim = await store.claim_changes([change], timedelta(seconds=30))
+                    assert claim.events == 1
+                claim_cpu = (cpu_seconds(pid) - before) / CLAIMS
+                lines.append(
+                    f"emulator CPU, one lone change's claim at {entries:>5} entries: "
+                    f"{claim_cpu * 1e3:5.2f} ms for its 2 commands; a ping {ping * 1e3:4.2f} ms"
+                    f" (ratio {claim_cpu / ping:4.1f})"
+                )
+                say(lines[-1])
+                await mongo.drop_database(db.name)
+        finally:
+            await mongo.close()
     return lines
 
 
