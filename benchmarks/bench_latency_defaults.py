@@ -301,14 +301,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def stored(prefix: str, count: int, status: str) -> list[dict[str, Any]]:
+    """``count`` entries as the outbox stores them, each the first of an aggregate of its own."""
+    from mongo_outbox._codec import encode
+    from mongo_outbox.events import utc_now
+
+    return [
+        encode(Event(type="t", aggregate_type="o", aggregate_id=f"{prefix}{n}", sequence=1), "_id")
+        | {"status": status, "available_at": utc_now(), "attempts": 0}
+        for n in range(count)
+    ]
+
+
 async def emulator_share() -> list[str]:
     """The emulator's own CPU for one lone change's claim (the ``updateMany`` by id and the
     order ``find``, as the relay sends them), against its CPU for a ``ping``: read from the
     emulator process's CPU time, so the figure holds on a loaded machine, and is the part of the
     latency above that a replica set answering from its indexes would not have."""
-    from mongo_outbox._codec import encode
     from mongo_outbox._relay.store.collection import CollectionStore
-    from mongo_outbox.events import utc_now
     from mongo_outbox.testing import start_emulator
 
     lines = []
@@ -319,21 +329,8 @@ async def emulator_share() -> list[str]:
                 db = mongo[unique("benchemu")]
                 outbox = Outbox(db)
                 await outbox.ensure_indexes()
-                old = [
-                    encode(
-                        Event(type="t", aggregate_type="o", aggregate_id=f"a{n}", sequence=1), "_id"
-                    )
-                    | {"status": "published", "available_at": utc_now(), "attempts": 0}
-                    for n in range(entries)
-                ]
-                await outbox.collection.insert_many(old)
-                fresh = [
-                    encode(
-                        Event(type="t", aggregate_type="o", aggregate_id=f"b{n}", sequence=1), "_id"
-                    )
-                    | {"status": "pending", "available_at": utc_now(), "attempts": 0}
-                    for n in range(CLAIMS)
-                ]
+                await outbox.collection.insert_many(stored("a", entries, "published"))
+                fresh = stored("b", CLAIMS, "pending")
                 await outbox.collection.insert_many(fresh)
                 store = CollectionStore(outbox)
                 pid = emulator.process.pid
