@@ -11,7 +11,7 @@ import pytest
 from cloudevents.core.bindings import amqp, http, kafka, rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mongo_outbox import ConfigurationError, Event, InvalidEventError
@@ -388,7 +388,6 @@ def test_headers_an_event_cannot_hold_are_left_out_not_fatal() -> None:
     assert received.event.headers == {"Tenant": "acme"}
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(event=EVENTS, payload=st.dictionaries(KEY, JSON | st.floats(-1e300, 1e300)))
 def test_without_cloudevents_the_body_is_the_events_own_json_byte_for_byte(
     event: Event, payload: dict[str, Any]

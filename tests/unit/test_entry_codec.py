@@ -13,7 +13,7 @@ import pytest
 from bson.codec_options import CodecOptions
 from bson.decimal128 import Decimal128
 from bson.int64 import Int64
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import computed_field
 
@@ -61,7 +61,6 @@ def stored(entry: dict[str, Any]) -> dict[str, Any]:
     return bson.decode(bson.encode(entry), codec_options=options)
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(event=EVENTS, id_key=ID_KEYS)
 def test_any_event_stored_as_an_entry_reads_back_as_the_same_event(
     event: Event, id_key: str
@@ -69,7 +68,6 @@ def test_any_event_stored_as_an_entry_reads_back_as_the_same_event(
     assert decode(stored(encode(event, id_key)), id_key) == event
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(event=EVENTS, id_key=ID_KEYS)
 def test_an_entry_leaves_out_the_optional_fields_that_hold_their_default(
     event: Event, id_key: str
@@ -121,7 +119,6 @@ def test_an_event_subclass_that_dumps_more_than_an_event_is_refused() -> None:
         encode(Computed(type="x"), "_id")
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(st.integers(0, 2**63 - 1))
 def test_a_counter_reads_the_same_from_an_int_an_int64_and_a_decimal128(value: int) -> None:
     assert counter(value) == counter(Int64(value)) == counter(Decimal128(str(value))) == value
@@ -193,7 +190,6 @@ def wholly_validated(entry: dict[str, Any], id_key: str) -> Event:
     return Event.model_validate(data)
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(event=EVENTS, payload=ODD_PAYLOADS)
 def test_an_entry_reads_as_whole_validation_reads_it_whatever_its_payload(
     event: Event, payload: dict[str, Any]

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mongo_outbox import Event, InvalidEventError
@@ -23,7 +23,6 @@ def body(event: Event, before: dict[str, Any], after: dict[str, Any]) -> bytes:
     return json.dumps(before | event.model_dump(mode="json") | after).encode()
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(event=EVENTS, before=EXTRAS, after=st.dictionaries(UNKNOWN, JSON, max_size=2))
 def test_any_event_with_unknown_fields_beside_its_own_reads_as_the_event(
     event: Event, before: dict[str, Any], after: dict[str, Any]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mongo_outbox._write.updates import (
@@ -46,7 +46,6 @@ def test_a_filter_that_could_match_more_than_one_aggregate_is_refused(query: Any
         id_of(query, "orders")
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(
     owned=st.sampled_from(FORBIDDEN),
     rest=st.sampled_from(["", ".n", ".$", ".$[]", ".$[i].x", ".0"]),
@@ -59,7 +58,6 @@ def test_no_operator_writes_an_owned_field_or_the_id_by_any_path(
         check_update({operator: {owned + rest: 1}}, OWNED, "orders")
 
 
-@settings(deadline=None)  # a slow example on a shared machine is no defect
 @given(owned=st.sampled_from(FORBIDDEN), to_it=st.booleans())
 def test_a_rename_may_neither_take_an_owned_field_nor_give_one(owned: str, to_it: bool) -> None:
     spec = {"mine": owned} if to_it else {owned: "mine"}
