@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from copy import copy
-from datetime import datetime, timezone
+from datetime import datetime, timezone, tzinfo
 from decimal import Decimal
 from typing import Any
 
@@ -127,15 +127,15 @@ def decode(entry: dict[str, Any], id_key: str) -> Event:
         ) from error
 
 
-def ours(collection: Any) -> Any:
+def ours(collection: Any, *, tzinfo: tzinfo | None = timezone.utc) -> Any:
     """``collection`` read as dicts with aware UTC datetimes whatever its client's codec
     options (a client of ``RawBSONDocument`` had every entry parked); dates outside datetime's
     range come back as ``DatetimeMS`` (and such an entry fails to decode) instead of breaking
-    the whole read."""
+    the whole read. ``tzinfo=None`` keeps bson's own UTC tzinfo (``read_for_relay``)."""
     options = collection.codec_options.with_options(
         document_class=dict,
         tz_aware=True,
-        tzinfo=timezone.utc,
+        tzinfo=tzinfo,
         datetime_conversion=DatetimeConversion.DATETIME_AUTO,
     )
     return collection.with_options(codec_options=options)
@@ -146,13 +146,7 @@ def read_for_relay(collection: Any) -> Any:
     ``timezone.utc``: the same instants, read at two thirds of the cost (bson asks a given
     tzinfo for its offsets and converts each date to it), for the reads of whole entries a
     claim makes. ``decode`` gives ``occurred_at`` in ``timezone.utc`` all the same."""
-    options = collection.codec_options.with_options(
-        document_class=dict,
-        tz_aware=True,
-        tzinfo=None,
-        datetime_conversion=DatetimeConversion.DATETIME_AUTO,
-    )
-    return collection.with_options(codec_options=options)
+    return ours(collection, tzinfo=None)
 
 
 def counter(value: Any) -> int | None:

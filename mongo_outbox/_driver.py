@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -15,6 +14,8 @@ from pymongo.errors import NetworkTimeout
 from pymongo.synchronous.collection import Collection
 from pymongo.synchronous.database import Database
 from pymongo.synchronous.mongo_client import MongoClient
+
+from mongo_outbox._deadlines import within
 
 DUPLICATE_KEY = 11000  # DuplicateKey, in a bulk write's writeErrors
 
@@ -75,11 +76,6 @@ async def answered(commands: Awaitable[T], seconds: float) -> T:
     ``serverSelectionTimeoutMS`` with ``seconds`` (a stop during an outage waited that long) and
     not reach Motor's threads."""
     try:
-        if sys.version_info >= (3, 11):
-            # Not wait_for: before 3.12 it could swallow a cancellation that came as the
-            # commands ended.
-            async with asyncio.timeout(seconds):
-                return await commands
-        return await asyncio.wait_for(commands, seconds)
+        return await within(commands, seconds)
     except asyncio.TimeoutError as error:
         raise NetworkTimeout(f"MongoDB gave no answer within {seconds:g} s") from error

@@ -48,18 +48,18 @@ class CommandLineBroker(abc.ABC):
         cls, url: str, values: dict[str, Any], cloudevents: CloudEvents | None
     ) -> CommandLineBroker:
         """The broker at ``url``, from the values of its ``options`` (by parameter name)."""
-        raise NotImplementedError
+        ...
 
     @abc.abstractmethod
     def describe(self) -> str:
         """One line for the command's log: the broker, its URL without credentials, where to."""
-        raise NotImplementedError
+        ...
 
     @abc.abstractmethod
     def render(self, sample: Event) -> str:
         """The destination ``naming`` gives ``sample``; ``InvalidEventError`` if it has none,
         ``ImportError`` when the broker's extra is missing."""
-        raise NotImplementedError
+        ...
 
     @abc.abstractmethod
     async def open(self, sample: Event, waits: bool) -> Publisher:
@@ -67,4 +67,4 @@ class CommandLineBroker(abc.ABC):
         broker does not answer, an ``OutboxError`` saying what to mend otherwise. ``waits``:
         whether the command's events wait for a destination that is missing (a relay) or fail
         (a replay)."""
-        raise NotImplementedError
+        ...

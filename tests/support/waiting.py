@@ -77,7 +77,7 @@ async def progressing(
     finally:
         if not task.done():
             task.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import redis.exceptions
 
+from mongo_outbox._deadlines import within
 from mongo_outbox.brokers._consuming import decode_delivery
 from mongo_outbox.brokers.redis.errors import is_outage
 from mongo_outbox.errors import ConfigurationError
@@ -110,12 +110,7 @@ async def answer(command: Awaitable[Any], blocks: float = 0.0) -> Any:
     an open connection (a client without ``socket_timeout``) holds no stop up."""
     wait = ANSWER_WAIT + blocks
     try:
-        if sys.version_info >= (3, 11):
-            # Not wait_for: before 3.12 it could swallow a cancellation that came as the
-            # command ended, and the consumer would go on reading.
-            async with asyncio.timeout(wait):
-                return await command
-        return await asyncio.wait_for(command, wait)
+        return await within(command, wait)
     except asyncio.TimeoutError as error:
         raise redis.exceptions.TimeoutError(f"no answer from Redis within {wait:g}s") from error
 

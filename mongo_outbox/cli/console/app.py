@@ -27,9 +27,9 @@ carries its time, and its script marks it stale once the live numbers moved on.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -556,10 +556,12 @@ class Console:
         where = "/?" + urlencode({"db": db}) if db else "/"
         return self._finish(request, RedirectResponse(where, 303), None, False)
 
-    def _confirmation(self, request: Request, session: Session, fields: Fields) -> str:
-        """The token of this action with exactly these fields, for this session."""
+    @staticmethod
+    def _confirms(request: Request, fields: Fields, plan: Plan) -> str:
+        """What a confirmation of this action confirms: its exact fields, and the question its
+        page asked (with its count: once more are parked, the operator is asked again)."""
         kept = sorted((k, v) for k, vs in fields.items() if k not in _UNCONFIRMED for v in vs)
-        return self.sessions.confirmation(session, f"{request.url.path}?{urlencode(kept)}")
+        return f"{request.url.path}?{urlencode(kept)}\0{plan.asks}"
 
     async def _act(self, request: Request, action: Action) -> Response:
         """Run ``action`` for a signed-in operator: a requeue of everything answers a confirm
@@ -570,8 +572,9 @@ class Console:
             session, fields = await self._form(request, signed_in=True)
             conn = self._conn(_field(fields, "db"))
             plan = await action.plan(conn, fields)
-            confirmation = self._confirmation(request, session, fields)
-            if plan.asks is not None and not _same_text(_field(fields, "confirm"), confirmation):
+            what = self._confirms(request, fields, plan)
+            if plan.asks is not None and not session.confirmed(_field(fields, "confirm"), what):
+                confirmation = self.sessions.confirmation(session, what)
                 return self._confirm(request, session, fields, plan, confirmation)
             done = await action.run(conn, fields, plan)
         except Refused as refused:
@@ -701,17 +704,17 @@ class Done:
     count: int
 
 
-class Action:
+class Action(abc.ABC):
     """A requeue of the console: planned (checked, and asked to be confirmed if it takes
     everything), then run."""
 
     kind: str
 
-    async def plan(self, conn: Connection, fields: Fields) -> Plan:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def plan(self, conn: Connection, fields: Fields) -> Plan: ...
 
-    async def run(self, conn: Connection, fields: Fields, plan: Plan) -> Done:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def run(self, conn: Connection, fields: Fields, plan: Plan) -> Done: ...
 
 
 class RequeueParked(Action):
@@ -801,10 +804,6 @@ def _quoted(value: Any) -> str:
 
 def _client(request: Request, unknown: str = "?") -> str:
     return request.client.host if request.client else unknown
-
-
-def _same_text(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 class Verbatim(str):

@@ -50,6 +50,8 @@ MIN_SECRET = 12
 away."""
 MAX_ID = 64
 """The longest cookie value read as a visitor's id; a longer one gets a new id."""
+MAX_CONFIRMATIONS = 16
+"""Confirm pages a session keeps open at most (one per tab, say), the oldest dropped first."""
 
 
 TOKEN_USER = "token"
@@ -277,6 +279,9 @@ class Session:
     created: float = field(default_factory=time.monotonic)
     notice: str | None = None
     """What the last action did, shown once on the next page (signed-in sessions only)."""
+    confirmations: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    """The confirm pages' tokens this session was shown and has not used, each with the action
+    it confirms; the latest ``MAX_CONFIRMATIONS``."""
 
     @property
     def signed_in(self) -> bool:
@@ -284,6 +289,15 @@ class Session:
 
     def check(self, token: str | None) -> bool:
         return token is not None and _same(token, self.csrf)
+
+    def confirmed(self, token: str, what: str) -> bool:
+        """Whether ``token`` is one this session was shown for ``what``, used up if so: a form
+        posted twice (a double click, the browser's back and resend, a replay) confirms once,
+        and the second post asks again, with what it would do then."""
+        if self.confirmations.get(token) != what:
+            return False
+        del self.confirmations[token]
+        return True
 
 
 class Sessions:
@@ -333,8 +347,11 @@ class Sessions:
         self._by_id.pop(session.id, None)
 
     def confirmation(self, session: Session, what: str) -> str:
-        """The token that confirms ``what`` (an action and its exact fields) for this session:
-        a confirm page's form carries it, and only that action of that session matches it, so a
+        """A new token that confirms ``what`` (an action, its exact fields and the question its
+        page asks) for this session, once: only that action of that session matches it, so a
         forged or replayed "requeue all" cannot skip the confirmation."""
-        message = b"confirm:" + session.id.encode() + b"\0" + what.encode()
-        return _b64(hmac.new(self._key, message, hashlib.sha256).digest())
+        token = secrets.token_urlsafe(32)
+        session.confirmations[token] = what
+        while len(session.confirmations) > MAX_CONFIRMATIONS:
+            session.confirmations.popitem(last=False)
+        return token

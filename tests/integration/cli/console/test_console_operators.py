@@ -30,6 +30,7 @@ from tests.support.console import (
     in_process,
     leases,
     park,
+    park_one,
     park_type,
     post_form,
     served,
@@ -168,6 +169,44 @@ async def test_a_requeue_of_everything_asks_first_and_its_confirmation_fits_that
         f'"alice" (operator) from 127.0.0.1 requeued 2 failed messages in "{db.name}": '
         'every failed message of consumer "billing"',
     ]
+
+
+async def test_a_confirmation_is_used_once_and_only_for_the_count_it_showed(
+    client: Any, mongo: MongoServer, db: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=AUDIT)
+    await park(db)
+    async with in_process(client, db, mongo, credentials=team()) as http:
+        csrf = await sign_in_as(http, "alice", ALICE)
+        form = {"csrf": csrf, "matching": "1", "type": "poison"}
+        # Two confirm pages of the same action, as two tabs would have them.
+        first = hidden_fields((await http.post("/parked/requeue", data=form)).text)
+        second = hidden_fields((await http.post("/parked/requeue", data=form)).text)
+        assert dict(first)["confirm"] != dict(second)["confirm"]
+
+        # One more poison event parked after the pages were shown: neither page's count
+        # holds, so each asks again, with the new count, and nothing comes back.
+        late = await park_one(db, "d")
+        again = await post_form(http, "/parked/requeue", first)
+        assert again.status_code == 200
+        assert f"Requeue all 4 parked events of type poison in {db.name}?" in again.text
+        assert (await post_form(http, "/parked/requeue", second)).status_code == 200
+        assert late.id in await parked_ids(db)
+
+        confirmed = hidden_fields(again.text)
+        assert (await post_form(http, "/parked/requeue", confirmed)).status_code == 303
+        assert late.id not in await parked_ids(db)
+
+        # The same form sent again (a double click, a resend, a replay) only asks. Since then
+        # park_one's relay parked the four again, and one more: all five stay parked.
+        later = await park_one(db, "e")
+        before = await parked_ids(db)
+        assert later.id in before and late.id in before
+        replayed = await post_form(http, "/parked/requeue", confirmed)
+        assert replayed.status_code == 200
+        assert f"Requeue all 5 parked events of type poison in {db.name}?" in replayed.text
+        assert await parked_ids(db) == before
+    assert len(audit_lines(caplog)) == 1
 
 
 def slugify(heading: str) -> str:
