@@ -66,13 +66,23 @@ async def test_a_slow_round_keeps_the_leader_lease_and_one_relay_active(db: Any)
     ]
     tasks = [asyncio.create_task(r.run()) for r in relays]
     both = samples = 0
+    loop = asyncio.get_running_loop()
+    most, since = 0, loop.time()
     while len(broker.events) < len(saved):
         samples += 1
         both += all(r.state == "active" for r in relays)
         for relay in relays:
-            assert (await relay.status()).active == (relay.state == "active")
+            # Compared only when the state held while status() read the store: on a loaded
+            # machine a renewal may fail during that read, and the relay step down meanwhile.
+            before = relay.state
+            active = (await relay.status()).active
+            if relay.state == before:
+                assert active == (before == "active")
         await asyncio.sleep(0.05)
-        assert samples < 400, "not published in 20 s"
+        if len(broker.events) > most:
+            most, since = len(broker.events), loop.time()
+        # A stall, not a deadline: each publish takes 0.3 s however loaded the machine is.
+        assert loop.time() - since < 20, f"nothing more published in 20 s, {most} in all"
     for relay in relays:
         relay.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)

@@ -6,7 +6,6 @@ in order, once. ``SlowBroker`` (tests/support/relay_fakes.py) is a FAKE: confirm
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -18,27 +17,31 @@ from tests.support.outboxes import MODES, assert_in_order, make_outbox, save_one
 from tests.support.relay_fakes import SlowBroker
 
 CONFIRM = 0.3  # a round of ten waves takes 3 s
+AGGREGATES = 4  # a wave: one event of each
 
 
-async def stop_in_time(relay: Any, broker: SlowBroker) -> float:
-    """Run ``relay`` until its first wave is confirmed, stop it, and return how long the stop
-    took."""
+async def stop_in_time(relay: Any, broker: SlowBroker) -> None:
+    """Run ``relay`` until its first wave is confirmed, stop it, and check that it published
+    no further wave: once stopped, it waits for the confirms of the wave in flight only.
+
+    Counted, not timed: the stop also settles the round (and a member gives its leases back),
+    round trips that take longer than a confirm on a loaded machine (0.6 to 2.0 s against a
+    bound of 0.6 s, in a loaded CI run), while the waves it must not start are there to count.
+    """
     task = asyncio.create_task(relay.run())
     await broker.wait_for(1, timeout=10)
-    started = time.monotonic()
     relay.stop()
-    await asyncio.wait_for(task, 10)
-    return time.monotonic() - started
+    # Bounded only against a hang: a stop after every wave still ends within this.
+    await asyncio.wait_for(task, 60)
+    assert 0 < len(broker.events) <= AGGREGATES, f"{len(broker.events)} published: a next wave"
 
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_polling_relay_stops_before_the_next_wave(db: Any, mode: str) -> None:
     outbox = make_outbox(db, mode)
-    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    saved = await save_one_by_one(outbox, db, aggregates=AGGREGATES, events=10)
     broker = SlowBroker(CONFIRM)
-    took = await stop_in_time(PollingRelay(outbox, broker), broker)
-    assert took < 2 * CONFIRM, f"the stop took {took:.1f} s"  # 2.7 s: every wave
-    assert 0 < len(broker.events) < len(saved)
+    await stop_in_time(PollingRelay(outbox, broker), broker)
     publisher = MemoryPublisher()
     await PollingRelay(outbox, publisher).drain()  # the rest is due at once
     assert_in_order(broker.events + publisher.events, saved, once=True)
@@ -46,13 +49,12 @@ async def test_a_polling_relay_stops_before_the_next_wave(db: Any, mode: str) ->
 
 async def test_a_change_stream_relay_stops_before_the_next_wave(db: Any) -> None:
     outbox = make_outbox(db, "collection")
-    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    saved = await save_one_by_one(outbox, db, aggregates=AGGREGATES, events=10)
     broker = SlowBroker(CONFIRM)
     relay = ChangeStreamRelay(
         outbox, broker, name="r", source=ScriptedSource(), settings=RelaySettings(), max_wait=0.05
     )
-    took = await stop_in_time(relay, broker)  # stopped during its first sweep
-    assert took < 2 * CONFIRM, f"the stop took {took:.1f} s"
+    await stop_in_time(relay, broker)  # stopped during its first sweep
     publisher = MemoryPublisher()
     await PollingRelay(outbox, publisher).drain()
     assert_in_order(broker.events + publisher.events, saved, once=True)
@@ -60,11 +62,11 @@ async def test_a_change_stream_relay_stops_before_the_next_wave(db: Any) -> None
 
 async def test_a_relay_group_member_stops_before_the_next_wave(db: Any) -> None:
     outbox = make_outbox(db, "collection", partitions=2)
-    saved = await save_one_by_one(outbox, db, aggregates=4, events=10)
+    saved = await save_one_by_one(outbox, db, aggregates=AGGREGATES, events=10)
     broker = SlowBroker(CONFIRM)
     member = RelayGroup(outbox, broker, interval=0.05)
-    took = await stop_in_time(member, broker)
-    assert took < 2 * CONFIRM + 0.5, f"the stop took {took:.1f} s"  # and gives its leases back
+    # Its partitions' rounds may each have a wave in flight: together one event per aggregate.
+    await stop_in_time(member, broker)
     publisher = MemoryPublisher()
     await PollingRelay(outbox, publisher).drain()
     assert_in_order(broker.events + publisher.events, saved, once=True)
