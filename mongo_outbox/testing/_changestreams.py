@@ -34,7 +34,7 @@ from mongoeco.core.aggregation import apply_pipeline
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
-from mongo_outbox.testing import _numeric_ids, _unique_keys
+from mongo_outbox.testing import _membership, _numeric_ids, _unique_keys
 from mongo_outbox.testing._change_events import (
     CHANGES_A_DOCUMENT,
     DISAMBIGUATED,
@@ -167,6 +167,17 @@ class Internals:
             return int(hub._next_token) - 1
 
     @staticmethod
+    def offset(cursor: Any) -> int:
+        """Where in the change history ``cursor`` is."""
+        return int(cursor._offset)
+
+    def end_offset(self) -> int:
+        """Where the change history ends now."""
+        hub = self.hub
+        with hub._condition:
+            return int(hub._end_offset_locked())
+
+    @staticmethod
     def await_for(cursor: Any, milliseconds: int) -> None:
         cursor._max_await_time_ms = milliseconds
 
@@ -218,6 +229,7 @@ class ChangeStreamsOverWire:
         )
         _numeric_ids.install(self.mongoeco.engine)
         _unique_keys.install(self.mongoeco.engine)
+        _membership.install()
         self.events = ChangeEvents(self.mongoeco.engine, self.mongoeco.hub)
         self.transactions.rules.on_commit = lambda first, last, txn: self.events.committed(
             first, last, txn.lsid, txn.txn_number
@@ -439,21 +451,24 @@ class ChangeStreamsOverWire:
     async def get_more(self, command: dict[str, Any]) -> Reply:
         cursor_id = _cursor_id(command["getMore"])
         if cursor_id not in self.cursors:
-            return {
-                "ok": 0.0,
-                "code": CURSOR_NOT_FOUND,
-                "errmsg": f"cursor id {cursor_id} not found",
-            }
+            return _not_found(cursor_id)
         cursor, _ = self.cursors[cursor_id]
         limit = command.get("batchSize") or 1_000
         # The server holds an idle getMore open for maxTimeMS (the driver's max_await_time_ms).
         self.mongoeco.await_for(cursor, int(command.get("maxTimeMS", 1_000)))
         changes = self.pending.pop(cursor_id, [])
+        there = None  # where history ended when the first event came
         while len(changes) < limit and cursor.alive:
+            if there is not None and self.mongoeco.offset(cursor) >= there:
+                break  # what came since is the next getMore's: this one answers
             event = await self.mongoeco.next_event(cursor)
             if event is None:
                 break
-            self.mongoeco.await_for(cursor, 0)  # once something came, answer with what is there
+            if there is None:
+                # Once something came, answer with what is there: not with what writers add
+                # while this one yields, which would hold the batch until it is full.
+                self.mongoeco.await_for(cursor, 0)
+                there = self.mongoeco.end_offset()
             try:
                 changes += self._served(cursor, event)
             except ImageMissing as error:
@@ -473,6 +488,11 @@ class ChangeStreamsOverWire:
                     "errmsg": str(error),
                     "errorLabels": ["NonResumableChangeStreamError"],
                 }
+            # A server serves its other connections while a getMore works through a backlog
+            # (500 events cost the emulator about 0.3 s): a lease renewal must not wait on it.
+            await asyncio.sleep(0)
+        if cursor_id not in self.cursors:  # killed (killCursors, a drop) while it worked
+            return _not_found(cursor_id)
         if len(changes) > limit:
             self.pending[cursor_id] = changes[limit:]
             changes = changes[:limit]
@@ -604,6 +624,10 @@ def _unknown_stage(pipeline: list[Any]) -> str | None:
             if name not in KNOWN_STAGES:
                 return str(name)
     return None
+
+
+def _not_found(cursor_id: int) -> Reply:
+    return {"ok": 0.0, "code": CURSOR_NOT_FOUND, "errmsg": f"cursor id {cursor_id} not found"}
 
 
 def _cursor_id(value: Any) -> int:

@@ -8,6 +8,7 @@ and which streams the server refuses. Whatever MongoDB the suite runs on (a repl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -164,3 +165,75 @@ async def test_a_renamed_collection_ends_its_own_stream_and_says_where_it_went(
     assert (await next_change(of_collection))["operationType"] == "rename"
     assert (await next_change(of_collection))["operationType"] == "invalidate"
     assert not of_collection.alive
+
+
+async def _open_cursor(db: Any, start: Timestamp) -> int:
+    """A stream on ``db.c`` from ``start``, opened by hand: a getMore's batches are then the
+    server's own, not the driver's buffer."""
+    opened = await db.command(
+        "aggregate",
+        "c",
+        pipeline=[{"$changeStream": {"startAtOperationTime": start}}],
+        cursor={"batchSize": 0},
+    )
+    return int(opened["cursor"]["id"])
+
+
+async def _get_more(db: Any, cursor_id: int, batch_size: int) -> list[dict[str, Any]]:
+    reply = await db.command(
+        "getMore", cursor_id, collection="c", batchSize=batch_size, maxTimeMS=5000
+    )
+    return list(reply["cursor"]["nextBatch"])
+
+
+async def test_a_getmore_answers_with_what_was_there_while_writers_go_on(db: Any) -> None:
+    """A getMore sends what the stream holds and returns: writers that go on while it works do
+    not hold its answer until the batch is full (a relay would see nothing meanwhile)."""
+    start = (await db.command("ping"))["operationTime"]
+    await db.c.insert_many([{"_id": n} for n in range(300)])
+    cursor_id = await _open_cursor(db, start)
+    writing = True
+
+    async def write(first: int) -> None:
+        # Faster than a getMore sends (100 events a round trip), and within the 10,000 events
+        # of history the emulator keeps (as an oplog, a replica set's is larger).
+        for n in range(first, first + 1500, 100):
+            if not writing:
+                return
+            await db.c.insert_many([{"_id": n + k} for k in range(100)])
+
+    writers = [asyncio.ensure_future(write(1_000_000 * (w + 1))) for w in range(4)]
+    try:
+        await asyncio.sleep(0.05)  # the writers are under way
+        batch = await _get_more(db, cursor_id, batch_size=5000)
+    finally:
+        writing = False
+        await asyncio.gather(*writers)
+    assert [c["documentKey"]["_id"] for c in batch[:300]] == list(range(300))
+    assert len(batch) < 5000
+    await db.command("killCursors", "c", cursors=[cursor_id])
+
+
+async def test_other_commands_are_answered_while_a_getmore_works_through_a_backlog(
+    db: Any,
+) -> None:
+    """A server serves its other connections while one getMore sends thousands of events: a
+    relay's lease renewal must not wait behind another relay's catching up."""
+    start = (await db.command("ping"))["operationTime"]
+    await db.c.insert_many([{"_id": n, "pad": "x" * 200} for n in range(3000)])
+    cursor_id = await _open_cursor(db, start)
+    done: list[str] = []
+
+    async def catch_up() -> None:
+        batch = await _get_more(db, cursor_id, batch_size=3000)
+        assert len(batch) == 3000
+        done.append("getMore")
+
+    async def ping_meanwhile() -> None:
+        await asyncio.sleep(0.02)  # after the getMore went out
+        await db.lease.update_one({"_id": "l"}, {"$set": {"until": 1}}, upsert=True)
+        done.append("update")
+
+    await asyncio.gather(catch_up(), ping_meanwhile())
+    assert done == ["update", "getMore"]
+    await db.command("killCursors", "c", cursors=[cursor_id])
