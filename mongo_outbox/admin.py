@@ -324,7 +324,8 @@ class OutboxAdmin:
     ) -> ParkedPage:
         """Parked entries of any of ``types`` and any of ``aggregates`` (ids as text; none:
         all), in id order: the first ``limit`` (None: all) of those whose id comes ``after``
-        this one (ids compared as text, as the page's ``next_after`` is). Only their
+        this one (ids compared as text, as the page's ``next_after`` is; a page takes every id
+        of its last one's text, so it may hold a few more than ``limit``). Only their
         ``SUMMARY`` fields are read, unless ``whole``."""
         fields = None if whole else SUMMARY
         if not types and not aggregates and limit is None and after is None:
@@ -336,11 +337,15 @@ class OutboxAdmin:
         chosen = [key.id for key in keys if key.matches(types, aggregates)]
         rest = chosen if after is None else [i for i in chosen if str(i) > after]
         ids = rest if limit is None else rest[:limit]
+        # The next page starts past ids[-1]'s text: a page never ends between two ids of one
+        # text (an ObjectId and its hex string, from two producers), or the next skips one.
+        while ids and len(ids) < len(rest) and str(rest[len(ids)]) == str(ids[-1]):
+            ids.append(rest[len(ids)])
         found = await self._store.parked(ids, fields) if ids else []
         # By id, the store lists every parked entry of those ids: the filters again, for an id
         # parked in two documents.
         entries = [e for e in found if ParkedKey.of(e).matches(types, aggregates)]
-        more = limit is not None and len(rest) > limit
+        more = len(rest) > len(ids)
         return ParkedPage(
             entries=tuple(ParkedEntry.of(entry) for entry in entries),
             total=len(keys),

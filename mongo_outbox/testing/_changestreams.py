@@ -34,7 +34,7 @@ from mongoeco.core.aggregation import apply_pipeline
 from mongoeco.errors import OperationFailure as EcoOperationFailure
 from mongoeco.wire import AsyncMongoEcoProxyServer
 
-from mongo_outbox.testing import _membership, _numeric_ids, _unique_keys
+from mongo_outbox.testing import _numeric_ids, _unique_keys
 from mongo_outbox.testing._change_events import (
     CHANGES_A_DOCUMENT,
     DISAMBIGUATED,
@@ -46,6 +46,7 @@ from mongo_outbox.testing._failpoints import AFTER_CURSOR_CHECKOUT, FailPoints, 
 from mongo_outbox.testing._retried_writes import RetriedWrites
 from mongo_outbox.testing._server_codes import (
     CHANGE_STREAM_FATAL,
+    CURSOR_IN_USE,
     CURSOR_NOT_FOUND,
     INVALID_RESUME_TOKEN,
     UNRECOGNIZED_STAGE,
@@ -229,7 +230,6 @@ class ChangeStreamsOverWire:
         )
         _numeric_ids.install(self.mongoeco.engine)
         _unique_keys.install(self.mongoeco.engine)
-        _membership.install()
         self.events = ChangeEvents(self.mongoeco.engine, self.mongoeco.hub)
         self.transactions.rules.on_commit = lambda first, last, txn: self.events.committed(
             first, last, txn.lsid, txn.txn_number
@@ -243,6 +243,7 @@ class ChangeStreamsOverWire:
         self.retried = RetriedWrites()
         self.me = f"127.0.0.1:{server.address.port}"
         self.cursors: dict[int, tuple[Any, str]] = {}
+        self.in_use: set[int] = set()  # cursors a getMore is working on
         self.ids = itertools.count(FIRST_ID)
         # mongoeco keeps history only while someone watches; a replica set keeps its oplog.
         self.oplog = self.mongoeco.client.watch([{"$match": {"_never": True}}])
@@ -452,6 +453,24 @@ class ChangeStreamsOverWire:
         cursor_id = _cursor_id(command["getMore"])
         if cursor_id not in self.cursors:
             return _not_found(cursor_id)
+        if cursor_id in self.in_use:  # it yields between events: one getMore at a time
+            return {
+                "ok": 0.0,
+                "code": CURSOR_IN_USE,
+                "codeName": "CursorInUse",
+                "errmsg": f"cursor id {cursor_id} is already in use",
+            }
+        self.in_use.add(cursor_id)
+        try:
+            return await self._get_more(cursor_id, command)
+        except EcoOperationFailure:
+            # History lost under it (past the events kept): a server kills such a cursor.
+            self.kill({"cursors": [cursor_id]})
+            raise
+        finally:
+            self.in_use.discard(cursor_id)
+
+    async def _get_more(self, cursor_id: int, command: dict[str, Any]) -> Reply:
         cursor, _ = self.cursors[cursor_id]
         limit = command.get("batchSize") or 1_000
         # The server holds an idle getMore open for maxTimeMS (the driver's max_await_time_ms).
@@ -489,9 +508,10 @@ class ChangeStreamsOverWire:
                     "errorLabels": ["NonResumableChangeStreamError"],
                 }
             # A server serves its other connections while a getMore works through a backlog
-            # (500 events cost the emulator about 0.3 s): a lease renewal must not wait on it.
+            # (1,000 events of embedded-mode updates cost the emulator about 0.5 s): a lease
+            # renewal must not wait on it.
             await asyncio.sleep(0)
-        if cursor_id not in self.cursors:  # killed (killCursors, a drop) while it worked
+        if cursor_id not in self.cursors:  # killed (killCursors) while it yielded
             return _not_found(cursor_id)
         if len(changes) > limit:
             self.pending[cursor_id] = changes[limit:]

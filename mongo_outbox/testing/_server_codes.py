@@ -5,6 +5,7 @@ without mongoeco (the Python 3.10 leg has none)."""
 from __future__ import annotations
 
 CURSOR_NOT_FOUND = 43
+CURSOR_IN_USE = 292
 INVALID_RESUME_TOKEN = 260
 CHANGE_STREAM_FATAL = 280
 UNRECOGNIZED_STAGE = 40324

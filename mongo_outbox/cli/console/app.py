@@ -574,7 +574,7 @@ class Console:
             plan = await action.plan(conn, fields)
             what = self._confirms(request, fields, plan)
             if plan.asks is not None and not session.confirmed(_field(fields, "confirm"), what):
-                confirmation = self.sessions.confirmation(session, what)
+                confirmation = session.confirmation(what)
                 return self._confirm(request, session, fields, plan, confirmation)
             done = await action.run(conn, fields, plan)
         except Refused as refused:

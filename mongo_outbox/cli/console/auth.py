@@ -290,6 +290,16 @@ class Session:
     def check(self, token: str | None) -> bool:
         return token is not None and _same(token, self.csrf)
 
+    def confirmation(self, what: str) -> str:
+        """A new token that confirms ``what`` (an action, its exact fields and the question its
+        page asks) for this session, once: only that action of that session matches it, so a
+        forged or replayed "requeue all" cannot skip the confirmation."""
+        token = secrets.token_urlsafe(32)
+        self.confirmations[token] = what
+        while len(self.confirmations) > MAX_CONFIRMATIONS:
+            self.confirmations.popitem(last=False)
+        return token
+
     def confirmed(self, token: str, what: str) -> bool:
         """Whether ``token`` is one this session was shown for ``what``, used up if so: a form
         posted twice (a double click, the browser's back and resend, a replay) confirms once,
@@ -345,13 +355,3 @@ class Sessions:
 
     def end(self, session: Session) -> None:
         self._by_id.pop(session.id, None)
-
-    def confirmation(self, session: Session, what: str) -> str:
-        """A new token that confirms ``what`` (an action, its exact fields and the question its
-        page asks) for this session, once: only that action of that session matches it, so a
-        forged or replayed "requeue all" cannot skip the confirmation."""
-        token = secrets.token_urlsafe(32)
-        session.confirmations[token] = what
-        while len(session.confirmations) > MAX_CONFIRMATIONS:
-            session.confirmations.popitem(last=False)
-        return token

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from bson import ObjectId
 from pymongo import AsyncMongoClient
 
 from mongo_outbox import Event, Outbox, PollingRelay
@@ -108,6 +109,31 @@ async def test_pages_of_parked_entries_follow_one_another_in_id_order(db: Any, m
     rest = await admin.parked(types=["noted1"], limit=50, after=noted1.next_after)
     assert noted1.matching == 96 and (len(noted1.entries), len(rest.entries)) == (50, 46)
     assert {e.type for e in (*noted1.entries, *rest.entries)} == {"noted1"}
+
+
+async def test_a_page_never_ends_between_two_ids_of_one_text(db: Any) -> None:
+    # Two producers: one gave its event an ObjectId, the other that ObjectId's hex as a string.
+    # Pages follow one another by the text of the last id, so a page that ended between the two
+    # made the next one skip the second.
+    oid = ObjectId()
+    now = utc_now()
+    parked = {"type": "t", "aggregate_type": "orders", "status": "parked", "attempts": 1}
+    parked |= {"available_at": now, "occurred_at": now, "payload": {}, "last_error": "E"}
+    ids: list[Any] = ["0", oid, str(oid), "z"]
+    await db.outbox.insert_many(
+        [parked | {"_id": i, "aggregate_id": f"a{n}", "sequence": 1} for n, i in enumerate(ids)]
+    )
+    admin = OutboxAdmin(Outbox(db))
+    for limit in (1, 2, 3):
+        listed: list[Any] = []
+        after = None
+        while True:
+            page = await admin.parked(limit=limit, after=after)
+            listed += [e.event_id for e in page.entries]
+            if page.next_after is None:
+                break
+            after = page.next_after
+        assert sorted(map(repr, listed)) == sorted(map(repr, ids)), limit
 
 
 async def test_leases_members_partitions_and_inbox_failures_are_typed(db: Any) -> None:
