@@ -26,6 +26,26 @@ from tests.support.waiting import drained, progressing, until
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def publishes_of(record: Path) -> list[dict[str, Any]]:
+    """The publishes the members recorded (a line cut short by a SIGKILL left out)."""
+    publishes = []
+    for line in record.read_text().splitlines() if record.exists() else []:
+        try:
+            publishes.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return publishes
+
+
+def epochs_of(record: Path) -> dict[tuple[int, str, int], list[float]]:
+    """Each (partition, member, fence) that published, with the span of its publishes."""
+    epochs: dict[tuple[int, str, int], list[float]] = {}
+    for p in publishes_of(record):
+        span = epochs.setdefault((p["partition"], p["member"], p["fence"]), [p["start"], p["end"]])
+        span[0], span[1] = min(span[0], p["start"]), max(span[1], p["end"])
+    return epochs
+
+
 async def what_is_left(db: Any) -> str:
     """What a failure needs to be traced: the entries not yet published, the documents that
     still hold events, and every lease, member and checkpoint, at the deadline."""
@@ -75,10 +95,12 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
     kills = 0
 
     async def writer(first: int, writers: int) -> None:
-        # At least 300 saves, and on until three kills are over: the partitions they moved
-        # must have something to publish (however fast the writers are).
+        # At least 300 saves, and on until four kills are over and have moved partitions to
+        # members that published on them (more epochs than partitions): however fast the
+        # writers are, and however slowly the members start (a fast writer once finished under
+        # the first member, before the others had joined). Twenty kills bound it.
         n = first
-        while n < 300 or kills < 4:
+        while (n < 300 or kills < 4 or len(epochs_of(record)) < PARTITIONS + 2) and kills < 20:
             n += writers
             order = chance.randrange(40)
             if n % 10 == 9:
@@ -167,24 +189,15 @@ async def test_group_members_killed_at_random_lose_nothing_and_never_share_a_par
     # Fencing: every publish started under a lease its member held, and per partition the
     # epochs (member, fence) follow one another: the last publish of one ended before the
     # first of the next began.
-    lines = record.read_text().splitlines()
-    publishes = []
-    for line in lines:
-        try:
-            publishes.append(json.loads(line))
-        except json.JSONDecodeError:  # cut short by a SIGKILL
-            continue
+    publishes = publishes_of(record)
     assert len(publishes) >= len(committed) and all(p["fence"] is not None for p in publishes)
-    epochs: dict[tuple[int, str, int], list[float]] = {}
-    for p in publishes:
-        span = epochs.setdefault((p["partition"], p["member"], p["fence"]), [p["start"], p["end"]])
-        span[0], span[1] = min(span[0], p["start"]), max(span[1], p["end"])
+    epochs = epochs_of(record)
     if source == "changestream":
         # Each partition followed its own stream and checkpointed where it was, under the kills.
         docs = await db.outbox_relays.find({"_id": {"$in": names}}).to_list(None)
         assert len(docs) == PARTITIONS and all(d.get("token") for d in docs)
     # The kills did move partitions: more holders than partitions published.
-    assert len(epochs) >= PARTITIONS + 2
+    assert len(epochs) >= PARTITIONS + 2, f"{len(epochs)} epochs in {kills} kills"
     for k in range(PARTITIONS):
         mine = sorted((fence, span) for (p, _, fence), span in epochs.items() if p == k)
         for (_, before), (_, after) in itertools.pairwise(mine):
