@@ -4,7 +4,8 @@ with a summary at the end.
 MongoDB is ``MONGODB_URI`` if set, else the mongoeco emulator (``mongo_outbox.testing``);
 RabbitMQ and NATS come from ``RABBITMQ_URL`` and ``NATS_URL`` (local defaults). Each benchmark
 module has ``async def run(uri) -> list[str]``: it prints as it goes and returns its headline
-figures. Optional modules (written separately) run when they exist and import.
+figures. Optional modules (written separately) run when they exist and import. Names given on
+the command line (``python -m benchmarks.run bench_publishers``) run only those.
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ async def main() -> int:
     summary: dict[str, list[str]] = {}
     failed: list[str] = []
     start = time.perf_counter()
+    chosen = [(n, False) for n in BENCHMARKS] + [(n, True) for n in OPTIONAL]
+    if len(sys.argv) > 1:
+        unknown = set(sys.argv[1:]) - {name for name, _ in chosen}
+        if unknown:
+            say(f"unknown benchmarks: {', '.join(sorted(unknown))}")
+            return 2
+        chosen = [(name, False) for name, _ in chosen if name in sys.argv[1:]]
     try:
-        for name, optional in [(n, False) for n in BENCHMARKS] + [(n, True) for n in OPTIONAL]:
+        for name, optional in chosen:
             module = load(name, optional)
             if module is None:
                 continue

@@ -173,15 +173,12 @@ def message_of(
             # byte for byte, at a tenth of the cost (its JsonValue payload is serialised by
             # inference either way): every message the relay sends is one. Only the fields, in
             # their order (model_copy(update=...) can leave other keys in __dict__); a subclass
-            # may serialise fields of its own.
+            # may serialise fields of its own. A __dict__ of as many keys holds just the fields,
+            # in their order (pydantic fills it so).
             values = event.__dict__
-            return (
-                headers,
-                "application/json",
-                pydantic_core.to_json(
-                    {name: values[name] for name in _EVENT_FIELDS}, inf_nan_mode="null"
-                ),
-            )
+            if len(values) != len(_EVENT_FIELDS):
+                values = {name: values[name] for name in _EVENT_FIELDS}
+            return headers, "application/json", pydantic_core.to_json(values, inf_nan_mode="null")
         return headers, "application/json", event.model_dump_json().encode()
     check_headers(event)
     if config.mode == "structured":

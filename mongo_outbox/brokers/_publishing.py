@@ -135,7 +135,7 @@ def render(naming: Naming, event: Event) -> str:
         return name
     # An unset field is missing, not the text "None": "events.None.placed" would be routed.
     values = event.__dict__
-    roots = _roots(naming)
+    roots = template_fields(naming)
     if roots is not None:
         # Only the fields the template names (two of a dozen, say): each event pays for those.
         try:
@@ -155,7 +155,7 @@ def render(naming: Naming, event: Event) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _roots(naming: str) -> tuple[str, ...] | None:
+def template_fields(naming: str) -> tuple[str, ...] | None:
     """The fields ``naming`` names (``payload`` for ``{payload[order]}``); ``None`` when it
     cannot tell: a field nested in a format spec, or no template at all."""
     try:

@@ -11,9 +11,12 @@ import pytest
 import redis
 import redis.asyncio
 from faststream.redis import RedisBroker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mongo_outbox import ConfigurationError, Event, InvalidEventError
 from mongo_outbox.brokers._publishing import check_naming, render
+from mongo_outbox.brokers.nats.publisher import subject_of
 from mongo_outbox.publishers import (
     FastStreamPublisher,
     NatsPublisher,
@@ -122,3 +125,63 @@ def test_redis_streams_publisher_refuses_a_synchronous_client_and_a_maxlen_redis
     with pytest.raises(ConfigurationError, match="beyond what Redis takes"):
         RedisStreamsPublisher(redis.asyncio.Redis(), maxlen=2**63)
     assert RedisStreamsPublisher(redis.asyncio.Redis(), maxlen=2**63 - 1).maxlen == 2**63 - 1
+
+
+_TOKENS = st.sampled_from(["orders", "order.placed", "Orders", "orders ", "", "ä", "1", "a*b"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    template=st.sampled_from(
+        [
+            "events.{aggregate_type}.{type}",
+            "{type}",
+            "x.{aggregate_type}",
+            "x.{correlation_id}.{type}",
+            "x.{aggregate_id}.{sequence}",
+            "x.{payload[k]}",
+        ]
+    ),
+    events=st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": _TOKENS.filter(bool),
+                "aggregate_type": st.none() | _TOKENS,
+                "aggregate_id": st.sampled_from([1, "1", True, "True"]),
+                "sequence": st.none() | st.sampled_from([1, 2]),
+                "correlation_id": st.none() | _TOKENS.filter(bool),
+                "payload": st.fixed_dictionaries({"k": st.sampled_from([1, True, "1"])}),
+            }
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_a_nats_subject_is_what_its_template_renders_for_every_event_in_turn(
+    template: str, events: list[dict[str, Any]]
+) -> None:
+    # NatsPublisher keeps each rendered subject by the values it names: every event, one after
+    # the other on one publisher, still gets what rendering it alone gives, or its error.
+    publisher = NatsPublisher(None, subject=template)  # type: ignore[arg-type]
+    for fields in events:
+        try:
+            event = Event(**fields)
+        except InvalidEventError:
+            continue  # no Event: nothing to publish
+        try:
+            expected: str | type[InvalidEventError] = subject_of(template, event)
+        except InvalidEventError:
+            expected = InvalidEventError
+        if expected is InvalidEventError:
+            with pytest.raises(InvalidEventError):
+                publisher._subject(event)
+        else:
+            assert publisher._subject(event) == expected
+
+
+def test_a_nats_subject_follows_a_template_set_anew() -> None:
+    publisher = NatsPublisher(None, subject="a.{type}")  # type: ignore[arg-type]
+    event = Event(type="t", payload={})
+    assert publisher._subject(event) == "a.t"
+    publisher.subject = "b.{type}"
+    assert publisher._subject(event) == "b.t"

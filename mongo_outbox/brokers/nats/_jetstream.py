@@ -14,17 +14,24 @@ chunk waits for all its acks under one deadline; no task, future or timer per me
 
 The header block is encoded once per message (nats-py's ``publish`` would encode it again,
 checking every name with a regular expression, which was a third of the cost per message), and
-while the connection is up the HPUB command goes straight to the client's write buffer, flushed
-once per chunk. Those two client internals are looked up when this module is imported; without
-them (or while reconnecting, when the client's own buffering rules apply) ``publish`` is used.
-Acks come back the same way: the subscription's queue is replaced by one that settles each ack
-as the connection's reader hands it over, without nats-py's task and callback per message
-(with another nats-py, the callback).
+while the connection is up the HPUB command goes straight to the client's write buffer. A chunk
+hands its messages to the connection every 64 (``NatsPublisher``), and lets the loop run, so the
+server stores the first ones while the rest are built. Those client internals are looked up when
+this module is imported; without them (or while reconnecting, when the client's own buffering
+rules apply) ``publish`` is used.
+
+Acks come back the same way. The connection's reader hands each message to the client's
+``_process_msg``, which a mux's connection has wrapped: a plain ack on a mux's subscription is
+settled there, without the ``Msg``, decoding and queueing nats-py would spend on it, and
+everything else goes on as before. A status reply (it has headers) goes nats-py's way, to the
+subscription's queue, replaced by one that settles each ack as it is put (with another nats-py,
+the callback).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 from collections.abc import Callable
@@ -34,11 +41,6 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-try:
-    from nats.protocol.command import hpub_cmd
-except ImportError:  # pragma: no cover - every nats-py 2 has it
-    hpub_cmd = None  # type: ignore[assignment]
-
 _STATUS = "Status"
 _DESCRIPTION = "Description"
 _NO_RESPONDERS = "503"  # the server's answer when no stream listens on the subject
@@ -46,9 +48,23 @@ _NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _HEADER_LINE = b"NATS/1.0\r\n"
 # A stored message's ack starts so; one naming no "error" needs no JSON parse.
 _ACKED = b'{"stream":'
-_RAW = hpub_cmd is not None and all(
-    callable(getattr(Client, name, None)) for name in ("_send_command", "_flush_pending")
-)
+
+
+def _buffered_writes() -> bool:
+    # nats-py queues each command's bytes in the connection's ``_pending`` list, counted in
+    # ``_pending_data_size``, and ``_flush_pending`` hands them to its flusher task.
+    if not callable(getattr(Client, "_flush_pending", None)):
+        return False  # pragma: no cover - another nats-py
+    try:
+        client = Client()
+    except Exception:  # noqa: BLE001 - another nats-py: its publish is used
+        return False
+    return isinstance(getattr(client, "_pending", None), list) and isinstance(
+        getattr(client, "_pending_data_size", None), int
+    )
+
+
+_RAW = _buffered_writes()
 
 
 def _queued_subscriptions() -> bool:
@@ -72,13 +88,12 @@ def header_block(headers: dict[str, str]) -> bytes:
     return _HEADER_LINE + text.encode() + b"\r\n"
 
 
-def outcome(msg: Any) -> BaseException | None:
-    """What a JetStream reply says of its message: ``None`` when stored, else the error."""
-    data = msg.data
+def outcome(data: bytes, headers: dict[str, str] | None) -> BaseException | None:
+    """What a JetStream reply (its body and headers) says of its message: ``None`` when
+    stored, else the error."""
     if data.startswith(_ACKED) and b'"error"' not in data:
         return None
-    headers = msg.headers
-    if headers and not msg.data:
+    if headers and not data:
         status = headers.get(_STATUS)
         if status == _NO_RESPONDERS:
             return nats.js.errors.NoStreamResponseError()
@@ -88,11 +103,11 @@ def outcome(msg: Any) -> BaseException | None:
                 description=headers.get(_DESCRIPTION),
             )
     try:
-        reply = json.loads(msg.data)
+        reply = json.loads(data)
     except ValueError:
-        return nats.js.errors.APIError(description=f"unreadable JetStream ack {msg.data[:80]!r}")
+        return nats.js.errors.APIError(description=f"unreadable JetStream ack {data[:80]!r}")
     if not isinstance(reply, dict):
-        return nats.js.errors.APIError(description=f"unreadable JetStream ack {msg.data[:80]!r}")
+        return nats.js.errors.APIError(description=f"unreadable JetStream ack {data[:80]!r}")
     error = reply.get("error")
     if error is not None:
         try:
@@ -104,7 +119,7 @@ def outcome(msg: Any) -> BaseException | None:
         except (KeyError, TypeError):
             return nats.js.errors.APIError(description=f"unreadable JetStream error {error!r}")
     if "stream" not in reply:
-        return nats.js.errors.APIError(description=f"not a JetStream ack: {msg.data[:80]!r}")
+        return nats.js.errors.APIError(description=f"not a JetStream ack: {data[:80]!r}")
     return None
 
 
@@ -115,7 +130,7 @@ class Chunk:
 
     def __init__(self, size: int, done: asyncio.Future[None]) -> None:
         self.outcomes: list[BaseException | None] = [None] * size
-        self.tokens: list[tuple[str, int]] = []
+        self.tokens: list[tuple[int, int]] = []
         # The sender counts as one until it has sent the lot (``sent``): acks that come back
         # while it still sends must not complete the chunk.
         self.waiting = 1
@@ -141,7 +156,7 @@ class AckMux:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.prefix = ""
-        self.pending: dict[str, tuple[Chunk, int]] = {}
+        self.pending: dict[int, tuple[Chunk, int]] = {}
         self._counter = itertools.count()
         self._starting = asyncio.Lock()
         self._unflushed = False
@@ -165,6 +180,8 @@ class AckMux:
         # come, settles each ack as the reader hands it over.
         subscription = await self.nc.subscribe(subject)
         subscription._pending_queue = _Acks(self._settle, subscription)
+        if _ROUTED:
+            _routes(self.nc)[subscription._id] = self
         return subscription
 
     async def close(self, error: BaseException) -> None:
@@ -172,30 +189,49 @@ class AckMux:
         connection the subscription would outlive the publisher."""
         self.fail_all(error)
         subscription, self._subscription = self._subscription, None
-        if subscription is not None and not self.nc.is_closed:
-            await subscription.unsubscribe()
+        if subscription is not None:
+            routes = getattr(self.nc, _ROUTES, None)
+            if routes is not None:
+                routes.pop(subscription._id, None)
+            if not self.nc.is_closed:
+                await subscription.unsubscribe()
 
     def expect(self, chunk: Chunk, index: int) -> str:
         """Register a message of ``chunk``; returns the reply subject to send it with."""
-        token = str(next(self._counter))
+        token = next(self._counter)
         self.pending[token] = (chunk, index)
         chunk.tokens.append((token, index))
         chunk.waiting += 1
-        return self.prefix + token
+        return f"{self.prefix}{token}"
 
-    async def send(
-        self, subject: str, reply: str, body: bytes, headers: dict[str, str], block: bytes
-    ) -> None:
-        """Queue one message for the connection to write (``flush`` hands the lot over)."""
+    def writable(self) -> bool:
+        """Whether ``write`` may put messages in the connection's buffer: while it is up (it
+        cannot change before the caller yields)."""
         nc = self.nc
-        if _RAW and nc.is_connected and not nc.is_draining_pubs:
-            stats: Any = nc.stats
-            stats["out_msgs"] += 1
-            stats["out_bytes"] += len(body)
-            await nc._send_command(hpub_cmd(subject, reply, block, body))
-            self._unflushed = True
-        else:
-            await nc.publish(subject, body, reply=reply, headers=headers)
+        return _RAW and nc.is_connected and not nc.is_draining_pubs
+
+    def write(self, subject: str, reply: str, body: bytes, block: bytes) -> None:
+        """Queue one message in the connection's buffer, as nats-py's ``publish`` does while
+        connected (``flush`` hands the lot over)."""
+        nc: Any = self.nc
+        command = b"".join(
+            (
+                f"HPUB {subject} {reply} {len(block)} {len(block) + len(body)}\r\n".encode(),
+                block,
+                body,
+                b"\r\n",
+            )
+        )
+        nc._pending.append(command)
+        nc._pending_data_size += len(command)
+        stats = nc.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += len(body)
+        self._unflushed = True
+
+    async def send(self, subject: str, reply: str, body: bytes, headers: dict[str, str]) -> None:
+        """Publish one message through nats-py, whose rules apply while it is not connected."""
+        await self.nc.publish(subject, body, reply=reply, headers=headers)
 
     async def flush(self) -> None:
         if self._unflushed:
@@ -226,15 +262,65 @@ class AckMux:
         self._settle(msg)
 
     def _settle(self, msg: Any) -> None:
+        self.answered(msg.subject, msg.data, msg.headers)
+
+    def answered(self, subject: str | bytes, data: bytes, headers: dict[str, str] | None) -> None:
+        """Settle the message whose reply subject is ``subject`` with what its ack says."""
+        try:
+            token = int(subject[len(self.prefix) :])
+        except ValueError:
+            return  # not one of ours: nothing awaits it
         # A late ack (its chunk timed out or was cancelled) finds nothing and is dropped.
-        waiter = self.pending.pop(msg.subject[len(self.prefix) :], None)
+        waiter = self.pending.pop(token, None)
         if waiter is not None:
             chunk, index = waiter
             try:
-                result = outcome(msg)
+                result = outcome(data, headers)
             except Exception as error:  # noqa: BLE001 - raised into the connection's reader
                 result = nats.js.errors.APIError(description=f"unreadable JetStream ack: {error}")
             chunk.settle(index, result)
+
+
+_ROUTES = "_mongo_outbox_ack_routes"
+
+
+def _routes(nc: Client) -> dict[int, AckMux]:
+    """The ack muxes of ``nc`` by subscription id. The connection's ``_process_msg`` (a method
+    of its own, set at the first call) hands a mux's plain acks straight to it, and everything
+    else on as before: nats-py would build a ``Msg`` for each, decode its subject and reply,
+    parse its absent headers and queue it (half of an ack's cost). A status reply (a 503, with
+    headers) takes nats-py's way. The mux's subscription counts no received messages then, as
+    it sets no limit on them."""
+    routes: dict[int, AckMux] | None = getattr(nc, _ROUTES, None)
+    if routes is None:
+        routes = {}
+        process: Any = nc._process_msg  # typed by nats-py as taking headers as bytes alone
+
+        async def process_msg(
+            sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+        ) -> None:
+            mux = routes.get(sid)
+            if mux is None or headers:
+                await process(sid, subject, reply, data, headers)
+                return
+            stats: Any = nc.stats
+            stats["in_msgs"] += 1
+            stats["in_bytes"] += len(data)
+            mux.answered(subject, data, None)
+
+        setattr(nc, "_process_msg", process_msg)  # noqa: B010 - an instance's own method
+        setattr(nc, _ROUTES, routes)
+    return routes
+
+
+def _parsed_messages() -> bool:
+    # nats-py's parser hands each MSG to the connection's ``_process_msg`` so, subject and body
+    # as bytes, headers as bytes or None.
+    try:
+        names = list(inspect.signature(Client._process_msg).parameters)
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - another nats-py
+        return False
+    return names == ["self", "sid", "subject", "reply", "data", "headers"]
 
 
 class _Acks(asyncio.Queue[Any]):
@@ -260,3 +346,6 @@ async def wait_all(chunk: Chunk, timeout: float) -> bool:
     if chunk.waiting:
         await asyncio.wait((chunk.done,), timeout=timeout)
     return not chunk.waiting
+
+
+_ROUTED = _DIRECT and _parsed_messages()

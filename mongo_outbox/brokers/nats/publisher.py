@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+import operator
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from mongo_outbox.brokers._publishing import (
@@ -16,6 +17,7 @@ from mongo_outbox.brokers._publishing import (
     message_headers,
     redact_url,
     render,
+    template_fields,
 )
 from mongo_outbox.cloudevents import CloudEvents, check_option, message_of
 from mongo_outbox.errors import (
@@ -66,6 +68,28 @@ def checked_subject(subject: str, event: Event) -> str:
 
 
 _CHECKED_SUBJECTS = 4096
+# Event fields validated into one str or int (True becomes 1): a subject memo keyed by their
+# values cannot take one for another that compares equal but renders otherwise. An Event made
+# with ``model_construct`` skips that validation, and the care that goes with it is its maker's.
+_SCALAR_FIELDS = frozenset(
+    {"id", "type", "aggregate_type", "aggregate_id", "sequence", "correlation_id", "causation_id"}
+    | {"version"}
+)
+
+
+def memo_key(naming: Naming) -> Callable[[dict[str, Any]], object] | None:
+    """What an Event's subject under ``naming`` depends on, read from its ``__dict__``; ``None``
+    for a function or a template naming other fields."""
+    roots = template_fields(naming) if isinstance(naming, str) else None
+    if not roots or not _SCALAR_FIELDS.issuperset(roots):
+        return None
+    return operator.itemgetter(*roots)
+
+
+# Messages (or body bytes) a chunk writes before it hands them to the connection and lets the
+# loop run.
+_HAND_OVER = 64
+_HAND_OVER_BYTES = 1 << 20
 
 
 class _NoAck(Exception):
@@ -112,7 +136,9 @@ class NatsPublisher:
         self.connection: Client | None = None
         """The connection ``connect`` opened, which ``aclose`` closes; else ``None``."""
         self._mux: AckMux | None = None
-        self._checked: set[str] = set()
+        self._memo_naming: Naming | None = None
+        self._key: Callable[[dict[str, Any]], object] | None = None
+        self._subjects: dict[object, str] = {}
 
     @classmethod
     async def connect(
@@ -173,13 +199,19 @@ class NatsPublisher:
         return self.connection or getattr(self.js, "_nc", None)
 
     def _subject(self, event: Event) -> str:
-        subject = render(self.subject, event)
-        # Subjects repeat: each distinct one is checked once (a bounded memo).
-        if subject not in self._checked:
-            checked_subject(subject, event)
-            if len(self._checked) >= _CHECKED_SUBJECTS:
-                self._checked.clear()
-            self._checked.add(subject)
+        # Subjects repeat: each distinct one is rendered and checked once (a bounded memo), by
+        # the values its template names where those are an Event's validated strings.
+        if self.subject is not self._memo_naming:  # set anew since the last event
+            self._memo_naming, self._key = self.subject, memo_key(self.subject)
+            self._subjects = {}
+        key = self._key(event.__dict__) if self._key and type(event) is Event else None
+        subject = self._subjects.get(key) if key is not None else None
+        if subject is None:
+            subject = checked_subject(render(self.subject, event), event)
+            if key is not None:
+                if len(self._subjects) >= _CHECKED_SUBJECTS:
+                    self._subjects.clear()
+                self._subjects[key] = subject
         return subject
 
     def _message(self, event: Event, limit: int) -> tuple[str, bytes, dict[str, str], bytes]:
@@ -232,10 +264,23 @@ class NatsPublisher:
         chunk = Chunk(len(events), asyncio.get_running_loop().create_future())
         outcomes = chunk.outcomes
         subjects: list[str | None] = [None] * len(events)
+        closed_from = len(events)
         try:
             await mux.start()
             limit = self._max_payload()
+            raw = mux.writable()
+            count = size = 0
             for index, event in enumerate(events):
+                if count >= _HAND_OVER or size >= _HAND_OVER_BYTES:
+                    # The server stores the first messages while the rest are built, rather
+                    # than idling until the whole chunk is written.
+                    count = size = 0
+                    await mux.flush()
+                    await asyncio.sleep(0)
+                    if self.closed:
+                        closed_from = index
+                        break
+                    raw = mux.writable()
                 try:
                     subject, body, headers, block = self._message(event, limit)
                 except (InvalidEventError, NamingFailed) as error:
@@ -243,8 +288,13 @@ class NatsPublisher:
                     continue
                 subjects[index] = subject
                 reply = mux.expect(chunk, index)
+                count += 1
+                size += len(body)
+                if raw:
+                    mux.write(subject, reply, body, block)
+                    continue
                 try:
-                    await mux.send(subject, reply, body, headers, block)
+                    await mux.send(subject, reply, body, headers)
                 except (nats.errors.Error, OSError) as error:
                     # Closed, draining, or its buffer full while it reconnects: not sent.
                     mux.unsend(chunk)
@@ -262,7 +312,11 @@ class NatsPublisher:
             raise
         return [
             self._result(event, outcome, subject)
-            for event, outcome, subject in zip(events, outcomes, subjects, strict=True)
+            if index < closed_from
+            else closed_error(self, event)
+            for index, (event, outcome, subject) in enumerate(
+                zip(events, outcomes, subjects, strict=True)
+            )
         ]
 
     def _result(

@@ -83,15 +83,24 @@ class Proxy:
 class Unacked:
     """A counting proxy over a real NATS connection: how many messages it had sent whose reply
     had not come back yet, at most. Replies are what the connection received (its ``in_msgs``):
-    the test's connection subscribes to nothing else while it publishes."""
+    the test's connection subscribes to nothing else while it publishes. A publisher writes
+    into the connection's buffer (``_pending``) and has it sent at ``_flush_pending``."""
+
+    _OWN = frozenset({"inner", "sent", "peak", "_received_before"})
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        object.__setattr__(self, "inner", inner)
         self.sent = self.peak = 0
         self._received_before = inner.stats["in_msgs"]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # the connection's own state (the buffer's size, the ack routes)
+            setattr(self.inner, name, value)
 
     def _one_more(self) -> None:
         self.sent += 1
@@ -102,10 +111,11 @@ class Unacked:
         self._one_more()
         await self.inner.publish(*args, **kwargs)
 
-    async def _send_command(self, command: bytes, *args: Any) -> None:
-        if command.startswith(b"HPUB"):
-            self._one_more()
-        await self.inner._send_command(command, *args)
+    async def _flush_pending(self, *args: Any, **kwargs: Any) -> Any:
+        for command in self.inner._pending:
+            if command.startswith(b"HPUB"):
+                self._one_more()
+        return await self.inner._flush_pending(*args, **kwargs)
 
 
 # --- the contract ------------------------------------------------------------------------
@@ -316,7 +326,9 @@ async def test_nats_publishes_overlap_and_keep_per_aggregate_order(
     sent = waves(aggregates=100, per_aggregate=5)
     for wave in sent:  # as the relay drives a BatchPublisher
         assert await publisher.publish_many(wave) == [None] * len(wave)
-    assert nc.peak == 100  # a wave's acks were awaited together, not one round trip each
+    # A wave's acks were awaited together, not one round trip each: its messages go to the
+    # server in hand-overs of 64, the rest built while the server stores those.
+    assert nc.peak >= 64
     nc.peak = 0
     for wave in sent:  # the same events again, through publish: the stream drops them
         await asyncio.gather(*(publisher.publish(e) for e in wave))

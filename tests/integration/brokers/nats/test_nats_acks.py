@@ -155,3 +155,80 @@ async def test_two_chunks_in_flight_at_once_each_get_exactly_their_own_outcomes(
     mux = publisher._mux
     assert mux is not None and not mux.pending
     assert mux._subscription.pending_msgs == 0 and mux._subscription.pending_bytes == 0
+
+
+async def test_two_publishers_on_one_connection_each_get_their_own_acks(
+    nats_client: Any, nats_stream: str, unique: str
+) -> None:
+    # Each publisher's mux takes its plain acks straight from the connection's reader; the
+    # connection's other subscriptions (a reader of the stream) still get theirs, and a closed
+    # publisher's mux no longer takes any.
+    js = nats_client.jetstream()
+    one = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
+    two = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
+    firsts = [event(headers={"to": f"{nats_stream}.one"}) for _ in range(150)]
+    seconds = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(150)]
+    lost = event(headers={"to": f"{unique}x.nowhere"})
+    results = await asyncio.wait_for(
+        asyncio.gather(one.publish_many([*firsts, lost]), two.publish_many(seconds)), PROMPT
+    )
+    assert results[0][:-1] == [None] * 150 and results[1] == [None] * 150
+    assert isinstance(results[0][-1], BrokerUnavailableError)
+    await one.aclose()
+    more = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(70)]
+    assert await asyncio.wait_for(two.publish_many(more), PROMPT) == [None] * 70
+    messages = await read_stream(nats_client, nats_stream, 370)
+    assert [m.headers["Nats-Msg-Id"] for m in messages if m.subject.endswith(".one")] == [
+        e.id for e in firsts
+    ]
+    assert [m.headers["Nats-Msg-Id"] for m in messages if m.subject.endswith(".two")] == [
+        e.id for e in seconds + more
+    ]
+    assert one._mux is not None and not one._mux.pending
+    assert two._mux is not None and not two._mux.pending
+
+
+async def test_a_chunk_hands_its_first_messages_over_before_it_builds_the_rest(
+    nats_client: Any, nats_stream: str
+) -> None:
+    # The server stores a long chunk's first messages while the rest are built: when the
+    # 150th message is named, the connection's buffer no longer holds the first ones.
+    buffered: list[int] = []
+
+    def subject(e: Any) -> str:
+        buffered.append(len(nats_client._pending))
+        return f"{nats_stream}.x"
+
+    publisher = NatsPublisher(nats_client.jetstream(), subject=subject, timeout=PATIENT)
+    sent = [event() for _ in range(200)]
+    assert await asyncio.wait_for(publisher.publish_many(sent), PROMPT) == [None] * 200
+    assert max(buffered) < 100, buffered
+    messages = await read_stream(nats_client, nats_stream, 200)
+    assert [m.headers["Nats-Msg-Id"] for m in messages] == [e.id for e in sent]
+
+
+async def test_aclose_while_a_long_chunk_is_built_sends_none_of_the_rest(
+    nats_client: Any, nats_stream: str
+) -> None:
+    # The chunk yields while it hands its first messages over; a publisher closed then sends
+    # nothing more, and every message it did not confirm says the publisher is closed.
+    closing: list[asyncio.Task[None]] = []
+
+    def subject(e: Any) -> str:
+        if not closing:
+            closing.append(asyncio.get_running_loop().create_task(publisher.aclose()))
+        return f"{nats_stream}.x"
+
+    publisher = NatsPublisher(nats_client.jetstream(), subject=subject, timeout=PATIENT)
+    sent = [event() for _ in range(200)]
+    results = await asyncio.wait_for(publisher.publish_many(sent), PROMPT)
+    await closing[0]
+    refused = [i for i, r in enumerate(results) if r is not None]
+    assert all(isinstance(results[i], PublishError) for i in refused)
+    assert all("closed" in str(results[i]) for i in refused)
+    assert refused[-1] == 199 and len(refused) >= 200 - 64
+    # Nothing after the first hand-over reached the stream; what did reach it is at least what
+    # was confirmed (the rest is published again by the relay, and deduplicated).
+    await asyncio.sleep(0.5)
+    info = await nats_client.jetstream().stream_info(nats_stream)
+    assert 200 - len(refused) <= info.state.messages <= 64
