@@ -139,6 +139,8 @@ _TOKENS = st.sampled_from(["orders", "order.placed", "Orders", "orders ", "", "Ã
             "x.{aggregate_type}",
             "x.{correlation_id}.{type}",
             "x.{aggregate_id}.{sequence}",
+            "x.{aggregate_id:03}",
+            "x.{aggregate_id!r}",
             "x.{payload[k]}",
         ]
     ),
@@ -185,3 +187,14 @@ def test_a_nats_subject_follows_a_template_set_anew() -> None:
     assert publisher._subject(event) == "a.t"
     publisher.subject = "b.{type}"
     assert publisher._subject(event) == "b.t"
+
+
+def test_an_event_made_without_validation_is_refused_alone() -> None:
+    # Its fields may be missing or unhashable: refused as the template cannot render it, not
+    # with a KeyError that would fail every event sent beside it.
+    publisher = NatsPublisher(None, subject="x.{type}")  # type: ignore[arg-type]
+    assert publisher._subject(Event(type="t", payload={})) == "x.t"
+    with pytest.raises(InvalidEventError):
+        publisher._subject(Event.model_construct(payload={}))
+    unhashable = Event(type="t", payload={}).model_copy(update={"type": ["t"]})
+    assert publisher._subject(unhashable) == "x.['t']"

@@ -156,6 +156,8 @@ class AckMux:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.prefix = ""
+        self._prefix_bytes = b""
+        self.closed = False
         self.pending: dict[int, tuple[Chunk, int]] = {}
         self._counter = itertools.count()
         self._starting = asyncio.Lock()
@@ -171,6 +173,11 @@ class AckMux:
                     inbox = self.nc.new_inbox()
                     self._subscription = await self._subscribe(f"{inbox}.*")
                     self.prefix = f"{inbox}."
+                    self._prefix_bytes = self.prefix.encode()
+        if self.closed:
+            # Closed while it subscribed: ``close`` found no subscription to drop yet.
+            await self._drop()
+            raise nats.errors.ConnectionClosedError()
         return self.prefix
 
     async def _subscribe(self, subject: str) -> Any:
@@ -187,7 +194,11 @@ class AckMux:
     async def close(self, error: BaseException) -> None:
         """Fail what still awaits its ack with ``error``, and unsubscribe: on a borrowed
         connection the subscription would outlive the publisher."""
+        self.closed = True
         self.fail_all(error)
+        await self._drop()
+
+    async def _drop(self) -> None:
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             routes = getattr(self.nc, _ROUTES, None)
@@ -236,7 +247,12 @@ class AckMux:
     async def flush(self) -> None:
         if self._unflushed:
             self._unflushed = False
-            await self.nc._flush_pending()
+            queue = getattr(self.nc, "_flush_queue", None)
+            # A kick already queued writes the whole buffer when the flusher takes it (as
+            # nats-py's publish reasons); each one more would fill its bounded queue while a
+            # server that stopped reading holds the flusher.
+            if queue is None or queue.empty():
+                await self.nc._flush_pending()
 
     def unsend(self, chunk: Chunk) -> None:
         """The message ``expect`` registered last could not be sent: no ack will come."""
@@ -262,16 +278,16 @@ class AckMux:
         self._settle(msg)
 
     def _settle(self, msg: Any) -> None:
-        self.answered(msg.subject, msg.data, msg.headers)
+        subject: str = msg.subject
+        self.answered(subject.encode(errors="replace"), msg.data, msg.headers)
 
-    def answered(self, subject: str | bytes, data: bytes, headers: dict[str, str] | None) -> None:
+    def answered(self, subject: bytes, data: bytes, headers: dict[str, str] | None) -> None:
         """Settle the message whose reply subject is ``subject`` with what its ack says."""
-        try:
-            token = int(subject[len(self.prefix) :])
-        except ValueError:
+        token = subject[len(self._prefix_bytes) :]
+        if not (subject.startswith(self._prefix_bytes) and token.isdigit() and self.prefix):
             return  # not one of ours: nothing awaits it
         # A late ack (its chunk timed out or was cancelled) finds nothing and is dropped.
-        waiter = self.pending.pop(token, None)
+        waiter = self.pending.pop(int(token), None)
         if waiter is not None:
             chunk, index = waiter
             try:

@@ -204,7 +204,13 @@ class NatsPublisher:
         if self.subject is not self._memo_naming:  # set anew since the last event
             self._memo_naming, self._key = self.subject, memo_key(self.subject)
             self._subjects = {}
-        key = self._key(event.__dict__) if self._key and type(event) is Event else None
+        key = None
+        if self._key is not None and type(event) is Event:
+            try:
+                key = self._key(event.__dict__)
+                hash(key)
+            except (KeyError, TypeError):  # an Event made without validation
+                key = None
         subject = self._subjects.get(key) if key is not None else None
         if subject is None:
             subject = checked_subject(render(self.subject, event), event)
@@ -299,8 +305,15 @@ class NatsPublisher:
                     # Closed, draining, or its buffer full while it reconnects: not sent.
                     mux.unsend(chunk)
                     outcomes[index] = error
+                if self.closed:  # during the send, which may yield
+                    closed_from = index + 1
+                    break
             await mux.flush()
-            if not await wait_all(chunk, self.timeout):
+            if mux.closed:
+                # What was registered after the close awaits an ack nobody will read.
+                for index in mux.abandon(chunk):
+                    outcomes[index] = nats.errors.ConnectionClosedError()
+            elif not await wait_all(chunk, self.timeout):
                 for index in mux.abandon(chunk):
                     outcomes[index] = _NoAck()
         except UNAVAILABLE as error:

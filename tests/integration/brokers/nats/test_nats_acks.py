@@ -13,6 +13,7 @@ import pytest
 from nats.js.api import DiscardPolicy
 
 from mongo_outbox import BrokerFullError, BrokerUnavailableError, PublishError
+from mongo_outbox.brokers.nats import _jetstream
 from mongo_outbox.publishers import NatsPublisher
 from tests.support.messages import event, read_stream
 from tests.support.servers import NATS_URL
@@ -160,32 +161,38 @@ async def test_two_chunks_in_flight_at_once_each_get_exactly_their_own_outcomes(
 async def test_two_publishers_on_one_connection_each_get_their_own_acks(
     nats_client: Any, nats_stream: str, unique: str
 ) -> None:
-    # Each publisher's mux takes its plain acks straight from the connection's reader; the
-    # connection's other subscriptions (a reader of the stream) still get theirs, and a closed
-    # publisher's mux no longer takes any.
+    # Each publisher's mux takes its plain acks straight from the connection's reader, and the
+    # two publishers' acks differ (one stream takes 100 of 150, the other all): crossed acks
+    # would show. The connection's other subscriptions (a reader of the stream) still get
+    # theirs, and a closed publisher's mux takes none.
     js = nats_client.jetstream()
-    one = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
-    two = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
-    firsts = [event(headers={"to": f"{nats_stream}.one"}) for _ in range(150)]
-    seconds = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(150)]
-    lost = event(headers={"to": f"{unique}x.nowhere"})
-    results = await asyncio.wait_for(
-        asyncio.gather(one.publish_many([*firsts, lost]), two.publish_many(seconds)), PROMPT
-    )
-    assert results[0][:-1] == [None] * 150 and results[1] == [None] * 150
-    assert isinstance(results[0][-1], BrokerUnavailableError)
-    await one.aclose()
-    more = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(70)]
-    assert await asyncio.wait_for(two.publish_many(more), PROMPT) == [None] * 70
-    messages = await read_stream(nats_client, nats_stream, 370)
-    assert [m.headers["Nats-Msg-Id"] for m in messages if m.subject.endswith(".one")] == [
-        e.id for e in firsts
-    ]
-    assert [m.headers["Nats-Msg-Id"] for m in messages if m.subject.endswith(".two")] == [
-        e.id for e in seconds + more
-    ]
-    assert one._mux is not None and not one._mux.pending
-    assert two._mux is not None and not two._mux.pending
+    full = f"{unique}full"
+    await js.add_stream(name=full, subjects=[f"{full}.>"], max_msgs=100, discard=DiscardPolicy.NEW)
+    try:
+        one = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
+        two = NatsPublisher(js, subject=lambda e: e.headers["to"], timeout=PATIENT)
+        firsts = [event(headers={"to": f"{full}.one"}) for _ in range(150)]
+        seconds = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(150)]
+        lost = event(headers={"to": f"{unique}x.nowhere"})
+        results = await asyncio.wait_for(
+            asyncio.gather(one.publish_many([*firsts, lost]), two.publish_many(seconds)), PROMPT
+        )
+        assert results[0][:100] == [None] * 100 and results[1] == [None] * 150
+        assert all(isinstance(r, BrokerFullError) for r in results[0][100:150])
+        assert isinstance(results[0][-1], BrokerUnavailableError)
+        routes = nats_client._mongo_outbox_ack_routes
+        assert one._mux is not None and one._mux._subscription._id in routes
+        await one.aclose()
+        assert len(routes) == 1 and two._mux is not None and two._mux._subscription._id in routes
+        more = [event(headers={"to": f"{nats_stream}.two"}) for _ in range(70)]
+        assert await asyncio.wait_for(two.publish_many(more), PROMPT) == [None] * 70
+        stored = await read_stream(nats_client, full, 100)
+        assert [m.headers["Nats-Msg-Id"] for m in stored] == [e.id for e in firsts[:100]]
+        messages = await read_stream(nats_client, nats_stream, 220)
+        assert [m.headers["Nats-Msg-Id"] for m in messages] == [e.id for e in seconds + more]
+        assert not one._mux.pending and not two._mux.pending
+    finally:
+        await js.delete_stream(full)
 
 
 async def test_a_chunk_hands_its_first_messages_over_before_it_builds_the_rest(
@@ -232,3 +239,33 @@ async def test_aclose_while_a_long_chunk_is_built_sends_none_of_the_rest(
     await asyncio.sleep(0.5)
     info = await nats_client.jetstream().stream_info(nats_stream)
     assert 200 - len(refused) <= info.state.messages <= 64
+
+
+async def test_aclose_during_a_send_that_yields_fails_the_chunk_at_once(
+    nats_client: Any, nats_stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While nats-py's own publish takes the messages (reconnecting, or another nats-py), each
+    # send may yield: a publisher closed then sends nothing more, and what it sent after the
+    # close, whose acks nobody reads any more, fails at once rather than at its timeout.
+    monkeypatch.setattr(_jetstream, "_RAW", False)
+    publish = _jetstream.AckMux.send
+
+    async def yielding(mux: Any, *args: Any) -> None:
+        await publish(mux, *args)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(_jetstream.AckMux, "send", yielding)
+    closing: list[asyncio.Task[None]] = []
+
+    def subject(e: Any) -> str:
+        if len(closing) < 1:
+            closing.append(asyncio.get_running_loop().create_task(publisher.aclose()))
+        return f"{nats_stream}.x"
+
+    publisher = NatsPublisher(nats_client.jetstream(), subject=subject, timeout=PATIENT)
+    results = await asyncio.wait_for(publisher.publish_many([event() for _ in range(50)]), PROMPT)
+    await closing[0]
+    assert all(isinstance(r, PublishError) and "closed" in str(r) for r in results)
+    await asyncio.sleep(0.5)
+    info = await nats_client.jetstream().stream_info(nats_stream)
+    assert info.state.messages <= 1
