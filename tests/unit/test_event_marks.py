@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from pydantic import PrivateAttr
 from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure, WriteConcernError
 
@@ -103,3 +104,25 @@ async def test_a_claim_whose_ids_are_in_doubt_fails_with_the_write_concern_error
     with pytest.raises(BulkWriteError) as failure:
         await ids.own({"e-1": (("orders", 1), 1)})
     assert failure.value.details["writeConcernErrors"][0]["code"] == 64
+
+
+def test_every_way_of_making_an_event_starts_with_pydantic_s_own_private_state() -> None:
+    # Event's model_post_init sets its private attributes' defaults itself (faster than
+    # pydantic's); what it sets must be what pydantic's own would, for Event and its subclasses.
+    defaults = {name: a.default for name, a in Event.__private_attributes__.items()}
+    assert set(defaults) == {"_given", "_home", "_validated"}
+    built = Event(type="t", payload={})
+    assert built.__pydantic_private__ == defaults | {"_validated": id(built)}
+    assert built._made_by_validation
+    constructed = Event.model_construct(type="t", payload={})
+    assert constructed.__pydantic_private__ == defaults
+    assert not constructed._made_by_validation
+    first, second = Event(type="t", payload={}), Event(type="t", payload={})
+    assert first.__pydantic_private__ is not second.__pydantic_private__
+
+    class Marked(Event):
+        _note: list[int] = PrivateAttr(default_factory=list)
+
+    marked, other = Marked(type="t", payload={}), Marked(type="t", payload={})
+    assert marked.__pydantic_private__ == defaults | {"_validated": id(marked), "_note": []}
+    assert marked._note is not other._note
