@@ -101,15 +101,53 @@ class CollectionStore:
         ]
         if not entries:
             return Claim(uuid.uuid4().hex)
-        claim, _ = await self._claim(entries, utc_now(), lease)
+        claim, _ = await self._claim(entries, utc_now(), lease, whole=_whole(entries))
         # Some failed before, wait behind an earlier entry, are another relay's, or were
         # published already (a replay after a restart): a sweep soon settles which.
         return replace(claim, more=claim.events < len(entries))
 
     async def _claim(
-        self, candidates: Sequence[Mapping[str, Any]], now: datetime, lease: timedelta
+        self,
+        candidates: Sequence[Mapping[str, Any]],
+        now: datetime,
+        lease: timedelta,
+        *,
+        whole: set[tuple[Hashable, Hashable]] | None = None,
     ) -> tuple[Claim, int]:
+        """Claim ``candidates`` and read what the claim holds. ``whole``: they are entries as
+        inserted (a change stream's), and of these aggregates they hold every entry from
+        sequence 1 on, so no other entry of theirs can go before them. If every candidate is
+        claimed still fresh (never tried, held or woken: as inserted), the claim holds those
+        as they are, and only the other aggregates are read (a round trip of every change's
+        latency, when all are whole)."""
         token = uuid.uuid4().hex
+        fresh = 0
+        if whole:
+            fresh = await self._claim_ids(candidates, token, now, lease, fresh_only=True)
+            if fresh == len(candidates):
+                known = [c for c in candidates if _aggregate(c) in whole]
+                rest = [c for c in candidates if _aggregate(c) not in whole]
+                mine = sorted(({**c, CLAIM: token} for c in known), key=lambda c: c["sequence"])
+                pending = mine + (await self._pending(rest) if rest else [])
+                return await self._held(pending, token, now), fresh
+            # Some were tried or claimed since they were inserted: claimed as any are, and read.
+        claimed = fresh + await self._claim_ids(candidates, token, now, lease, fresh_only=False)
+        if not claimed:
+            return Claim(token), 0
+        return await self._held(await self._pending(candidates), token, now), claimed
+
+    async def _claim_ids(
+        self,
+        candidates: Sequence[Mapping[str, Any]],
+        token: str,
+        now: datetime,
+        lease: timedelta,
+        *,
+        fresh_only: bool,
+    ) -> int:
+        """Claim those of ``candidates`` that are due, or fresh (with ``fresh_only``, those
+        that are fresh); how many it claimed."""
+        fresh: dict[str, Any] = {CLAIM: None, ATTEMPTS: 0, WAITS: None, MISSES: None}
         claimed = 0
         for ids in chunked([c["_id"] for c in candidates]):
             result = await self.coll.update_many(
@@ -118,16 +156,15 @@ class CollectionStore:
                     "_id": {"$in": ids},
                     STATUS: PENDING,
                     # A fresh entry is claimable whatever its writer's clock said; others when due.
-                    "$or": [
-                        {AVAILABLE_AT: {"$lte": now}},
-                        {CLAIM: None, ATTEMPTS: 0, WAITS: None, MISSES: None},
-                    ],
+                    **(fresh if fresh_only else {"$or": [{AVAILABLE_AT: {"$lte": now}}, fresh]}),
                 },
                 {"$set": {AVAILABLE_AT: now + lease, CLAIM: token}},
             )
             claimed += result.modified_count
-        if not claimed:
-            return Claim(token), 0
+        return claimed
+
+    async def _pending(self, candidates: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Every pending entry of the aggregates of ``candidates``, in sequence order."""
         # Every pending entry of the claimed aggregates up to the last one claimed, to find
         # entries that must go first (reading further would cost O(backlog) per round).
         # Aggregates are told apart by their hashable form: another producer's aggregate id may
@@ -159,10 +196,15 @@ class CollectionStore:
                 .sort("sequence", 1)
                 .to_list(None)
             )
+        return pending
+
+    async def _held(self, pending: list[dict[str, Any]], token: str, now: datetime) -> Claim:
+        """The claim ``token`` holds among ``pending`` (its aggregates' pending entries, in
+        sequence order): parks what cannot be read, and releases what waits behind an entry it
+        does not hold."""
         by_aggregate: dict[tuple[Hashable, Hashable], list[dict[str, Any]]] = defaultdict(list)
         for entry in pending:
-            key = (hashable(entry.get("aggregate_type")), hashable(entry.get("aggregate_id")))
-            by_aggregate[key].append(entry)
+            by_aggregate[_aggregate(entry)].append(entry)
         groups: list[tuple[Event, ...]] = []
         counters: dict[str, dict[str, int]] = {ATTEMPTS: {}, WAITS: {}, MISSES: {}}
         released: list[UpdateMany] = []
@@ -200,7 +242,7 @@ class CollectionStore:
                 released += self._behind(blocker, behind, token, now)
         if unreadable or released:
             await tolerant(self.coll.bulk_write([*unreadable, *released], ordered=False))
-        claim = Claim(
+        return Claim(
             token,
             tuple(groups),
             attempts=counters[ATTEMPTS],
@@ -208,7 +250,6 @@ class CollectionStore:
             misses=counters[MISSES],
             more=bool(unreadable),
         )
-        return claim, claimed
 
     @staticmethod
     def _behind(
@@ -495,3 +536,25 @@ class CollectionStore:
                 yield decode(entry, "_id")
             except InvalidEventError as error:  # rewritten by hand since it was published
                 log.warning("skipping published entry %r: %s", entry.get("_id"), describe(error))
+
+
+def _aggregate(entry: Mapping[str, Any]) -> tuple[Hashable, Hashable]:
+    # Told apart by their hashable form: another producer's aggregate id may be a document (its
+    # entries are parked, and must not stop everyone else's).
+    return hashable(entry.get("aggregate_type")), hashable(entry.get("aggregate_id"))
+
+
+def _whole(entries: Sequence[Mapping[str, Any]]) -> set[tuple[Hashable, Hashable]]:
+    """The aggregates of a change stream's inserted ``entries`` that they hold whole: from
+    sequence 1 on, with none missing (a unique index keeps sequences unique), so no other entry
+    of theirs can go before them. None at all unless every entry reads as the relay reads
+    entries (a plain dict, its date a datetime) and is numbered."""
+    sequences: dict[tuple[Hashable, Hashable], list[int]] = defaultdict(list)
+    for entry in entries:
+        sequence, at = entry.get("sequence"), entry.get("occurred_at")
+        t, i = entry.get("aggregate_type"), entry.get("aggregate_id")
+        if type(entry) is not dict or type(sequence) is not int or not isinstance(at, datetime):
+            return set()
+        if t is not None and i is not None:
+            sequences[(hashable(t), hashable(i))].append(sequence)
+    return {key for key, seqs in sequences.items() if sorted(seqs) == list(range(1, len(seqs) + 1))}
