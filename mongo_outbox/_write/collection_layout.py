@@ -26,7 +26,15 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from mongo_outbox._driver import DUPLICATE_KEY
 from mongo_outbox._steps import Steps, call, listing
-from mongo_outbox._storage import ATTEMPTS, AVAILABLE_AT, EXPIRE_AT, PENDING, STATUS, WAITING
+from mongo_outbox._storage import (
+    ATTEMPTS,
+    AVAILABLE_AT,
+    EXPIRE_AT,
+    PENDING,
+    SEQUENCES,
+    STATUS,
+    WAITING,
+)
 from mongo_outbox._write.aggregates import check_size
 from mongo_outbox._write.layout import COUNTERS, DocumentWrite, encoded
 from mongo_outbox._write.plan import Kind, Plan, Written
@@ -34,11 +42,10 @@ from mongo_outbox._write.refusals import duplicate_id, duplicate_key, write_erro
 from mongo_outbox.errors import DuplicateEventError, DuplicateSequenceError
 from mongo_outbox.events import Event
 
-SEQUENCES = "aggregate_sequence"
-"""The unique index of ``(aggregate_type, aggregate_id, sequence)``."""
-# Its keys in another order than the "aggregate" index's: a server before 5.0 (and the emulator)
-# refuses a second index of the same keys. Entries without a numeric sequence (another
-# producer's, a hand-written one: the relay parks them) are left out.
+# The unique index of sequences (SEQUENCES): its keys in another order than the "aggregate"
+# index's, as a server before 5.0 (and the emulator) refuses a second index of the same keys.
+# Entries without a numeric sequence (another producer's, a hand-written one: the relay parks
+# them) are left out.
 _SEQUENCE_KEYS = [("aggregate_id", 1), ("aggregate_type", 1), ("sequence", 1)]
 _NUMBERED = {"sequence": {"$type": "number"}}
 _SHOWN = 10  # duplicates an index build that failed names

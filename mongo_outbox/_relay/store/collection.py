@@ -49,6 +49,7 @@ from mongo_outbox._storage import (
     PUBLISHED,
     PUBLISHED_AT,
     PUBLISHED_BY,
+    SEQUENCES,
     STATUS,
     WAITING,
     WAITS,
@@ -72,6 +73,7 @@ class CollectionStore:
         self.entries = read_for_relay(outbox.collection)
         self.scope = scope(outbox, partition)
         self.partitions = outbox.partitions
+        self._unique: bool | None = None
 
     async def claim(self, limit: int, lease: timedelta, until: datetime | None = None) -> Claim:
         now = utc_now()
@@ -101,10 +103,21 @@ class CollectionStore:
         ]
         if not entries:
             return Claim(uuid.uuid4().hex)
-        claim, _ = await self._claim(entries, utc_now(), lease, whole=_whole(entries))
+        whole = _whole(entries) if await self._sequences_unique() else set()
+        claim, _ = await self._claim(entries, utc_now(), lease, whole=whole)
         # Some failed before, wait behind an earlier entry, are another relay's, or were
         # published already (a replay after a restart): a sweep soon settles which.
         return replace(claim, more=claim.events < len(entries))
+
+    async def _sequences_unique(self) -> bool:
+        """Whether the outbox has its unique index of sequences (asked once): without it, an
+        aggregate's sequence 1 may be stored twice, and a batch holding one of them from
+        sequence 1 on does not hold the aggregate whole."""
+        if self._unique is None:
+            indexes = await self.coll.index_information()
+            index = indexes.get(SEQUENCES, {})
+            self._unique = bool(index.get("unique"))
+        return self._unique
 
     async def _claim(
         self,
@@ -128,7 +141,9 @@ class CollectionStore:
                 known = [c for c in candidates if _aggregate(c) in whole]
                 rest = [c for c in candidates if _aggregate(c) not in whole]
                 mine = sorted(({**c, CLAIM: token} for c in known), key=lambda c: c["sequence"])
-                pending = mine + (await self._pending(rest) if rest else [])
+                ids = {c["_id"] for c in known}
+                read = await self._pending(rest) if rest else []
+                pending = mine + [entry for entry in read if entry["_id"] not in ids]
                 return await self._held(pending, token, now), fresh
             # Some were tried or claimed since they were inserted: claimed as any are, and read.
         claimed = fresh + await self._claim_ids(candidates, token, now, lease, fresh_only=False)
@@ -145,19 +160,24 @@ class CollectionStore:
         *,
         fresh_only: bool,
     ) -> int:
-        """Claim those of ``candidates`` that are due, or fresh (with ``fresh_only``, those
-        that are fresh); how many it claimed."""
+        """Claim those of ``candidates`` that are due, or fresh; with ``fresh_only``, those
+        still as they were inserted (``candidates`` are the inserted documents): fresh, and due
+        when they were then (a requeue, a release or a new entry of a reused id changed it).
+        How many it claimed."""
         fresh: dict[str, Any] = {CLAIM: None, ATTEMPTS: 0, WAITS: None, MISSES: None}
         claimed = 0
-        for ids in chunked([c["_id"] for c in candidates]):
+        for chunk in chunked(list(candidates)):
+            if fresh_only:
+                which: dict[str, Any] = {
+                    "$or": [{"_id": c["_id"], AVAILABLE_AT: c[AVAILABLE_AT]} for c in chunk],
+                    **fresh,
+                }
+            else:
+                # A fresh entry is claimable whatever its writer's clock said; others when due.
+                ids = [c["_id"] for c in chunk]
+                which = {"_id": {"$in": ids}, "$or": [{AVAILABLE_AT: {"$lte": now}}, fresh]}
             result = await self.coll.update_many(
-                {
-                    **self.scope,
-                    "_id": {"$in": ids},
-                    STATUS: PENDING,
-                    # A fresh entry is claimable whatever its writer's clock said; others when due.
-                    **(fresh if fresh_only else {"$or": [{AVAILABLE_AT: {"$lte": now}}, fresh]}),
-                },
+                {**self.scope, STATUS: PENDING, **which},
                 {"$set": {AVAILABLE_AT: now + lease, CLAIM: token}},
             )
             claimed += result.modified_count
@@ -546,15 +566,22 @@ def _aggregate(entry: Mapping[str, Any]) -> tuple[Hashable, Hashable]:
 
 def _whole(entries: Sequence[Mapping[str, Any]]) -> set[tuple[Hashable, Hashable]]:
     """The aggregates of a change stream's inserted ``entries`` that they hold whole: from
-    sequence 1 on, with none missing (a unique index keeps sequences unique), so no other entry
-    of theirs can go before them. None at all unless every entry reads as the relay reads
-    entries (a plain dict, its date a datetime) and is numbered."""
+    sequence 1 on, with none missing (the unique index keeps sequences unique), so no other
+    entry of theirs can go before them. None at all unless every entry reads as the relay reads
+    entries (a plain dict, its dates datetimes), is numbered, and names its aggregate as the
+    library does."""
     sequences: dict[tuple[Hashable, Hashable], list[int]] = defaultdict(list)
     for entry in entries:
-        sequence, at = entry.get("sequence"), entry.get("occurred_at")
+        sequence = entry.get("sequence")
         t, i = entry.get("aggregate_type"), entry.get("aggregate_id")
-        if type(entry) is not dict or type(sequence) is not int or not isinstance(at, datetime):
+        dates = (entry.get("occurred_at"), entry.get(AVAILABLE_AT))
+        if type(entry) is not dict or type(sequence) is not int:
             return set()
-        if t is not None and i is not None:
-            sequences[(hashable(t), hashable(i))].append(sequence)
+        if not all(isinstance(date, datetime) for date in dates):
+            return set()
+        # Ids of one type each, as the library writes them: MongoDB and Python would match
+        # others differently (1 and 1.0 are one id to both, True and 1 to Python alone).
+        if type(t) is not str or type(i) not in (str, int):
+            return set()
+        sequences[(t, i)].append(sequence)
     return {key for key, seqs in sequences.items() if sorted(seqs) == list(range(1, len(seqs) + 1))}

@@ -32,6 +32,7 @@ from mongo_outbox import (
 )
 from mongo_outbox.brokers.rabbitmq._confirms import UNCONFIRMED_BYTES
 from mongo_outbox.errors import unavailable
+from mongo_outbox.events import utc_now
 from mongo_outbox.publishers import NatsPublisher, RabbitMQPublisher
 from tests.support.brokers import HAVE_NATS_SERVER, Broker, Gate
 from tests.support.messages import bind_queue, drain_queue, event, read_stream
@@ -439,9 +440,12 @@ async def test_nats_refuses_a_message_over_max_payload_and_stays_connected(
     publisher = await NatsPublisher.connect(NATS_URL, subject=f"{nats_stream}.{{type}}")
     assert publisher.connection is not None
     limit = publisher.connection.max_payload
-    header, body = nats_sizes(event(payload={"pad": ""}, headers={}))
-    fits = event(payload={"pad": "p" * (limit - header - body)}, headers={})
-    too_big = event(payload={"pad": "p" * (limit - header - body + 1)}, headers={})
+    # One date for the three: pydantic writes one on a whole second without its fraction, 7
+    # bytes fewer (a clock that read .000 for one of them failed this test in a CI run).
+    at = {"occurred_at": utc_now().replace(microsecond=123_000), "headers": {}}
+    header, body = nats_sizes(event(payload={"pad": ""}, **at))
+    fits = event(payload={"pad": "p" * (limit - header - body)}, **at)
+    too_big = event(payload={"pad": "p" * (limit - header - body + 1)}, **at)
     assert [sum(nats_sizes(e)) for e in (fits, too_big)] == [limit, limit + 1]
     try:
         with pytest.raises(InvalidEventError, match="max_payload") as raised:

@@ -15,7 +15,9 @@ from bson.codec_options import CodecOptions, DatetimeConversion
 from pymongo import AsyncMongoClient, monitoring
 
 from mongo_outbox import Event
+from mongo_outbox._relay.store.base import Claim
 from mongo_outbox._relay.store.collection import CollectionStore
+from mongo_outbox.admin import OutboxAdmin
 from mongo_outbox.events import utc_now
 from tests.support.outboxes import make_outbox
 from tests.support.servers import MongoServer
@@ -57,6 +59,26 @@ async def inserts(collection: Any, ids: list[str]) -> list[dict[str, Any]]:
     return [{"operationType": "insert", "fullDocument": docs[i]} for i in ids]
 
 
+async def claimed_watched(
+    mongo: MongoServer, db: Any, *batches: list[dict[str, Any]]
+) -> list[tuple[Claim, list[str]]]:
+    """The claims of ``batches`` by one store, each with the commands it sent."""
+    listener = Commands()
+    watched: AsyncMongoClient[Any] = AsyncMongoClient(
+        mongo.uri, tz_aware=True, event_listeners=[listener]
+    )
+    store = CollectionStore(make_outbox(watched[db.name]))
+    claims = []
+    try:
+        for changes in batches:
+            listener.names.clear()
+            claim = await store.claim_changes(changes, LEASE)
+            claims.append((claim, list(listener.names)))
+        return claims
+    finally:
+        await watched.close()
+
+
 def ids_of(events: list[Event]) -> list[str]:
     return [e.id for e in events]
 
@@ -65,23 +87,71 @@ async def test_inserts_holding_their_aggregates_whole_are_claimed_without_a_read
     db: Any, mongo: MongoServer
 ) -> None:
     events = await saved(db, {"a": 3, "b": 1, "c": 2})
+    later = await saved(db, {"d": 2})
     changes = await inserts(db.outbox, [e.id for group in events.values() for e in group])
-    listener = Commands()
-    watched: AsyncMongoClient[Any] = AsyncMongoClient(
-        mongo.uri, tz_aware=True, event_listeners=[listener]
-    )
-    try:
-        claim = await CollectionStore(make_outbox(watched[db.name])).claim_changes(changes, LEASE)
-        sent = list(listener.names)
-    finally:
-        await watched.close()
+    more = await inserts(db.outbox, ids_of(later["d"]))
+    (claim, sent), (second, then) = await claimed_watched(mongo, db, changes, more)
     assert sorted(ids_of(list(g)) for g in claim.groups) == sorted(
         ids_of(g) for g in events.values()
     )
-    assert sent == ["update"]  # the claim alone: no read of the aggregates
+    # The claim alone, no read of the aggregates (the store asks for the unique index once).
+    assert sent == ["listIndexes", "update"] and then == ["update"]
+    assert [ids_of(list(g)) for g in second.groups] == [ids_of(later["d"])]
     assert not claim.more and set(claim.attempts.values()) == {0}
-    held = await db.outbox.count_documents({"claim": claim.token})
-    assert held == 6
+    assert await db.outbox.count_documents({"claim": claim.token}) == 6
+
+
+async def test_without_the_unique_index_of_sequences_every_aggregate_is_read(
+    db: Any, mongo: MongoServer
+) -> None:
+    # An aggregate's sequence 1 may then be stored twice: no batch holds it whole.
+    events = await saved(db, {"a": 2})
+    await db.outbox.drop_index("aggregate_sequence")
+    changes = await inserts(db.outbox, ids_of(events["a"]))
+    [(claim, sent)] = await claimed_watched(mongo, db, changes)
+    assert [ids_of(list(g)) for g in claim.groups] == [ids_of(events["a"])]
+    assert "find" in sent
+
+
+async def test_a_requeued_entry_replayed_from_its_insert_is_sent_as_stored_now(
+    db: Any, mongo: MongoServer
+) -> None:
+    # Parked, mended by hand and requeued: it looks fresh again, but its insert's image is
+    # no longer what it holds (a stream replayed after a restart gives the old one).
+    events = await saved(db, {"a": 1})
+    [event] = events["a"]
+    changes = await inserts(db.outbox, [event.id])
+    parked = {"status": "parked", "attempts": 3, "last_error": "refused"}
+    await db.outbox.update_one({"_id": event.id}, {"$set": parked})
+    await db.outbox.update_one({"_id": event.id}, {"$set": {"payload": {"mended": True}}})
+    await OutboxAdmin(make_outbox(db)).requeue([event.id])
+    [(claim, sent)] = await claimed_watched(mongo, db, changes)
+    [[claimed]] = claim.groups
+    assert claimed.id == event.id and claimed.payload == {"mended": True}
+    assert "find" in sent
+
+
+async def test_another_producer_s_aggregate_id_of_another_type_makes_no_aggregate_whole(
+    db: Any, mongo: MongoServer
+) -> None:
+    # Python takes True for 1 (MongoDB does not): another producer's (orders, True) sequence 1
+    # must not pass for the first entry of (orders, 1), whose own first entry backs off.
+    outbox = make_outbox(db)
+    await outbox.ensure_indexes()
+    first, second = (
+        await outbox.save_with_events(
+            None, db.orders, {"_id": 1}, [Event(type="e"), Event(type="e")]
+        )
+    ).events
+    backoff = {"attempts": 1, "available_at": utc_now() + timedelta(minutes=1)}
+    await db.outbox.update_one({"_id": first.id}, {"$set": backoff})
+    other = {"_id": "other", "type": "e", "payload": {}, "status": "pending", "attempts": 0}
+    other |= {"aggregate_type": "orders", "aggregate_id": True, "sequence": 1}
+    await db.outbox.insert_one(other | {"occurred_at": utc_now(), "available_at": utc_now()})
+    changes = await inserts(db.outbox, [second.id, "other"])
+    [(claim, sent)] = await claimed_watched(mongo, db, changes)
+    assert second.id not in [e.id for g in claim.groups for e in g]  # it waits behind first
+    assert "find" in sent
 
 
 async def test_an_aggregate_a_batch_holds_from_its_middle_is_read_and_waits_behind_it(
