@@ -111,8 +111,8 @@ class CollectionStore:
 
     async def _sequences_unique(self) -> bool:
         """Whether the outbox has its unique index of sequences (asked once): without it, an
-        aggregate's sequence 1 may be stored twice, and a batch holding one of them from
-        sequence 1 on does not hold the aggregate whole."""
+        aggregate's sequence 1 may be stored twice, and changes holding one of them from
+        sequence 1 on do not hold the aggregate whole."""
         if self._unique is None:
             indexes = await self.coll.index_information()
             index = indexes.get(SEQUENCES, {})
