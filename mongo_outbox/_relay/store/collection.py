@@ -187,12 +187,10 @@ class CollectionStore:
         """Every pending entry of the aggregates of ``candidates``, in sequence order."""
         # Every pending entry of the claimed aggregates up to the last one claimed, to find
         # entries that must go first (reading further would cost O(backlog) per round).
-        # Aggregates are told apart by their hashable form: another producer's aggregate id may
-        # be a document (its entries are parked, and must not stop everyone else's).
         last: dict[tuple[Hashable, Hashable], tuple[Any, Any, int | None]] = {}
         for c in candidates:
             t, i, seq = c.get("aggregate_type"), c.get("aggregate_id"), c.get("sequence")
-            key = (hashable(t), hashable(i))
+            key = _aggregate(c)
             if key not in last or last[key][2] is not None:
                 # No bound for an aggregate with an entry of no sequence (another producer's).
                 before = last[key][2] or 0 if key in last else 0

@@ -204,14 +204,13 @@ class NatsPublisher:
         if self.subject is not self._memo_naming:  # set anew since the last event
             self._memo_naming, self._key = self.subject, memo_key(self.subject)
             self._subjects = {}
-        key = None
+        key = subject = None
         if self._key is not None and type(event) is Event:
             try:
                 key = self._key(event.__dict__)
-                hash(key)
+                subject = self._subjects.get(key)
             except (KeyError, TypeError):  # an Event made without validation
                 key = None
-        subject = self._subjects.get(key) if key is not None else None
         if subject is None:
             subject = checked_subject(render(self.subject, event), event)
             if key is not None:
